@@ -1,0 +1,151 @@
+"""Emulation of the SnapMLA FP8 decode pipeline (SPEC section 5): the definition of the algorithm.
+
+Every rounding decision the kernel makes (FP8 operands, float32 logits, the running max per
+64-token block, the per-(row, block) P scale ``sigma_k`` and the E4M3 rounding of P) is made here
+the same way. The online recurrence ``O = gamma O + P V`` is evaluated in its telescoped closed
+form in float64 (the product of the gammas from block k to the last block is
+``exp(m_k - m_K) sigma_k / sigma_K``), so the emulation runs vectorised over all blocks at once
+instead of as a Python loop, while meaning exactly the same thing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.layout import gather_from_pages, unpack_tokens
+from .formats import BLOCK_N, D_CONTENT, D_V, E4M3_MAX, FP8_DTYPE, P_SCALE_FLOOR
+from .quant import QuantizedRows, e4m3_round
+from .visibility import visible_counts
+
+# Rows of one request handled per vectorised step; bounds the [rows, tokens] temporaries.
+_ROW_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class PartialResult:
+    """One split's result for some rows: normalised ``out`` ``[rows, 512]`` float64 and ``lse``
+    ``[rows]`` float64, -inf where the split had no visible key for that row."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+def _split_rows(
+    q_c: torch.Tensor,
+    q_s: torch.Tensor,
+    q_r: torch.Tensor,
+    k_c: torch.Tensor,
+    k_s: torch.Tensor,
+    k_r: torch.Tensor,
+    visible: torch.Tensor,
+    start: int,
+    softmax_scale: float,
+) -> PartialResult:
+    """Run the section-5 recurrence for ``rows`` query rows over keys ``start .. start+len-1``
+    (``start`` a multiple of 64; ``visible[r]`` is the row's absolute visible-key count)."""
+    rows, n = q_c.shape[0], k_c.shape[0]
+    pad = (-n) % BLOCK_N
+    # Logits: exact products, float32 result (the kernel's float32 accumulator, order aside).
+    raw = (q_c.double() @ k_c.double().T + q_r.double() @ k_r.double().T).float()
+    scale_row = (torch.tensor(softmax_scale, dtype=torch.float32) * q_s)[:, None]
+    logits = scale_row * k_s[None, :] * raw
+    pos = start + torch.arange(n, device=q_c.device)
+    mask = pos[None, :] < visible[:, None]
+    logits = logits.masked_fill(~mask, -math.inf)
+    logits = torch.nn.functional.pad(logits, (0, pad), value=-math.inf)
+    nblk = logits.shape[1] // BLOCK_N
+    blocks = logits.view(rows, nblk, BLOCK_N)
+    block_max = blocks.amax(dim=-1)
+    active = block_max > -math.inf
+    running_max = torch.cummax(block_max, dim=1).values
+    safe_max = torch.where(active, running_max, torch.zeros_like(running_max))
+    e = torch.exp(blocks - safe_max[..., None])  # 0 for masked (-inf) entries
+    k_s_blocks = torch.nn.functional.pad(k_s, (0, pad), value=0.0).view(1, nblk, BLOCK_N)
+    e_tilde = e * k_s_blocks
+    sigma = torch.clamp(e_tilde.amax(dim=-1) / E4M3_MAX, min=P_SCALE_FLOOR)
+    p = e4m3_round(e_tilde / sigma[..., None]).float()
+    final_max = running_max[:, -1]
+    has_keys = torch.isfinite(final_max)
+    final_safe = torch.where(has_keys, final_max, torch.zeros_like(final_max)).double()
+    weight = torch.where(active, torch.exp(safe_max.double() - final_safe[:, None]), 0.0)
+    p_weighted = (p.double() * (weight * sigma.double())[..., None]).reshape(rows, -1)[:, :n]
+    numer = p_weighted @ k_c[:, :D_V].double()
+    denom = (e.double().sum(dim=-1) * weight).sum(dim=-1)
+    safe_denom = torch.where(has_keys, denom, torch.ones_like(denom))
+    out = torch.where(has_keys[:, None], numer / safe_denom[:, None], 0.0)
+    lse = torch.where(has_keys, final_safe + torch.log(safe_denom), -math.inf)
+    return PartialResult(out=out, lse=lse)
+
+
+def combine_partials(parts: list[PartialResult]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge split results by log-sum-exp weighting; rows with no key anywhere get out 0 and
+    lse +inf (FlashMLA's convention)."""
+    lses = torch.stack([p.lse for p in parts])  # [splits, rows]
+    outs = torch.stack([p.out for p in parts])  # [splits, rows, 512]
+    total = torch.logsumexp(lses, dim=0)
+    has_keys = torch.isfinite(total)
+    safe_total = torch.where(has_keys, total, torch.zeros_like(total))
+    weights = torch.where(torch.isfinite(lses), torch.exp(lses - safe_total[None]), 0.0)
+    out = (weights[..., None] * outs).sum(dim=0)
+    return out, torch.where(has_keys, total, math.inf)
+
+
+def emulate_fp8_decode(
+    q: QuantizedRows,
+    fp8_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = False,
+    split_bounds: list[list[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Emulate the FP8 kernel. ``q`` holds quantized rows of shape ``[b, s_q, h_q]``;
+    ``fp8_cache`` is ``[num_blocks, 64, 656]`` bytes. ``split_bounds[i]`` optionally lists
+    the token boundaries (multiples of 64, from 0 to ``n_i``) of request ``i``'s KV splits.
+    Returns ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]``, float64."""
+    b, s_q, h_q = q.scale.shape
+    device = q.scale.device
+    out = torch.zeros(b, s_q, h_q, D_V, dtype=torch.float64, device=device)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64, device=device)
+    seqlens = cache_seqlens.tolist()
+    for i in range(b):
+        n = int(seqlens[i])
+        if n == 0:
+            continue
+        keys = unpack_tokens(gather_from_pages(fp8_cache, block_table[i], n))
+        k_c, k_s, k_r = keys.content.float(), keys.scale.float(), keys.rope.float()
+        q_c = q.content[i].reshape(s_q * h_q, D_CONTENT).float()
+        q_s = q.scale[i].reshape(s_q * h_q).float()
+        q_r = q.rope[i].reshape(s_q * h_q, -1).float()
+        visible = visible_counts(n, s_q, causal, device).repeat_interleave(h_q)
+        bounds = split_bounds[i] if split_bounds is not None else [0, n]
+        _check_bounds(bounds, n)
+        row_chunk = max(1, _ROW_CHUNK_ELEMS // max(n, 1))
+        row_out, row_lse = [], []
+        for r0 in range(0, s_q * h_q, row_chunk):
+            r1 = min(r0 + row_chunk, s_q * h_q)
+            parts = [
+                _split_rows(q_c[r0:r1], q_s[r0:r1], q_r[r0:r1], k_c[a:z], k_s[a:z], k_r[a:z],
+                            visible[r0:r1], a, softmax_scale)
+                for a, z in zip(bounds[:-1], bounds[1:])
+            ]
+            o, l = combine_partials(parts)
+            row_out.append(o)
+            row_lse.append(l)
+        out[i] = torch.cat(row_out).reshape(s_q, h_q, D_V)
+        lse[i] = torch.cat(row_lse).reshape(s_q, h_q).T
+    return out, lse
+
+
+def _check_bounds(bounds: list[int], n: int) -> None:
+    ok = bounds[0] == 0 and bounds[-1] == n and all(
+        a < z and a % BLOCK_N == 0 for a, z in zip(bounds[:-1], bounds[1:])
+    )
+    if not ok:
+        raise ValueError(f"split_bounds {bounds} must run from 0 to {n} in increasing multiples of {BLOCK_N}")
+
+
+assert FP8_DTYPE is torch.float8_e4m3fn

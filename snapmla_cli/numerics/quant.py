@@ -1,0 +1,58 @@
+"""RoPE-aware per-token FP8 quantization (SPEC section 3): the bit-exact reference.
+
+The same function quantizes cached tokens (K-append) and query rows (Q-quant): content is
+divided by its per-row scale and rounded to E4M3, the RoPE part is divided by the same scale
+and rounded to bf16 ("pre-scaled domain alignment"), so that ``q . k = s_q * s_k * (q_cq . k_cq +
+q_r' . k_r')``. The GPU quantizers must produce bytes identical to this code, so every step is
+an explicitly rounded float32 operation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .formats import D_CONTENT, D_QK, D_ROPE, E4M3_MAX, FP8_DTYPE, KV_SCALE_FLOOR
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """Per-row quantized MLA vectors: ``content`` E4M3 ``[..., 512]``, ``scale`` float32 ``[...]``,
+    ``rope`` pre-scaled bf16 ``[..., 64]``."""
+
+    content: torch.Tensor
+    scale: torch.Tensor
+    rope: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[..., 576]`` in ``dtype``: content * s and RoPE * s (the values the kernel 'sees')."""
+        s = self.scale.to(dtype).unsqueeze(-1)
+        content = self.content.to(dtype) * s
+        rope = self.rope.to(dtype) * s
+        return torch.cat([content, rope], dim=-1)
+
+
+def e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> E4M3, round to nearest even, saturating at +-448 (NaN stays NaN)."""
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def row_scale(content: torch.Tensor) -> torch.Tensor:
+    """``s = max(amax(c) / 448, 2^-32)`` in float32 over the last dimension."""
+    amax = content.float().abs().amax(dim=-1)
+    return torch.clamp(amax / torch.tensor(E4M3_MAX, dtype=torch.float32), min=KV_SCALE_FLOOR)
+
+
+def quantize_rows(x: torch.Tensor) -> QuantizedRows:
+    """Quantize ``x[..., 576]`` (any float dtype) row by row, as SPEC section 3 defines."""
+    if x.shape[-1] != D_QK:
+        raise ValueError(f"quantize_rows: expected last dim {D_QK}, got {tuple(x.shape)}")
+    x32 = x.float()
+    content, rope = x32[..., :D_CONTENT], x32[..., D_CONTENT:]
+    scale = row_scale(content)
+    s = scale.unsqueeze(-1)
+    content_q = e4m3_round(content / s)
+    rope_q = (rope / s).to(torch.bfloat16)
+    assert rope_q.shape[-1] == D_ROPE
+    return QuantizedRows(content=content_q, scale=scale, rope=rope_q)
