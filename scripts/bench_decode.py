@@ -1,0 +1,112 @@
+"""Decode benchmark (issue 4): FP8 and BF16 kernels, TFLOPS, GB/s and % of the SPEC section 7
+roofline, with the ceilings measured in the same run. Prints a table; ``--json`` saves it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+
+import torch
+
+from snapmla_cli.bench.ceilings import measure_ceilings
+from snapmla_cli.bench.roofline import DecodeWork
+from snapmla_cli.bench.timing import time_cuda
+from snapmla_cli.cache.layout import random_paged_layout
+from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
+from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+from snapmla_cli.ops.prep import quantize_q
+
+
+def run_case(w: DecodeWork, ceilings, device) -> dict:
+    seqlens = [w.context] * w.batch
+    layout = random_paged_layout(seqlens, generator=torch.Generator().manual_seed(0), spare_blocks=0)
+    table = layout.block_table.to(device)
+    lens = layout.cache_seqlens.to(device)
+    q = (torch.randn(w.batch, w.s_q, w.h_q, D_QK, device=device) * 0.5).to(torch.bfloat16)
+    res = {"batch": w.batch, "s_q": w.s_q, "h_q": w.h_q, "ctx": w.context}
+    # FP8: random bytes with sane scales (content e4m3 from random values)
+    kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
+    from snapmla_cli.ops.prep import append_kv
+
+    cache8 = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
+    append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache8)
+    meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True)
+    qq = quantize_q(q)
+    t8 = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta, splits, None, True))
+    del cache8
+    cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
+    meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
+    t16 = time_cuda(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True))
+    for name, t, fp8 in (("fp8", t8, True), ("bf16", t16, False)):
+        res[f"{name}_us"] = t * 1e6
+        res[f"{name}_tflops"] = w.flops / t / 1e12
+        res[f"{name}_gbs"] = w.bytes(fp8) / t / 1e9
+        res[f"{name}_roof_pct"] = 100 * w.t_min(fp8, ceilings) / t
+    res["speedup"] = t16 / t8
+    res["fp8_vs_bf16_roofline"] = w.t_min(False, ceilings) / t8
+    return res
+
+
+def sweep_fp8(w: DecodeWork, specs: str, device) -> None:
+    """Time FP8 kernel variants ``rg:stages:ctas_per_sm`` on one shape (tuning probe)."""
+    from dataclasses import replace
+
+    from snapmla_cli.ops.decode_config import DecodeConfig
+    from snapmla_cli.ops.prep import append_kv
+
+    seqlens = [w.context] * w.batch
+    layout = random_paged_layout(seqlens, generator=torch.Generator().manual_seed(0), spare_blocks=0)
+    table, lens = layout.block_table.to(device), layout.cache_seqlens.to(device)
+    q = (torch.randn(w.batch, w.s_q, w.h_q, D_QK, device=device) * 0.5).to(torch.bfloat16)
+    kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
+    cache8 = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
+    append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache8)
+    qq = quantize_q(q)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for spec in specs.split(","):
+        rg, st, ctas = map(int, spec.split(":"))
+        cfg = DecodeConfig(row_groups=rg, stages=st, min_ctas_per_sm=ctas).with_sms(sms)
+        cfg = replace(cfg, split=replace(cfg.split, ctas_per_sm=ctas))
+        meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=cfg)
+        t = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta, splits, None, True, config=cfg))
+        print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} rg{rg} st{st} cta{ctas} work{meta.shape[0]}: "
+              f"{t*1e6:9.1f}us {w.bytes(True)/t/1e9:6.0f}GB/s {w.flops/t/1e12:6.1f}TF", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--heads", default="16,32,64,128")
+    ap.add_argument("--mtp", default="1,2")
+    ap.add_argument("--ctx", default="16384,32768,65536,131072")
+    ap.add_argument("--json")
+    ap.add_argument("--sweep", help="FP8 variants rg:stages:ctas,... timed on each shape instead")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    if args.sweep:
+        for h in map(int, args.heads.split(",")):
+            for ctx in map(int, args.ctx.split(",")):
+                sweep_fp8(DecodeWork(args.batch, 1, h, ctx), args.sweep, device)
+        return
+    c = measure_ceilings(device)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"GPU {torch.cuda.get_device_name()} commit {commit}: bf16 {c.p16/1e12:.0f} TFLOP/s, "
+          f"fp8 {c.p8/1e12:.0f} TFLOP/s, copy {c.bandwidth/1e12:.2f} TB/s", flush=True)
+    rows = []
+    for h in map(int, args.heads.split(",")):
+        for s in map(int, args.mtp.split(",")):
+            for ctx in map(int, args.ctx.split(",")):
+                r = run_case(DecodeWork(args.batch, s, h, ctx), c, device)
+                rows.append(r)
+                print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
+                      f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "
+                      f"{r['bf16_tflops']:6.1f}TF {r['bf16_gbs']:6.0f}GB/s {r['bf16_roof_pct']:5.1f}% | "
+                      f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"ceilings": c.__dict__, "commit": commit, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

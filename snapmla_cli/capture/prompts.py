@@ -1,0 +1,46 @@
+"""Prompt files for ``snapmla dump``: plain text (one prompt per non-blank line) or JSON Lines
+(each line a JSON string, or an object with a ``prompt`` or ``text`` field, so multi-line
+prompts can be written with ``\\n``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import SnapmlaError
+
+
+def read_prompts(path: Path) -> list[str]:
+    """The prompts of ``path`` in file order; an empty or unreadable file is a one-line error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SnapmlaError(f"--prompts {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SnapmlaError(f"--prompts {path}: cannot read it ({exc})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if path.suffix.lower() in (".jsonl", ".ndjson"):
+        prompts = [_json_prompt(path, n, line) for n, line in lines]
+    else:
+        prompts = [line.strip() for _, line in lines]
+    prompts = [p for p in prompts if p.strip()]
+    if not prompts:
+        raise SnapmlaError(f"--prompts {path}: the file holds no prompts")
+    return prompts
+
+
+def _json_prompt(path: Path, n: int, line: str) -> str:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise SnapmlaError(f"--prompts {path}:{n}: not JSON ({exc.msg})") from None
+    if isinstance(item, str):
+        return item
+    if isinstance(item, dict):
+        for key in ("prompt", "text"):
+            if isinstance(item.get(key), str):
+                return item[key]
+    raise SnapmlaError(
+        f"--prompts {path}:{n}: expected a JSON string or an object with 'prompt' or 'text'"
+    )

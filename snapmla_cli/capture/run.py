@@ -1,0 +1,309 @@
+"""Load a Hugging Face MLA model from local files, run prompts through it and build a KV dump.
+
+Each prompt runs alone (batch 1): a prefill of its first ``max_tokens`` tokens, then ``decode``
+greedy steps that feed the argmax token back through the model's own KV cache, so the dump also
+holds decoded positions. A layer of the dump is the concatenation of every prompt's rows, in
+prompt-file order, with positions restarting at 0 per prompt. The probe queries are the last
+``queries`` tokens of the last prompt; with ``causal=True`` and ``s_q = queries`` over that
+prompt's rows (from the last position 0 to the end) they reproduce the model's attention exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..cache.atomic import check_writable
+from ..cache.dump_file import KVDump, LayerDump, write_dump
+from ..errors import NoGpuError, SnapmlaError
+from ..numerics.formats import default_softmax_scale
+from .check import CheckResult, recompute_check
+from .mla import MlaAttention, check_mla_config, find_mla_attention
+from .prompts import read_prompts
+from .recorder import LayerRecorder, StepState
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEVICES = ("cpu", "cuda")
+
+# progress(done_prompts, total_prompts, rows_so_far); called once with done=0 after loading.
+Progress = Callable[[int, int, int], None]
+
+
+@dataclass(frozen=True)
+class DumpOptions:
+    model: str
+    prompts: Path
+    max_tokens: int = 2048
+    layers: tuple[int, ...] | None = None  # None: every MLA layer
+    decode: int = 0
+    queries: int = 4
+    device: str = "cpu"
+    dtype: str = "bf16"
+    check: bool = False
+
+
+@dataclass
+class Capture:
+    dump: KVDump
+    checks: list[CheckResult] = field(default_factory=list)
+    segments: list[int] = field(default_factory=list)  # rows per prompt, in order
+    # with check: the attention modules and their outputs for the probe tokens, by layer index,
+    # so that recompute_check can be run again (e.g. on a modified layer)
+    attentions: dict[int, MlaAttention] = field(default_factory=dict)
+    attention_outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def parse_layers(text: str) -> tuple[int, ...] | None:
+    """``"all"`` -> None, ``"0,5,10"`` -> (0, 5, 10); anything else is a one-line error."""
+    text = text.strip()
+    if text.lower() == "all":
+        return None
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SnapmlaError(
+            f"--layers {text!r}: expected 'all' or comma-separated layer indices"
+        ) from None
+    if not values or min(values) < 0:
+        raise SnapmlaError(
+            f"--layers {text!r}: expected 'all' or comma-separated layer indices >= 0"
+        )
+    return tuple(sorted(set(values)))
+
+
+def _check_options(options: DumpOptions) -> None:
+    if options.dtype not in DTYPES:
+        raise SnapmlaError(f"--dtype {options.dtype}: expected one of {', '.join(DTYPES)}")
+    if options.device not in DEVICES:
+        raise SnapmlaError(f"--device {options.device}: expected cpu or cuda")
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise NoGpuError("--device cuda: no usable CUDA GPU on this machine")
+    if options.max_tokens < 1:
+        raise SnapmlaError(f"--max-tokens {options.max_tokens}: expected >= 1")
+    if options.decode < 0 or options.queries < 0:
+        raise SnapmlaError("--decode and --queries must be >= 0")
+    if options.check and options.queries < 1:
+        raise SnapmlaError("--check needs probe queries: pass --queries >= 1")
+
+
+def _import_transformers():
+    try:
+        return importlib.import_module("transformers")
+    except ImportError:
+        raise SnapmlaError("snapmla dump needs transformers: pip install 'snapmla[dump]'") from None
+
+
+def _version(module) -> tuple[int, ...]:
+    parts = []
+    for piece in str(getattr(module, "__version__", "0")).split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+@contextlib.contextmanager
+def _quiet(transformers) -> Iterator[None]:
+    """Silence transformers' own logging and progress bars: the library never prints."""
+    logging = transformers.utils.logging
+    verbosity = logging.get_verbosity()
+    bars = logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _missing_checkpoint(model: str, exc: BaseException) -> str:
+    folder = Path(model)
+    if folder.is_dir():
+        if not (folder / "config.json").is_file():
+            return f"model {model}: not a checkpoint folder (no config.json)"
+        return f"model {model}: cannot read its config ({_first_line(exc)})"
+    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or folder.exists():
+        return f"model {model}: no such checkpoint folder"
+    return (
+        f"model {model}: not in the local Hugging Face cache (snapmla dump never downloads; "
+        f"fetch it first, e.g. `hf download {model}`, or pass a folder)"
+    )
+
+
+def load_model(model: str, device: str, dtype: str):
+    """(model, tokenizer) from local files only (``local_files_only=True``: a hub id resolves
+    from the local Hugging Face cache, nothing is downloaded)."""
+    transformers = _import_transformers()
+    with _quiet(transformers):
+        try:
+            config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise SnapmlaError(_missing_checkpoint(model, exc)) from None
+        check_mla_config(config, model)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SnapmlaError(
+                f"model {model}: cannot load its tokenizer ({_first_line(exc)})"
+            ) from None
+        dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
+        try:
+            net = transformers.AutoModelForCausalLM.from_pretrained(
+                model, config=config, local_files_only=True, **{dtype_key: DTYPES[dtype]}
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise SnapmlaError(
+                f"model {model}: cannot load the weights ({_first_line(exc)})"
+            ) from None
+    return net.to(device).eval(), tokenizer
+
+
+def _select(attentions: list[MlaAttention], layers: tuple[int, ...] | None) -> list[MlaAttention]:
+    if layers is None:
+        return attentions
+    by_index = {a.index: a for a in attentions}
+    missing = [i for i in layers if i not in by_index]
+    if missing:
+        have = sorted(by_index)
+        raise SnapmlaError(
+            f"--layers: no MLA layer {', '.join(map(str, missing))} "
+            f"(the model has layers {have[0]}..{have[-1]})"
+        )
+    return [by_index[i] for i in layers]
+
+
+class _Forward:
+    """Calls the causal LM for one step with whichever keyword names this transformers uses."""
+
+    def __init__(self, model):
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_key = "cache" if "cache" in params else "past_key_values"
+        self.extra = {}
+        if "logits_to_keep" in params:
+            self.extra["logits_to_keep"] = 1
+        elif "num_logits_to_keep" in params:
+            self.extra["num_logits_to_keep"] = 1
+
+    def __call__(self, ids: torch.Tensor, start: int, cache):
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
+        kwargs = {self.cache_key: cache, **self.extra}
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
+        new_cache = getattr(out, "cache", None)
+        if new_cache is None:
+            new_cache = getattr(out, "past_key_values", None)
+        return out.logits[:, -1], new_cache
+
+
+def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Capture:
+    """Run the prompts through the model and return the dump (and the check results when
+    ``options.check``). Memory: the model, its KV cache for one prompt, and the dump on the CPU."""
+    _check_options(options)
+    prompts = read_prompts(options.prompts)
+    model, tokenizer = load_model(options.model, options.device, options.dtype)
+    attentions = _select(find_mla_attention(model, options.model), options.layers)
+    state = StepState()
+    dtype = DTYPES[options.dtype]
+    recorders = [LayerRecorder(a, state, dtype, keep_outputs=options.check) for a in attentions]
+    forward = _Forward(model)
+    positions: list[torch.Tensor] = []
+    segments: list[int] = []
+    if progress:
+        progress(0, len(prompts), 0)
+    for rec in recorders:
+        rec.attach()
+    try:
+        with torch.inference_mode():
+            for number, prompt in enumerate(prompts):
+                ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, : options.max_tokens]
+                if ids.shape[1] == 0:
+                    raise SnapmlaError(f"--prompts: prompt {number + 1} has no tokens")
+                ids = ids.to(options.device)
+                total = ids.shape[1] + options.decode
+                last = number == len(prompts) - 1
+                first_query = max(total - options.queries, 0) if last and options.queries else None
+                cache, start = None, 0
+                for _ in range(options.decode + 1):
+                    width = ids.shape[1]
+                    state.query_rows = _rows(first_query, start, width)
+                    logits, cache = forward(ids, start, cache)
+                    start += width
+                    ids = logits.argmax(dim=-1, keepdim=True)
+                del cache
+                positions.append(torch.arange(total, dtype=torch.int64))
+                segments.append(total)
+                if progress:
+                    progress(number + 1, len(prompts), sum(segments))
+    finally:
+        for rec in recorders:
+            rec.detach()
+    all_positions = torch.cat(positions)
+    layers: list[LayerDump] = []
+    capture = Capture(dump=KVDump(layers=layers, model=options.model), segments=segments)
+    for rec in recorders:
+        kv = torch.cat(rec.kv)
+        rec.kv.clear()
+        queries = torch.cat(rec.queries) if rec.queries else None
+        # each layer gets its own positions tensor: safetensors refuses shared storage
+        layer = LayerDump(rec.attention.index, kv, all_positions.clone(), queries)
+        layers.append(layer)
+        if options.check:
+            expected = torch.cat(rec.outputs)
+            rec.outputs.clear()
+            capture.attentions[layer.index] = rec.attention
+            capture.attention_outputs[layer.index] = expected
+            capture.checks.append(recompute_check(layer, rec.attention, expected))
+    capture.dump.extra_metadata = _metadata(model, attentions, options, segments)
+    return capture
+
+
+def _rows(first_query: int | None, start: int, width: int) -> slice | None:
+    """The rows of a call covering positions ``start .. start+width-1`` that are probe queries."""
+    if first_query is None or start + width <= first_query:
+        return None
+    return slice(max(first_query - start, 0), width)
+
+
+def _metadata(
+    model, attentions: list[MlaAttention], options: DumpOptions, segments: list[int]
+) -> dict[str, str]:
+    first = attentions[0]
+    return {
+        "source": "snapmla dump",
+        "model_type": str(getattr(model.config, "model_type", "unknown")),
+        "dtype": options.dtype,
+        "num_heads": str(first.num_heads),
+        "segments": ",".join(map(str, segments)),
+        "decode_tokens": str(options.decode),
+        "model_softmax_scale": repr(first.softmax_scale),
+        "softmax_scale": repr(default_softmax_scale()),
+        "query_prescale": repr(first.query_prescale),
+        "queries": (
+            "absorbed [n, h, 576] of the last n tokens of the last segment, pre-scaled for "
+            "softmax_scale; exact with causal=True, s_q=n over that segment"
+        ),
+    }
+
+
+def dump_model(
+    options: DumpOptions, output: Path, force: bool = False, progress: Progress | None = None
+) -> Capture:
+    """``snapmla dump``: refuse a clobber before the (long) run, capture, then write atomically.
+    The file is written even when a check fails; the caller reports the failure."""
+    output = Path(output)
+    check_writable(output, force)
+    capture = capture_kv(options, progress)
+    write_dump(capture.dump, output, force=force)
+    return capture

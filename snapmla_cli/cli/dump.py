@@ -1,0 +1,145 @@
+"""``snapmla dump``: capture real MLA KV caches from a Hugging Face model into a KV dump."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from ..capture import Capture, DumpOptions, dump_model, parse_layers
+from ..errors import SnapmlaError
+
+
+def dump_command(
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model", help="Local checkpoint folder, or a hub id already in the local HF cache."
+        ),
+    ],
+    prompts: Annotated[
+        Path,
+        typer.Option(
+            "--prompts", help="Prompt file: one prompt per line, or .jsonl with 'prompt'/'text'."
+        ),
+    ],
+    output: Annotated[Path, typer.Option("--output", "-o", help="KV dump to write (safetensors).")],
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Cut each prompt to its first N tokens.")
+    ] = 2048,
+    layers: Annotated[
+        str, typer.Option("--layers", help="Layer indices to dump, e.g. 0,5,10, or 'all'.")
+    ] = "all",
+    decode: Annotated[
+        int, typer.Option("--decode", help="Greedy tokens generated per prompt (cached too).")
+    ] = 0,
+    queries: Annotated[
+        int,
+        typer.Option(
+            "--queries",
+            help="Absorbed probe queries to store: the last N tokens of the last prompt.",
+        ),
+    ] = 4,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="Model and dump dtype: bf16, fp16 or fp32.")
+    ] = "bf16",
+    check: Annotated[
+        bool,
+        typer.Option(
+            "--check",
+            help="Recompute each layer's attention from the dump and compare with the model's.",
+        ),
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Overwrite an existing output file.")
+    ] = False,
+) -> None:
+    """Capture real MLA KV caches (normalised c_kv + RoPE-rotated k_pe per layer) from a
+    Hugging Face DeepSeek-V2/V3-style model, loaded from local files only, into a KV dump."""
+    out = Console()
+    err = Console(stderr=True)
+    try:
+        options = DumpOptions(
+            model=model,
+            prompts=prompts,
+            max_tokens=max_tokens,
+            layers=parse_layers(layers),
+            decode=decode,
+            queries=queries,
+            device=device,
+            dtype=dtype,
+            check=check,
+        )
+        capture = _run(options, output, force, err)
+    except SnapmlaError as exc:
+        err.print(f"error: {escape(str(exc))}", highlight=False)
+        raise typer.Exit(2) from None
+    _render(capture, output, out)
+    failed = [c.layer for c in capture.checks if not c.ok]
+    if failed:
+        err.print(f"error: check failed for layers {', '.join(map(str, failed))}", highlight=False)
+        raise typer.Exit(1)
+
+
+def _run(options: DumpOptions, output: Path, force: bool, console: Console) -> Capture:
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rows]} rows"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("loading model", total=None, rows=0)
+
+        def report(done: int, total: int, rows: int) -> None:
+            bar.update(task, description="prompts", total=total, completed=done, rows=rows)
+
+        return dump_model(options, output, force=force, progress=report)
+
+
+def _render(capture: Capture, output: Path, console: Console) -> None:
+    dump = capture.dump
+    first = dump.layers[0]
+    meta = dump.extra_metadata
+    console.print(
+        f"wrote {escape(str(output))}: {len(dump.layers)} layers x {first.kv.shape[0]} tokens "
+        f"({len(capture.segments)} prompts), {meta.get('dtype')}, model {escape(dump.model)}",
+        highlight=False,
+    )
+    console.print(
+        f"queries pre-scaled by {float(meta.get('query_prescale', 'nan')):.6g} "
+        f"(model scale {float(meta.get('model_softmax_scale', 'nan')):.6g} / 576**-0.5)",
+        highlight=False,
+    )
+    if not capture.checks:
+        return
+    table = Table(title="attention recomputed from the dump vs the model")
+    for name in ("layer", "queries", "tokens", "rel_l2", "max_abs", "gate", "result"):
+        table.add_column(name, justify="right")
+    for c in capture.checks:
+        verdict = "[green]ok[/green]" if c.ok else "[red]FAIL[/red]"
+        table.add_row(
+            str(c.layer),
+            str(c.queries),
+            str(c.tokens),
+            f"{c.rel_l2:.2e}",
+            f"{c.max_abs:.2e}",
+            f"{c.tolerance:.0e}",
+            verdict,
+        )
+    console.print(table)

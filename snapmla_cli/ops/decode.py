@@ -1,0 +1,264 @@
+"""Python faces of the decode kernels: FlashMLA-compatible ``get_mla_metadata`` /
+``flash_mla_with_kvcache`` dispatching on the cache format, and ``decode_fp8`` taking an
+already-quantized Q so that an engine quantizes once per step.
+
+Every argument is checked once per call (shape, dtype, device, contiguity) with a one-line
+:class:`SnapmlaError`; the launch path itself does no host synchronisation (the output and
+split buffers are sized from shapes only), so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import NoGpuError, SnapmlaError
+from ..numerics.formats import (
+    D_QK,
+    D_V,
+    FP8_DTYPE,
+    FP8_TOKEN_BYTES,
+    PAGE_SIZE,
+    default_softmax_scale,
+)
+from ..numerics.quant import QuantizedRows
+from .decode_config import (
+    DecodeConfig,
+    bf16_defines,
+    bf16_smem_bytes,
+    fp8_defines,
+    fp8_smem_bytes,
+    heuristic_config,
+)
+from .schedule import WORK_FIELDS, build_metadata
+
+COMBINE_WARPS = 4
+LOG2E = 1.4426950408889634
+
+
+def _runtime():
+    from ..runtime import launch  # imported lazily: CuPy is optional
+
+    return launch
+
+
+def choose_config(rows: int, fp8: bool, device: torch.device) -> DecodeConfig:
+    """Tuning-database entry for this GPU and shape if any, else the heuristic; with this
+    GPU's SM count filled in. Cached lookups, no I/O on the hot path."""
+    cfg = heuristic_config(rows, fp8)
+    try:
+        from ..tuning.lookup import lookup_decode_config
+    except ImportError:
+        lookup_decode_config = None
+    if lookup_decode_config is not None:
+        tuned = lookup_decode_config(rows=rows, fp8=fp8, device=device)
+        if tuned is not None:
+            cfg = tuned
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else cfg.split.num_sms
+    return cfg.with_sms(sms)
+
+
+def get_mla_metadata(
+    cache_seqlens: torch.Tensor,
+    num_heads_per_head_k: int,
+    num_heads_k: int = 1,
+    *,
+    fp8: bool = True,
+    config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV work list and cumulative split counts (see :mod:`snapmla_cli.ops.schedule`).
+    ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA; ``num_heads_k`` must be 1."""
+    if num_heads_k != 1:
+        raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
+    if num_heads_per_head_k < 1:
+        raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
+    cfg = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device)
+    return build_metadata(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split)
+
+
+def _require_cuda(t: torch.Tensor, name: str, device: torch.device | None) -> None:
+    if t.device.type != "cuda":
+        raise NoGpuError(f"{name}: expected a CUDA tensor, got device {t.device}")
+    if device is not None and t.device != device:
+        raise SnapmlaError(f"{name}: on {t.device}, expected {device} like q")
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int | None, ...], device: torch.device | None) -> None:
+    _require_cuda(t, name, device)
+    if t.dtype != dtype:
+        raise SnapmlaError(f"{name}: expected {dtype}, got {t.dtype}")
+    if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise SnapmlaError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise SnapmlaError(f"{name}: must be contiguous")
+
+
+def _check_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b: int, device: torch.device) -> None:
+    _require_cuda(block_table, "block_table", device)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
+        raise SnapmlaError(f"block_table: expected int32 [{b}, max_blocks], got {block_table.dtype} {list(block_table.shape)}")
+    if block_table.stride(1) != 1:
+        raise SnapmlaError("block_table: rows must be contiguous (stride 1 along blocks)")
+    _check(cache_seqlens, "cache_seqlens", torch.int32, (b,), device)
+
+
+def _check_metadata(metadata: torch.Tensor, num_splits: torch.Tensor, b: int, device: torch.device) -> None:
+    _check(metadata, "tile_scheduler_metadata", torch.int32, (None, WORK_FIELDS), device)
+    _check(num_splits, "num_splits", torch.int32, (b + 1,), device)
+
+
+def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    if k_cache.dtype == FP8_DTYPE:
+        k_cache = k_cache.view(torch.uint8)
+    ok_shape = (k_cache.dim() == 3 and k_cache.shape[1:] == (PAGE_SIZE, FP8_TOKEN_BYTES)) or (
+        k_cache.dim() == 4 and k_cache.shape[1:] == (PAGE_SIZE, 1, FP8_TOKEN_BYTES))
+    if k_cache.dtype != torch.uint8 or not ok_shape:
+        raise SnapmlaError(
+            f"k_cache: expected FP8 cache uint8/float8_e4m3fn [blocks, 64, {FP8_TOKEN_BYTES}] or "
+            f"[blocks, 64, 1, {FP8_TOKEN_BYTES}], got {k_cache.dtype} {list(k_cache.shape)}")
+    if not k_cache.is_contiguous():
+        raise SnapmlaError("k_cache: must be contiguous")
+    return k_cache
+
+
+def _buffers(b: int, s_q: int, h_q: int, num_work: int, device: torch.device,
+             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+    rows = s_q * h_q
+    if out is None:
+        out = torch.empty(b, s_q, h_q, D_V, dtype=torch.bfloat16, device=device)
+    else:
+        _check(out, "out", torch.bfloat16, (b, s_q, h_q, D_V), device)
+    if lse is None:
+        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=device)
+    else:
+        _check(lse, "lse", torch.float32, (b, h_q, s_q), device)
+    partial_out = torch.empty(max(num_work, 1), rows, D_V, dtype=torch.float32, device=device)
+    partial_lse = torch.empty(max(num_work, 1), rows, dtype=torch.float32, device=device)
+    return out, lse, partial_out, partial_lse
+
+
+def _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q: int, s_q: int) -> None:
+    b = out.shape[0]
+    rows = h_q * s_q
+    kernel = rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_WARPS": COMBINE_WARPS})
+    rt.launch(kernel, (b, math.ceil(rows / COMBINE_WARPS), 1), (32 * COMBINE_WARPS, 1, 1),
+              (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q)))
+
+
+def decode_fp8(
+    q: QuantizedRows,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 decode on an already-quantized Q (``quantize_q`` output, ``[b, s_q, h_q]`` rows)."""
+    if q.scale.dim() != 3:
+        raise SnapmlaError(f"q.scale: expected [b, s_q, h_q], got {list(q.scale.shape)}")
+    b, s_q, h_q = q.scale.shape
+    device = q.scale.device
+    content = q.content.view(torch.uint8) if q.content.dtype == FP8_DTYPE else q.content
+    _check(content, "q.content", torch.uint8, (b, s_q, h_q, 512), None)
+    device = content.device
+    _check(q.scale, "q.scale", torch.float32, (b, s_q, h_q), device)
+    _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
+    cache = _fp8_cache_rows(k_cache)
+    _require_cuda(cache, "k_cache", device)
+    _check_table(block_table, cache_seqlens, b, device)
+    _check_metadata(tile_scheduler_metadata, num_splits, b, device)
+    rows = s_q * h_q
+    cfg = config or choose_config(rows, True, device)
+    scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
+    num_work = tile_scheduler_metadata.shape[0]
+    out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
+    rt = _runtime()
+    if num_work > 0:
+        kernel = rt.get_kernel("decode_fp8.cu", "snapmla_decode_fp8", fp8_defines(cfg))
+        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads, 1, 1),
+                  (content, q.scale, q.rope, cache, block_table, cache_seqlens,
+                   tile_scheduler_metadata, out, lse, partial_out, partial_lse,
+                   np.int32(block_table.stride(0)), np.float32(scale * LOG2E), np.int32(h_q),
+                   np.int32(s_q), np.int32(int(causal))),
+                  shared_mem=fp8_smem_bytes(cfg))
+    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q)
+    return out, lse
+
+
+def decode_bf16(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    config: DecodeConfig | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 decode on the bf16 cache ``[blocks, 64, 1, 576]`` (the baseline)."""
+    if q.dim() != 4:
+        raise SnapmlaError(f"q: expected [b, s_q, h_q, {D_QK}], got {list(q.shape)}")
+    b, s_q, h_q, _ = q.shape
+    _check(q, "q", torch.bfloat16, (b, s_q, h_q, D_QK), None)
+    device = q.device
+    if k_cache.dim() == 3:
+        k_cache = k_cache.unsqueeze(2)
+    _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
+    _check_table(block_table, cache_seqlens, b, device)
+    _check_metadata(tile_scheduler_metadata, num_splits, b, device)
+    rows = s_q * h_q
+    cfg = config or choose_config(rows, False, device)
+    scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
+    num_work = tile_scheduler_metadata.shape[0]
+    out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
+    rt = _runtime()
+    if num_work > 0:
+        kernel = rt.get_kernel("decode_bf16.cu", "snapmla_decode_bf16", bf16_defines(cfg))
+        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads, 1, 1),
+                  (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, out, lse,
+                   partial_out, partial_lse, np.int32(block_table.stride(0)),
+                   np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal))),
+                  shared_mem=bf16_smem_bytes(cfg))
+    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q)
+    return out, lse
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's signature. A 656-byte FP8 cache (uint8 / float8_e4m3fn) takes the SnapMLA path
+    (fused Q-quant, then FP8 decode); a bf16 cache takes the BF16 kernel."""
+    if head_dim_v != D_V:
+        raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v}")
+    if k_cache.dtype == torch.bfloat16:
+        return decode_bf16(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                           num_splits, softmax_scale, causal)
+    if k_cache.dtype in (torch.uint8, FP8_DTYPE):
+        from .prep import quantize_q
+
+        if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
+            raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
+        return decode_fp8(quantize_q(q), k_cache, block_table, cache_seqlens,
+                          tile_scheduler_metadata, num_splits, softmax_scale, causal)
+    raise SnapmlaError(f"k_cache: expected bf16 or uint8/float8_e4m3fn, got {k_cache.dtype}")

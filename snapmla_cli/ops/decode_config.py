@@ -1,0 +1,85 @@
+"""Compile-time and launch parameters of the decode kernels: the tuner's search space and the
+built-in heuristic used when the tuning database has no entry.
+
+Shared-memory sizes mirror the ``kSmemBytes`` formulas of ``kernels/decode_fp8.cu`` and
+``kernels/decode_bf16.cu`` (the kernels ``static_assert`` the same limit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .schedule import SplitPolicy
+
+ROWS_PER_GROUP = 16
+WARPS_PER_GROUP = 2
+MAX_SMEM_PER_CTA = 232448  # 227 KB opt-in on sm_90
+FP8_TOKEN_BYTES = 656
+PAGE_TOKENS = 64
+FP8_Q_CONTENT_STRIDE = 512 + 16
+FP8_Q_ROPE_STRIDE = 128 + 16
+EXCHANGE_BYTES_PER_LANE_TILE = 16  # one float4 per lane per logit column tile
+BF16_ROW_STRIDE = 576 * 2 + 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """``row_groups`` 16-row groups per CTA (two warps each), ``stages`` pipeline depth,
+    ``block_n`` tokens per stage (BF16 kernel; the FP8 kernel always uses the 64-token page,
+    the P-quantization block), ``min_ctas_per_sm`` for ``__launch_bounds__``, and the split
+    policy."""
+
+    row_groups: int = 4
+    stages: int = 2
+    block_n: int = 64
+    min_ctas_per_sm: int = 1
+    split: SplitPolicy = field(default_factory=SplitPolicy)
+
+    @property
+    def block_m(self) -> int:
+        return ROWS_PER_GROUP * self.row_groups
+
+    @property
+    def threads(self) -> int:
+        return 32 * WARPS_PER_GROUP * self.row_groups
+
+    def with_sms(self, num_sms: int) -> DecodeConfig:
+        return replace(self, split=replace(self.split, num_sms=num_sms))
+
+
+def fp8_smem_bytes(cfg: DecodeConfig) -> int:
+    warps = WARPS_PER_GROUP * cfg.row_groups
+    n_tiles = PAGE_TOKENS // 8
+    return (cfg.block_m * (FP8_Q_CONTENT_STRIDE + FP8_Q_ROPE_STRIDE)
+            + cfg.stages * PAGE_TOKENS * FP8_TOKEN_BYTES
+            + warps * n_tiles * 32 * EXCHANGE_BYTES_PER_LANE_TILE)
+
+
+def bf16_smem_bytes(cfg: DecodeConfig) -> int:
+    warps = WARPS_PER_GROUP * cfg.row_groups
+    n_tiles = cfg.block_n // 8
+    return (cfg.block_m * BF16_ROW_STRIDE + cfg.stages * cfg.block_n * BF16_ROW_STRIDE
+            + warps * n_tiles * 32 * EXCHANGE_BYTES_PER_LANE_TILE)
+
+
+def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
+    return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages, "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
+
+
+def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
+    return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages, "BLOCK_N": cfg.block_n,
+            "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
+
+
+def heuristic_config(rows: int, fp8: bool = True) -> DecodeConfig:
+    """Built-in choice: as few 16-row groups as cover the rows (a 16-row problem wastes no MMA
+    work), deeper pipelines when the CTA is small, two CTAs per SM when they fit."""
+    row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
+    if fp8:
+        stages = {1: 2, 2: 2, 4: 2}[row_groups]
+        ctas = 2 if row_groups == 1 else 1
+        cfg = DecodeConfig(row_groups=row_groups, stages=stages, block_n=64, min_ctas_per_sm=ctas)
+    else:
+        block_n = 64 if row_groups == 1 else 32
+        cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1)
+    return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))

@@ -1,0 +1,70 @@
+"""On-disk cache of compiled kernels: ``<key>.cubin`` plus ``<key>.json`` (NVRTC log, lowered names).
+
+Why our own cache and not CuPy's: CuPy's does not hash headers pulled in with ``-I``, and it
+needs a GPU to pick the arch. The key (computed by :mod:`snapmla_cli.runtime.nvrtc`) covers
+every file under ``kernels/``, the options, the arch and the NVRTC version, so a warm start
+compiles nothing and any edit recompiles. Both files are written atomically (temp + rename),
+the cubin first: a reader that finds the json also finds a complete cubin. A cache folder that
+cannot be written only costs the next start a recompile; it is never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..cache.atomic import write_atomic
+
+CACHE_DIR_ENV = "SNAPMLA_CACHE_DIR"
+_FORMAT = 1
+
+
+def cache_dir() -> Path:
+    """``$SNAPMLA_CACHE_DIR`` or ``~/.cache/snapmla/kernels``."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "snapmla" / "kernels"
+
+
+@dataclass(frozen=True)
+class CachedKernel:
+    cubin: bytes
+    log: str
+    lowered_names: dict[str, str]
+
+
+def load(key: str) -> CachedKernel | None:
+    """The cached entry for ``key``, or None on a miss (or an unreadable/corrupt entry)."""
+    folder = cache_dir()
+    meta_path, cubin_path = folder / f"{key}.json", folder / f"{key}.cubin"
+    try:
+        meta = json.loads(meta_path.read_text())
+        cubin = cubin_path.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if meta.get("format") != _FORMAT or meta.get("cubin_bytes") != len(cubin):
+        return None
+    return CachedKernel(cubin=cubin, log=str(meta.get("log", "")),
+                        lowered_names=dict(meta.get("lowered_names", {})))
+
+
+def store(key: str, entry: CachedKernel, description: dict[str, object]) -> bool:
+    """Write ``entry`` under ``key``; False (and no exception) if the folder is not writable."""
+    folder = cache_dir()
+    meta = {
+        "format": _FORMAT,
+        "cubin_bytes": len(entry.cubin),
+        "log": entry.log,
+        "lowered_names": entry.lowered_names,
+        "description": description,
+    }
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_atomic(folder / f"{key}.cubin", lambda tmp: tmp.write_bytes(entry.cubin))
+        write_atomic(folder / f"{key}.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,210 @@
+"""Load compiled kernels on the current torch CUDA device and launch them on torch's stream.
+
+Why this shape: the decode step calls these kernels hundreds of times a second and inside CUDA
+graphs, so the launch path does no I/O, no host sync and no device allocation: a dict lookup
+for the kernel, one for the stream wrapper, then CuPy's launch. Arguments are explicit about
+their C types because CuPy does not check them: tensors become raw pointers, and integers or
+floats must be wrapped with :func:`i32` / :func:`i64` / :func:`f32` (a bare Python ``int``
+is rejected rather than silently passed as 64 bits to an ``int`` parameter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import NoGpuError, SnapmlaError
+from .nvrtc import CompiledModule, compile_module
+
+DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (cuFuncSetAttribute)
+
+Scalar = np.int32 | np.int64 | np.uint32 | np.uint64 | np.float32
+_SCALARS = (np.int32, np.int64, np.uint32, np.uint64, np.float32)
+Dim = int | tuple[int, ...]
+
+
+def i32(x: int) -> np.int32:
+    """A C ``int`` argument."""
+    if not -(2**31) <= int(x) < 2**31:
+        raise SnapmlaError(f"kernel argument {x} does not fit a 32-bit int")
+    return np.int32(x)
+
+
+def i64(x: int) -> np.int64:
+    """A C ``long long`` / ``int64_t`` argument."""
+    return np.int64(x)
+
+
+def f32(x: float) -> np.float32:
+    """A C ``float`` argument."""
+    return np.float32(x)
+
+
+@dataclass(eq=False)
+class Kernel:
+    """A launchable kernel on one device (keeps its CuPy module alive)."""
+
+    name: str
+    source: str
+    device_index: int
+    function: Any  # cupy.cuda.function.Function
+    compiled: CompiledModule
+    max_dynamic_smem: int = 0
+
+    def __call__(self, grid: Dim, block: Dim, args: Sequence[object], shared_mem: int = 0) -> None:
+        launch(self, grid, block, args, shared_mem)
+
+
+def device_arch(capability: tuple[int, int]) -> str:
+    """NVRTC target for a compute capability: Hopper needs the ``a`` variant for wgmma/FP8."""
+    major, minor = capability
+    if (major, minor) == (9, 0):
+        return "sm_90a"
+    return f"sm_{major}{minor}"
+
+
+def require_gpu() -> None:
+    """Raise :class:`NoGpuError` (one line) unless torch sees a CUDA GPU and CuPy is importable."""
+    if not torch.cuda.is_available():
+        raise NoGpuError("no CUDA GPU available (torch.cuda.is_available() is False)")
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        raise NoGpuError(
+            "CuPy is not installed; the CUDA kernels need it (pip install 'snapmla[cuda]')"
+        ) from None
+
+
+_KERNELS: dict[tuple[object, ...], Kernel] = {}
+_MODULES: dict[tuple[str, int], Any] = {}
+_STREAMS: dict[int, Any] = {}
+
+
+def clear_loaded_kernels() -> None:
+    """Forget loaded kernels and stream wrappers (tests; a changed SNAPMLA_KERNEL_DIR)."""
+    _KERNELS.clear()
+    _MODULES.clear()
+    _STREAMS.clear()
+
+
+def get_kernel(
+    source: str,
+    kernel_name: str,
+    defines: Mapping[str, int | str] | None = None,
+    *,
+    device: int | torch.device | None = None,
+    dynamic_smem: int = 0,
+) -> Kernel:
+    """The kernel ``kernel_name`` of ``kernels/<source>`` compiled for ``device`` (default: the
+    current torch device). Cached in memory after the first call; ``dynamic_smem`` opts the
+    kernel into more than 48 KB of dynamic shared memory."""
+    if device is None:
+        if not torch.cuda.is_available():
+            require_gpu()
+        index = torch.cuda.current_device()
+    else:
+        index = torch.device("cuda", device).index if isinstance(device, int) else device.index
+        if index is None:
+            index = torch.cuda.current_device()
+    # Cheap key on the hot path; the defines are validated by compile_module on a miss.
+    key = (source, kernel_name, tuple(sorted((k, str(v)) for k, v in defines.items())) if defines else (), index)
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        kernel = _load(source, kernel_name, defines, index)
+        _KERNELS[key] = kernel
+    if dynamic_smem > kernel.max_dynamic_smem:
+        _set_dynamic_smem(kernel, dynamic_smem)
+    return kernel
+
+
+def _load(source: str, kernel_name: str, defines: Mapping[str, int | str] | None,
+          index: int) -> Kernel:
+    require_gpu()
+    import cupy
+
+    arch = device_arch(torch.cuda.get_device_capability(index))
+    names = (kernel_name,) if "<" in kernel_name else ()
+    compiled = compile_module(source, defines, arch, name_expressions=names)
+    with cupy.cuda.Device(index):
+        module = _MODULES.get((compiled.key, index))
+        if module is None:
+            module = cupy.cuda.function.Module()
+            module.load(compiled.cubin)
+            _MODULES[(compiled.key, index)] = module
+        try:
+            function = module.get_function(compiled.symbol(kernel_name))
+        except cupy.cuda.driver.CUDADriverError:
+            raise SnapmlaError(
+                f"{source}: no kernel named {kernel_name!r} in the module for {arch} "
+                f"(entries: {', '.join(compiled.entry_names())})"
+            ) from None
+    return Kernel(name=kernel_name, source=source, device_index=index, function=function,
+                  compiled=compiled)
+
+
+def _set_dynamic_smem(kernel: Kernel, nbytes: int) -> None:
+    if nbytes > DEFAULT_DYNAMIC_SMEM_LIMIT:
+        import cupy
+
+        driver = cupy.cuda.driver
+        with cupy.cuda.Device(kernel.device_index):
+            driver.funcSetAttribute(
+                kernel.function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes
+            )
+    kernel.max_dynamic_smem = nbytes
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` exposed through the CUDA stream protocol."""
+
+    def __init__(self, ptr: int) -> None:
+        self._ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._ptr)
+
+
+def _cupy_stream(device_index: int) -> Any:
+    ptr = torch.cuda.current_stream(device_index).cuda_stream
+    stream = _STREAMS.get(ptr)
+    if stream is None:
+        import cupy
+
+        stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
+        _STREAMS[ptr] = stream
+    return stream
+
+
+def _dim3(d: Dim) -> tuple[int, ...]:
+    return (d,) if isinstance(d, int) else tuple(d)
+
+
+def launch(
+    kernel: Kernel, grid: Dim, block: Dim, args: Sequence[object], shared_mem: int = 0
+) -> None:
+    """Launch on torch's current stream of the kernel's device; no sync, no allocation.
+
+    ``args``: torch tensors (passed as device pointers), ``None`` (a null pointer) or
+    :func:`i32` / :func:`i64` / :func:`f32` values.
+    """
+    kargs: list[object] = []
+    for pos, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            kargs.append(arg.data_ptr())
+        elif isinstance(arg, _SCALARS):
+            kargs.append(arg)
+        elif arg is None:
+            kargs.append(0)
+        else:
+            raise SnapmlaError(
+                f"{kernel.name}: argument {pos} is a {type(arg).__name__}; pass tensors, None, "
+                "or wrap numbers with i32()/i64()/f32() so their C type is explicit"
+            )
+    if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
+        _set_dynamic_smem(kernel, shared_mem)
+    kernel.function(_dim3(grid), _dim3(block), kargs, shared_mem=shared_mem,
+                    stream=_cupy_stream(kernel.device_index))

@@ -1,0 +1,259 @@
+"""Compile the CUDA sources under ``kernels/`` to cubins with NVRTC, with a disk + memory cache.
+
+Why NVRTC and our own cubin path (KERNEL-NOTES): it needs no GPU (CI compiles every kernel for
+sm_90a and reads ptxas' report), it can target ``sm_90a`` (CuPy's ``RawModule`` would pick
+``sm_90``, which rejects FP8 wgmma), and it gives us the full log. The cache key hashes every
+file under ``kernels/`` (headers included), the options, the arch and the NVRTC version, so a
+warm start compiles nothing and any edit recompiles. ``cupy`` is imported lazily: the package
+imports (and the CPU paths run) without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import SnapmlaError
+from . import kernel_cache
+from .ptxas import KernelResources, parse_ptxas_log
+
+KERNEL_DIR_ENV = "SNAPMLA_KERNEL_DIR"
+DEFAULT_ARCH = "sm_90a"
+FALLBACK_CUDA_INCLUDE = Path("/usr/local/cuda/include")
+
+Defines = Mapping[str, "int | str"]
+DefinesKey = tuple[tuple[str, str], ...]
+
+_BASE_OPTIONS = (
+    "-std=c++17",
+    "-lineinfo",
+    "-Xptxas",
+    "-v",
+    "-Xptxas",
+    "--warn-on-spills",
+)
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_VALUE = re.compile(r"^[A-Za-z0-9_.+\-]+$")
+_ARCH = re.compile(r"^sm_\d+[a-f]?$")
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledModule:
+    """One compiled source: the cubin, NVRTC's full log and ptxas' per-function report."""
+
+    source: str
+    arch: str
+    defines: DefinesKey
+    cubin: bytes
+    log: str
+    resources: dict[str, KernelResources]
+    lowered_names: dict[str, str] = field(default_factory=dict)
+    key: str = ""
+    origin: str = "nvrtc"  # "nvrtc" (compiled in this process) or "disk" (cache hit)
+
+    def symbol(self, kernel_name: str) -> str:
+        """The name the cubin knows ``kernel_name`` by (templates are mangled)."""
+        return self.lowered_names.get(kernel_name, kernel_name)
+
+    def kernel(self, kernel_name: str) -> KernelResources:
+        sym = self.symbol(kernel_name)
+        if sym not in self.resources:
+            raise SnapmlaError(
+                f"{self.source}: no kernel {kernel_name!r} in the ptxas report for {self.arch} "
+                f"(found: {', '.join(self.entry_names()) or 'none'})"
+            )
+        return self.resources[sym]
+
+    def entry_names(self) -> list[str]:
+        return [name for name, res in self.resources.items() if res.is_entry]
+
+
+def kernel_dir() -> Path:
+    """``$SNAPMLA_KERNEL_DIR`` or the repository's ``kernels/`` (next to ``snapmla_cli/``)."""
+    env = os.environ.get(KERNEL_DIR_ENV)
+    folder = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "kernels"
+    if not folder.is_dir():
+        raise SnapmlaError(
+            f"kernel sources: folder {folder} not found (set {KERNEL_DIR_ENV} to the kernels/ folder)"
+        )
+    return folder
+
+
+def source_tree_hash(folder: Path) -> str:
+    """Hash of every file under ``folder`` (relative path + bytes); hidden files are skipped."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder)
+        if not path.is_file() or any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+            continue
+        data = path.read_bytes()
+        digest.update(f"{rel.as_posix()}\0{len(data)}\0".encode())
+        digest.update(data)
+    return digest.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def header_dirs() -> tuple[str, ...]:
+    """cudart headers (``cuda_fp8.h``, ``cuda_bf16.h``) and CCCL (``cuda/std/...``)."""
+    found: list[str] = []
+    try:
+        from cuda import pathfinder
+
+        for lib in ("cudart", "cccl"):
+            try:
+                path = pathfinder.find_nvidia_header_directory(lib)
+            except Exception:  # noqa: BLE001 - an unknown/odd install only means "not found"
+                path = None
+            if path:
+                found.append(str(path))
+    except ImportError:
+        pass
+    if len(found) < 2:
+        for fallback in (FALLBACK_CUDA_INCLUDE, FALLBACK_CUDA_INCLUDE / "cccl"):
+            if fallback.is_dir() and str(fallback) not in found:
+                found.append(str(fallback))
+    return tuple(found)
+
+
+def normalize_defines(defines: Defines | None) -> DefinesKey:
+    """Validated, sorted ``(name, value)`` pairs; the stable form used in keys and options."""
+    if not defines:
+        return ()
+    out: list[tuple[str, str]] = []
+    for name, value in defines.items():
+        if not _IDENT.match(name):
+            raise SnapmlaError(f"defines: {name!r} is not a valid macro name")
+        if isinstance(value, bool):
+            value = int(value)
+        text = str(value)
+        if not isinstance(value, (int, str)) or not _VALUE.match(text):
+            raise SnapmlaError(f"defines: {name}={value!r}: expected an int or a simple token")
+        out.append((name, text))
+    return tuple(sorted(out))
+
+
+def build_options(arch: str, defines: DefinesKey, src_hash: str, folder: Path) -> list[str]:
+    if not _ARCH.match(arch):
+        raise SnapmlaError(f"arch: expected something like 'sm_90a' or 'sm_89', got {arch!r}")
+    options = [f"-arch={arch}", *_BASE_OPTIONS, f"-I{folder}"]
+    options += [f"-I{d}" for d in header_dirs()]
+    options += [f"-D{name}={value}" for name, value in defines]
+    options.append(f"-DSNAPMLA_SRC_HASH=0x{src_hash}")
+    return options
+
+
+def nvrtc_version() -> tuple[int, int]:
+    return tuple(_nvrtc().getVersion())  # type: ignore[return-value]
+
+
+_MEMORY: dict[str, CompiledModule] = {}
+_LOCK = threading.Lock()
+
+
+def clear_memory_cache() -> None:
+    """Forget in-process compile results (tests use it to exercise the disk cache)."""
+    with _LOCK:
+        _MEMORY.clear()
+
+
+def compile_module(
+    source: str,
+    defines: Defines | None = None,
+    arch: str = DEFAULT_ARCH,
+    name_expressions: Iterable[str] = (),
+) -> CompiledModule:
+    """Compile ``kernels/<source>`` for ``arch`` (no GPU needed); cached in memory and on disk.
+
+    A compile error raises :class:`SnapmlaError` whose first line names the source and arch and
+    whose body is NVRTC's log.
+    """
+    folder = kernel_dir()
+    path = folder / source
+    if not path.is_file():
+        raise SnapmlaError(f"kernel source: {path} not found")
+    defs = normalize_defines(defines)
+    names = tuple(name_expressions)
+    tree = source_tree_hash(folder)
+    options = build_options(arch, defs, tree, folder)
+    version = nvrtc_version()
+    key = _cache_key(source, arch, options, names, version)
+    with _LOCK:
+        module = _MEMORY.get(key)
+        if module is not None:
+            return module
+        cached = kernel_cache.load(key)
+        if cached is not None:
+            module = _make_module(source, arch, defs, cached.cubin, cached.log,
+                                  cached.lowered_names, key, "disk")
+        else:
+            cubin, log, lowered = _nvrtc_compile(path.read_text(), source, options, names, arch)
+            module = _make_module(source, arch, defs, cubin, log, lowered, key, "nvrtc")
+            kernel_cache.store(
+                key,
+                kernel_cache.CachedKernel(cubin=cubin, log=log, lowered_names=lowered),
+                {"source": source, "arch": arch, "defines": dict(defs), "tree_hash": tree,
+                 "nvrtc": list(version)},
+            )
+        _MEMORY[key] = module
+        return module
+
+
+def _cache_key(
+    source: str, arch: str, options: list[str], names: tuple[str, ...], version: tuple[int, int]
+) -> str:
+    blob = json.dumps([source, arch, options, list(names), list(version)], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _make_module(
+    source: str, arch: str, defs: DefinesKey, cubin: bytes, log: str,
+    lowered: dict[str, str], key: str, origin: str,
+) -> CompiledModule:
+    return CompiledModule(
+        source=source, arch=arch, defines=defs, cubin=cubin, log=log,
+        resources=parse_ptxas_log(log), lowered_names=lowered, key=key, origin=origin,
+    )
+
+
+def _nvrtc() -> ModuleType:
+    try:
+        import cupy
+    except ImportError:
+        raise SnapmlaError(
+            "NVRTC unavailable: CuPy is not installed (pip install 'snapmla[cuda]')"
+        ) from None
+    return cupy.cuda.nvrtc
+
+
+def _nvrtc_compile(
+    text: str, name: str, options: list[str], name_expressions: tuple[str, ...], arch: str
+) -> tuple[bytes, str, dict[str, str]]:
+    """The only place that calls NVRTC (tests monkeypatch it to prove a cache hit)."""
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(text, name, [], [])
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError:
+            log = nvrtc.getProgramLog(prog).strip()
+            first = next((ln for ln in log.splitlines() if "error" in ln), "see log")
+            raise SnapmlaError(
+                f"{name}: NVRTC failed to compile for {arch}: {first.strip()}\n{log}"
+            ) from None
+        log = nvrtc.getProgramLog(prog)
+        # getCUBIN drops the cubin's final byte (KERNEL-NOTES): put it back.
+        cubin = nvrtc.getCUBIN(prog) + b"\0"
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return cubin, log, lowered

@@ -1,0 +1,42 @@
+"""Parsing of the sizes and lists users type on the command line: ``32k``, ``32768``, ``1m``,
+``16,64,128``. One place, so every subcommand (verify, quantize, synth, bench, tune) reads a
+context length the same way."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import SnapmlaError
+
+_SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}
+_SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """``"32k"`` -> 32768, ``"1m"`` -> 1048576, ``"4096"`` -> 4096 (k = 1024, m = 1024*1024)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(str(text))
+        if match is None:
+            raise SnapmlaError(f"{what}: {text!r} is not a size (expected e.g. 2048, 32k or 1m)")
+        value = int(match.group(1)) * _SUFFIX[match.group(2).lower()]
+    if value < 1:
+        raise SnapmlaError(f"{what}: {text!r} must be at least 1")
+    return value
+
+
+def parse_size_list(text: str, what: str = "list") -> list[int]:
+    """``"16,64,128"`` -> ``[16, 64, 128]``; each item may carry a k/m suffix."""
+    items = [part for part in str(text).split(",") if part.strip()]
+    if not items:
+        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. 16,64,128)")
+    return [parse_size(part, what) for part in items]
+
+
+def format_size(value: int) -> str:
+    """Inverse of :func:`parse_size` for display: 32768 -> ``32k``, 1000 -> ``1000``."""
+    for suffix, unit in (("m", 1024 * 1024), ("k", 1024)):
+        if value >= unit and value % unit == 0:
+            return f"{value // unit}{suffix}"
+    return str(value)

@@ -1,0 +1,137 @@
+"""GPU checks of the FP8 and BF16 decode kernels against the reference numerics.
+
+Fresh random data per case; unused cache rows are NaN bytes, unused block-table entries are
+garbage, outputs are NaN-poisoned before each call; lengths mix 0, 1, 63, 64, 65, 4097 and a
+long one; h_q includes 1 and 20 (not a power of two). References run in float64 on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snapmla_cli.cache.layout import dequantize_cache
+from snapmla_cli.numerics.decode_ref import decode_reference
+from snapmla_cli.numerics.emulation import emulate_fp8_decode
+from snapmla_cli.numerics.metrics import compare
+from snapmla_cli.numerics.problem import random_problem
+from snapmla_cli.numerics.quant import quantize_rows
+
+pytestmark = pytest.mark.gpu
+
+EMUL_GATE = 5e-3
+FLOOR_FACTOR, FLOOR_ABS = 1.10, 1e-3
+BF16_COS_GATE = 5e-6
+
+CASES = [
+    # (seqlens, s_q, h_q, causal)
+    ([64], 1, 16, False),
+    ([1, 63, 64, 65], 1, 1, False),
+    ([0, 1, 63, 64, 65, 4097], 2, 20, True),
+    ([4097, 0, 300], 3, 64, True),
+    ([33000], 1, 128, False),
+    ([777, 2048, 65], 2, 128, True),
+    ([5000] * 3 + [0], 1, 16, False),
+    ([100, 200], 4, 32, True),
+]
+
+
+def _run_fp8(prob, device, split=None):
+    from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+
+    b, s_q, h_q, _ = prob.q.shape
+    cache = prob.fp8_cache().to(device)
+    q = prob.q.to(device)
+    table = prob.layout.block_table.to(device)
+    seqlens = prob.layout.cache_seqlens.to(device)
+    meta, splits = get_mla_metadata(seqlens, s_q * h_q, 1, fp8=True, config=split)
+    out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=device)
+    out, lse = decode_fp8(quantize_rows(q), cache, table, seqlens, meta, splits, prob.softmax_scale,
+                          prob.causal, config=split, out=out, lse=lse)
+    return out, lse, cache, meta, splits
+
+
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
+def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal):
+    device = torch.device("cuda")
+    prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=len(seqlens) * 31 + h_q)
+    out, lse, cache, meta, splits = _run_fp8(prob, device)
+    from snapmla_cli.ops.schedule import split_token_bounds
+
+    table = prob.layout.block_table.to(device)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
+    q_rows = quantize_rows(prob.q.to(device))
+    bounds = split_token_bounds(splits, meta, seqlens)
+    emul_out, emul_lse = emulate_fp8_decode(q_rows, cache, table, seqlens_t, prob.softmax_scale,
+                                            causal, split_bounds=bounds)
+    ref_out, ref_lse = decode_reference(prob.q.to(device), prob.bf16_cache().squeeze(2).to(device),
+                                        table, seqlens_t, prob.softmax_scale, causal)
+    floor_out, _ = decode_reference(q_rows.dequantize(), dequantize_cache(cache), table, seqlens_t,
+                                    prob.softmax_scale, causal)
+    vs_emul = compare(out, emul_out)
+    vs_ref = compare(out, ref_out)
+    floor = compare(floor_out, ref_out)
+    assert vs_emul.rel_l2 <= EMUL_GATE, vs_emul
+    assert vs_ref.rel_l2 <= FLOOR_FACTOR * floor.rel_l2 + FLOOR_ABS, (vs_ref, floor)
+    lse_err = compare(lse, emul_lse)
+    assert lse_err.max_abs < 1e-2, lse_err
+    # empty rows: out exactly 0, lse +inf
+    for i, n in enumerate(seqlens):
+        if n == 0:
+            assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
+
+
+def test_fp8_decode_bitwise_deterministic_and_split_invariant():
+    from snapmla_cli.ops.decode_config import heuristic_config
+    from dataclasses import replace
+
+    device = torch.device("cuda")
+    prob = random_problem([9000, 70, 0, 4097], 2, 64, causal=True, seed=7)
+    a = _run_fp8(prob, device)
+    b = _run_fp8(prob, device)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    cfg = heuristic_config(128)
+    fine = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=512))
+    c = _run_fp8(prob, device, split=fine.with_sms(512))
+    assert c[3].shape[0] > a[3].shape[0]  # more splits
+    assert compare(c[0], a[0]).rel_l2 < 5e-3
+
+
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
+def test_bf16_decode_matches_float64(seqlens, s_q, h_q, causal):
+    from snapmla_cli.ops.decode import decode_bf16, get_mla_metadata
+
+    device = torch.device("cuda")
+    prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=h_q + 5)
+    table = prob.layout.block_table.to(device)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
+    cache = prob.bf16_cache().to(device)
+    meta, splits = get_mla_metadata(seqlens_t, s_q * h_q, 1, fp8=False)
+    b = len(seqlens)
+    out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=device)
+    out, lse = decode_bf16(prob.q.to(device), cache, table, seqlens_t, meta, splits,
+                           prob.softmax_scale, causal, out=out, lse=lse)
+    ref_out, ref_lse = decode_reference(prob.q.to(device), cache.squeeze(2), table, seqlens_t,
+                                        prob.softmax_scale, causal)
+    err = compare(out, ref_out)
+    assert err.cos_diff <= BF16_COS_GATE, err
+    assert compare(lse, ref_lse).max_abs < 1e-2
+
+
+def test_flash_mla_with_kvcache_dispatches_on_cache_format():
+    from snapmla_cli.ops.decode import flash_mla_with_kvcache, get_mla_metadata
+
+    device = torch.device("cuda")
+    prob = random_problem([500, 64], 1, 16, seed=3)
+    table = prob.layout.block_table.to(device)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
+    q = prob.q.to(device)
+    meta, splits = get_mla_metadata(seqlens_t, 16, 1)
+    o8, _ = flash_mla_with_kvcache(q, prob.fp8_cache().to(device), table, seqlens_t, 512, meta, splits)
+    meta16, splits16 = get_mla_metadata(seqlens_t, 16, 1, fp8=False)
+    o16, _ = flash_mla_with_kvcache(q, prob.bf16_cache().to(device), table, seqlens_t, 512, meta16, splits16)
+    assert compare(o8, o16).rel_l2 < 0.1
+    with pytest.raises(ValueError, match="head_dim_v"):
+        flash_mla_with_kvcache(q, prob.bf16_cache().to(device), table, seqlens_t, 576, meta16, splits16)

@@ -1,0 +1,299 @@
+"""``snapmla dump`` on tiny, randomly initialised DeepSeek-V3 / V2 models saved to a temp folder.
+
+The models keep snapmla's fixed widths (kv_lora_rank 512, RoPE 64) and shrink everything else;
+``initializer_range`` is raised so that attention is peaked enough for a wrong RoPE, latent or
+query scale to move the output far past the check's gate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from snapmla_cli.cache.dump_file import LayerDump, read_dump
+from snapmla_cli.capture import (
+    DumpOptions,
+    capture_kv,
+    dump_model,
+    parse_layers,
+    read_prompts,
+    recompute_check,
+)
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.formats import D_QK, default_softmax_scale
+
+PROMPTS = "the cat sat on the mat\na big red dog ran fast to the small house and sat\n"
+
+SMALL = {
+    "vocab_size": 32,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.1,
+}
+
+
+def _tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[BOS]", *sorted(set(PROMPTS.split()))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", bos_token="[BOS]"
+    )
+    fast.save_pretrained(folder)
+
+
+def _save(folder: Path, model_cls, config) -> Path:
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(folder)
+    _tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    moe = {
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+    }
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
+    v3 = transformers.DeepseekV3Config(
+        **SMALL,
+        **moe,
+        q_lora_rank=32,
+        first_k_dense_replace=1,
+        rope_interleave=True,
+        rope_parameters=yarn,
+    )
+    v3_plain = transformers.DeepseekV3Config(
+        **SMALL, **moe, q_lora_rank=None, first_k_dense_replace=2, rope_interleave=False
+    )
+    v2 = transformers.DeepseekV2Config(**SMALL, **moe, q_lora_rank=None, first_k_dense_replace=2)
+    longcat = transformers.LongcatFlashConfig(
+        **{k: v for k, v in SMALL.items() if k != "num_hidden_layers"},
+        num_layers=1,  # two MLA modules per decoder layer: cache layers 0 and 1
+        ffn_hidden_size=96,
+        q_lora_rank=32,
+        head_dim=64,
+        moe_topk=2,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        expert_ffn_hidden_size=32,
+    )
+    return {
+        "longcat": _save(root / "longcat", transformers.LongcatFlashForCausalLM, longcat),
+        "v3": _save(root / "v3", transformers.DeepseekV3ForCausalLM, v3),
+        "v3_plain": _save(root / "v3_plain", transformers.DeepseekV3ForCausalLM, v3_plain),
+        "v2": _save(root / "v2", transformers.DeepseekV2ForCausalLM, v2),
+    }
+
+
+@pytest.fixture()
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "prompts.txt"
+    path.write_text(PROMPTS)
+    return path
+
+
+def _count(path: Path, text: str) -> int:
+    tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return len(tok(text)["input_ids"])
+
+
+def test_shapes_positions_and_metadata(models, prompts):
+    options = DumpOptions(
+        model=str(models["v3"]), prompts=prompts, decode=3, queries=4, dtype="fp32"
+    )
+    cap = capture_kv(options)
+    lengths = [_count(models["v3"], line) + 3 for line in PROMPTS.splitlines()]
+    assert cap.segments == lengths
+    assert [layer.index for layer in cap.dump.layers] == [0, 1]
+    expected_positions = torch.cat([torch.arange(n) for n in lengths])
+    for layer in cap.dump.layers:
+        assert layer.kv.shape == (sum(lengths), D_QK) and layer.kv.dtype == torch.float32
+        assert torch.equal(layer.positions, expected_positions)
+        assert layer.queries.shape == (4, 2, D_QK)
+    meta = cap.dump.extra_metadata
+    # YaRN: the model scales logits by qk_head_dim**-0.5 * mscale**2, folded into the queries
+    mscale = 0.1 * 1.0 * torch.log(torch.tensor(4.0)).item() + 1.0
+    model_scale = (16 + 64) ** -0.5 * mscale**2
+    assert float(meta["model_softmax_scale"]) == pytest.approx(model_scale)
+    assert float(meta["query_prescale"]) == pytest.approx(model_scale / default_softmax_scale())
+    assert meta["segments"] == ",".join(map(str, lengths))
+
+
+@pytest.mark.parametrize("name", ["v3", "v2", "longcat"])
+def test_rows_equal_the_models_own_cache(models, tmp_path, name):
+    text = "the cat sat on the mat and ran"
+    one = tmp_path / "one.txt"
+    one.write_text(text)
+    cap = capture_kv(DumpOptions(model=str(models[name]), prompts=one, queries=0))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(models[name]), dtype=torch.bfloat16
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(str(models[name]))
+    with torch.no_grad():
+        out = model(input_ids=tok(text, return_tensors="pt")["input_ids"], use_cache=True)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    layers = getattr(cache, "layers", None)
+    if layers is None or layers[0].keys.shape[-1] != 512:
+        pytest.skip("this transformers version does not cache the compressed latent")
+    for layer in cap.dump.layers:
+        own = torch.cat([layers[layer.index].keys[0, 0], layers[layer.index].values[0, 0]], dim=-1)
+        assert torch.equal(own, layer.kv)
+
+
+@pytest.mark.parametrize("name", ["v3", "v3_plain", "v2", "longcat"])
+def test_recompute_check_matches_model_attention(models, prompts, name):
+    cap = capture_kv(
+        DumpOptions(
+            model=str(models[name]), prompts=prompts, decode=2, queries=3, dtype="fp32", check=True
+        )
+    )
+    assert len(cap.checks) == 2
+    for check in cap.checks:
+        assert check.ok and check.rel_l2 < 1e-3, check
+
+
+def test_check_rejects_a_wrong_dump(models, prompts):
+    cap = capture_kv(
+        DumpOptions(
+            model=str(models["v3"]), prompts=prompts, decode=2, queries=3, dtype="fp32", check=True
+        )
+    )
+    layer = cap.dump.layers[1]
+    att, expected = cap.attentions[1], cap.attention_outputs[1]
+    rope_zero = layer.kv.clone()
+    rope_zero[:, 512:] = 0
+    unscaled = layer.queries / att.query_prescale
+    for bad in (
+        LayerDump(1, rope_zero, layer.positions, layer.queries),
+        LayerDump(1, layer.kv, layer.positions, unscaled),
+    ):
+        assert not recompute_check(bad, att, expected).ok
+
+
+def test_bf16_check_and_layer_selection(models, prompts):
+    cap = capture_kv(
+        DumpOptions(
+            model=str(models["v3"]), prompts=prompts, layers=(1,), decode=1, queries=2, check=True
+        )
+    )
+    assert [layer.index for layer in cap.dump.layers] == [1]
+    assert cap.dump.layers[0].kv.dtype == torch.bfloat16
+    assert all(c.ok for c in cap.checks), cap.checks
+
+
+def test_max_tokens_and_no_queries(models, prompts):
+    cap = capture_kv(
+        DumpOptions(model=str(models["v3"]), prompts=prompts, max_tokens=4, queries=0, dtype="fp32")
+    )
+    assert cap.segments == [4, 4]
+    assert all(layer.queries is None for layer in cap.dump.layers)
+
+
+def test_dump_model_writes_a_readable_dump(models, prompts, tmp_path):
+    out = tmp_path / "kv.safetensors"
+    dump_model(
+        DumpOptions(model=str(models["v2"]), prompts=prompts, decode=1, queries=2, dtype="fp32"),
+        out,
+    )
+    back = read_dump(out)
+    assert back.model == str(models["v2"])
+    assert [layer.index for layer in back.layers] == [0, 1]
+    assert back.layers[0].queries.shape == (2, 2, D_QK)
+    assert back.extra_metadata["model_type"] == "deepseek_v2"
+    with pytest.raises(SnapmlaError, match="--force"):
+        dump_model(DumpOptions(model=str(models["v2"]), prompts=prompts), out)
+
+
+def test_prompt_files(tmp_path):
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "a\nb"}) + "\n\n" + json.dumps("c") + "\n")
+    assert read_prompts(jsonl) == ["a\nb", "c"]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n   \n")
+    with pytest.raises(SnapmlaError, match="no prompts"):
+        read_prompts(empty)
+    assert parse_layers("all") is None and parse_layers("5,0,5") == (0, 5)
+    with pytest.raises(SnapmlaError, match="--layers"):
+        parse_layers("0,x")
+
+
+def _one_line(exc: pytest.ExceptionInfo) -> str:
+    text = str(exc.value)
+    assert "\n" not in text
+    return text
+
+
+def test_errors(models, prompts, tmp_path):
+    def run(model: str, **kw):
+        with pytest.raises(SnapmlaError) as exc:
+            capture_kv(DumpOptions(model=model, prompts=kw.pop("prompts_file", prompts), **kw))
+        return _one_line(exc)
+
+    assert "no such checkpoint folder" in run(str(tmp_path / "missing"))
+    assert "not in the local Hugging Face cache" in run("snapmla-tests/no-such-model")
+    assert "no config.json" in run(str(tmp_path))
+    llama = tmp_path / "llama"
+    transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=1, num_attention_heads=2
+    ).save_pretrained(llama)
+    assert "has no MLA attention" in run(str(llama))
+    narrow = tmp_path / "narrow"
+    transformers.DeepseekV3Config(**{**SMALL, "kv_lora_rank": 256}).save_pretrained(narrow)
+    assert "kv_lora_rank=256" in run(str(narrow))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "no prompts" in run(str(models["v3"]), prompts_file=empty)
+    assert "no MLA layer 7" in run(str(models["v3"]), layers=(7,))
+    assert "--check needs" in run(str(models["v3"]), queries=0, check=True)
+
+
+def test_cli_dump(models, prompts, tmp_path):
+    typer = pytest.importorskip("typer")
+    from typer.testing import CliRunner
+
+    from snapmla_cli.cli.dump import dump_command
+
+    app = typer.Typer()
+    app.command("dump")(dump_command)
+    app.command("noop")(lambda: None)  # two commands, so "dump" is a subcommand as in snapmla
+    out = tmp_path / "kv.safetensors"
+    args = ["dump", "--model", str(models["v3"]), "--prompts", str(prompts), "-o", str(out)]
+    result = CliRunner().invoke(
+        app, [*args, "--decode", "2", "--dtype", "fp32", "--check", "--layers", "0,1"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output and "ok" in result.output
+    assert len(read_dump(out).layers) == 2
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 2
+    assert "--force" in again.output and "Traceback" not in again.output

@@ -1,0 +1,315 @@
+"""Every registered kernel compiles with NVRTC (no GPU needed) and keeps everything in registers;
+the compile cache hits and misses when it should; compile errors name the file.
+
+Runs in CI on machines without a GPU: NVRTC, the CUDA headers and cuobjdump come from pip.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from snapmla_cli.errors import NoGpuError, SnapmlaError
+from snapmla_cli.numerics import formats
+from snapmla_cli.runtime import kernel_cache, nvrtc
+from snapmla_cli.runtime.launch import Kernel, device_arch, f32, i32, i64, launch
+from snapmla_cli.runtime.ptxas import parse_ptxas_log
+from snapmla_cli.runtime.registry import (
+    KERNEL_SOURCES,
+    PREP_DEFINES,
+    PREP_KERNELS,
+    PREP_SOURCE,
+    iter_variants,
+    variant,
+)
+
+cupy = pytest.importorskip("cupy", reason="NVRTC comes with CuPy (pip install 'snapmla[cuda]')")
+
+REPO_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
+_LDG128 = re.compile(r"\bLDG\.E(?:\.[A-Z0-9_]+)*\.128\b")
+
+
+@pytest.fixture(autouse=True)
+def isolated_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets an empty disk cache and an empty in-process cache."""
+    folder = tmp_path / "kcache"
+    monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(folder))
+    nvrtc.clear_memory_cache()
+    yield folder
+    nvrtc.clear_memory_cache()
+
+
+@pytest.fixture(scope="module")
+def compiled_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, str], nvrtc.CompiledModule]:
+    """Compile every registered variant once for the module (its own cache folder)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(kernel_cache.CACHE_DIR_ENV, str(tmp_path_factory.mktemp("variants")))
+    try:
+        out = {}
+        for source, var, arch in iter_variants():
+            index = KERNEL_SOURCES[source].index(var)
+            out[(source, index, arch)] = nvrtc.compile_module(source, var.defines, arch)
+        return out
+    finally:
+        mp.undo()
+
+
+def _variant_ids() -> list[tuple[str, int, str]]:
+    return [(s, KERNEL_SOURCES[s].index(v), a) for s, v, a in iter_variants()]
+
+
+# ------------------------------------------------------------------ registered kernels
+
+
+@pytest.mark.parametrize("vid", _variant_ids(), ids=lambda v: f"{v[0]}-v{v[1]}-{v[2]}")
+def test_variant_compiles_without_spills(vid, compiled_variants) -> None:
+    source, index, arch = vid
+    module = compiled_variants[vid]
+    var = KERNEL_SOURCES[source][index]
+    assert module.cubin[:4] == b"\x7fELF"
+    for name in var.kernels:
+        res = module.kernel(name)
+        assert res.is_entry and res.arch == arch, res
+        assert res.registers > 0, res
+    for res in module.resources.values():  # entries and any non-inlined callee
+        assert not res.spills, f"{source} {arch} {var.defines}: spills: {res.summary()}"
+        assert res.stack_frame_bytes == 0, f"{source} {arch}: stack frame: {res.summary()}"
+        assert res.local_bytes == 0, f"{source} {arch}: local memory: {res.summary()}"
+
+
+def test_prep_is_registered_for_sm90a_and_sm89() -> None:
+    archs = {a for s, _, a in iter_variants() if s == PREP_SOURCE}
+    assert {"sm_90a", "sm_89"} <= archs
+    assert any(dict(v.defines) == PREP_DEFINES for v in KERNEL_SOURCES[PREP_SOURCE])
+
+
+def test_registry_entry_is_one_line() -> None:
+    v = variant("k1", "k2", archs=("sm_90a",), TILE=64)
+    assert v.kernels == ("k1", "k2") and dict(v.defines) == {"TILE": 64}
+
+
+def _cuobjdump() -> str | None:
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_binary_utility("cuobjdump")
+    except Exception:  # noqa: BLE001
+        found = None
+    return found or shutil.which("cuobjdump")
+
+
+def _sass_by_function(sass: str) -> dict[str, str]:
+    parts = re.split(r"\n\s*Function : (\S+)\n", "\n" + sass)
+    return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_89"])
+def test_prep_sass_uses_128bit_global_loads(arch: str, tmp_path: Path) -> None:
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, arch)
+    cubin = tmp_path / "prep.cubin"
+    cubin.write_bytes(module.cubin)
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    functions = _sass_by_function(sass)
+    for name in PREP_KERNELS:
+        assert name in functions, f"{name} missing from SASS ({list(functions)})"
+        body = functions[name]
+        assert _LDG128.search(body), f"{name} [{arch}]: no 128-bit global load in SASS"
+        assert "LDL" not in body and "STL" not in body, f"{name} [{arch}]: local memory traffic"
+
+
+def test_types_header_mirrors_formats() -> None:
+    text = (REPO_KERNELS / "common" / "types.cuh").read_text()
+    consts = dict(re.findall(r"constexpr\s+(?:int|float)\s+(\w+)\s*=\s*([^;]+);", text))
+    for name in ("D_CONTENT", "D_ROPE", "D_QK", "D_V", "PAGE_SIZE", "BLOCK_N", "FP8_TOKEN_BYTES",
+                 "CONTENT_OFFSET", "SCALE_OFFSET", "PAD_OFFSET", "ROPE_OFFSET", "ROPE_BYTES"):
+        assert int(consts[name]) == getattr(formats, name), name
+    assert float(consts["E4M3_MAX"].rstrip("f")) == formats.E4M3_MAX
+    assert float.fromhex(consts["KV_SCALE_FLOOR"].rstrip("f")) == formats.KV_SCALE_FLOOR
+    assert float.fromhex(consts["P_SCALE_FLOOR"].rstrip("f")) == formats.P_SCALE_FLOOR
+
+
+# ------------------------------------------------------------------ the caches
+
+
+def test_memory_cache_returns_same_module() -> None:
+    a = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    b = nvrtc.compile_module(PREP_SOURCE, dict(reversed(list(PREP_DEFINES.items()))), "sm_90a")
+    assert a is b and a.origin == "nvrtc"
+
+
+def test_second_compile_hits_disk_cache(monkeypatch: pytest.MonkeyPatch, isolated_caches: Path) -> None:
+    first = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert list(isolated_caches.glob("*.cubin")) and list(isolated_caches.glob("*.json"))
+    nvrtc.clear_memory_cache()
+
+    def no_nvrtc(*args, **kwargs):
+        raise AssertionError("NVRTC was called on a warm cache")
+
+    monkeypatch.setattr(nvrtc, "_nvrtc_compile", no_nvrtc)
+    second = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert second.origin == "disk"
+    assert second.cubin == first.cubin and second.key == first.key
+    assert second.resources == first.resources
+
+
+def _copy_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "kernels"
+    shutil.copytree(REPO_KERNELS, folder)
+    monkeypatch.setenv(nvrtc.KERNEL_DIR_ENV, str(folder))
+    return folder
+
+
+def test_changed_header_misses_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    folder = _copy_kernels(tmp_path, monkeypatch)
+    calls: list[str] = []
+    real = nvrtc._nvrtc_compile
+
+    def counting(text, name, options, names, arch):
+        calls.append(name)
+        return real(text, name, options, names, arch)
+
+    monkeypatch.setattr(nvrtc, "_nvrtc_compile", counting)
+    first = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    nvrtc.clear_memory_cache()
+    nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert calls == [PREP_SOURCE]  # warm: no second NVRTC call
+    header = folder / "common" / "types.cuh"
+    header.write_text(header.read_text() + "\n// touched\n")
+    nvrtc.clear_memory_cache()
+    second = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert calls == [PREP_SOURCE, PREP_SOURCE]  # an edited header recompiles
+    assert second.key != first.key and second.origin == "nvrtc"
+
+
+def test_defines_change_the_key() -> None:
+    a = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    b = nvrtc.compile_module(PREP_SOURCE, {**PREP_DEFINES, "PREP_ROWS_PER_WARP": 1}, "sm_90a")
+    assert a.key != b.key
+    assert ("PREP_ROWS_PER_WARP", "1") in b.defines
+
+
+def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(blocker / "sub"))
+    module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_89")
+    assert module.origin == "nvrtc" and module.cubin
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_syntax_error_names_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    folder = _copy_kernels(tmp_path, monkeypatch)
+    (folder / "broken.cu").write_text('extern "C" __global__ void k(int* x) { x[0] = ; }\n')
+    with pytest.raises(SnapmlaError) as err:
+        nvrtc.compile_module("broken.cu")
+    message = str(err.value)
+    first_line = message.splitlines()[0]
+    assert "broken.cu" in first_line and "sm_90a" in first_line and "error" in first_line
+    assert "broken.cu(1)" in message  # NVRTC's log, with the line number
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_missing_source_and_bad_arguments() -> None:
+    with pytest.raises(SnapmlaError, match="nope.cu"):
+        nvrtc.compile_module("nope.cu")
+    with pytest.raises(SnapmlaError, match="macro name"):
+        nvrtc.compile_module(PREP_SOURCE, {"BAD NAME": 1})
+    with pytest.raises(SnapmlaError, match="arch"):
+        nvrtc.compile_module(PREP_SOURCE, arch="hopper")
+
+
+def test_missing_kernel_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(nvrtc.KERNEL_DIR_ENV, str(tmp_path / "absent"))
+    with pytest.raises(SnapmlaError, match=nvrtc.KERNEL_DIR_ENV):
+        nvrtc.compile_module(PREP_SOURCE)
+
+
+# ------------------------------------------------------------------ launch helpers (no GPU)
+
+
+def test_device_arch() -> None:
+    assert device_arch((9, 0)) == "sm_90a"
+    assert device_arch((8, 9)) == "sm_89"
+    assert device_arch((8, 0)) == "sm_80"
+    assert device_arch((12, 0)) == "sm_120"
+
+
+def test_scalar_wrappers() -> None:
+    import numpy as np
+
+    assert isinstance(i32(5), np.int32) and isinstance(i64(2**40), np.int64)
+    assert isinstance(f32(0.5), np.float32)
+    with pytest.raises(SnapmlaError):
+        i32(2**31)
+
+
+def test_launch_rejects_bare_python_numbers() -> None:
+    fake = Kernel(name="k", source="prep.cu", device_index=0, function=None,
+                  compiled=None)  # type: ignore[arg-type]
+    with pytest.raises(SnapmlaError, match="argument 1"):
+        launch(fake, 1, 32, [None, 7])
+    with pytest.raises(SnapmlaError, match="argument 0"):
+        launch(fake, 1, 32, [1.5])
+
+
+def test_get_kernel_without_gpu_raises_nogpu() -> None:
+    import torch
+
+    from snapmla_cli.runtime.launch import get_kernel
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(NoGpuError):
+        get_kernel(PREP_SOURCE, "snapmla_quantize_q", PREP_DEFINES)
+
+
+# ------------------------------------------------------------------ ptxas report parser
+
+
+PTXAS_LOG = """\
+ptxas info    : Overriding maximum register limit 256 for 'sp' with  24 of maxrregcount option
+ptxas warning : Registers are spilled to local memory in function 'sp', 876 bytes spill stores, 1216 bytes spill loads
+ptxas info    : 120 bytes gmem, 240 bytes cmem[4]
+ptxas info    : Compiling entry function 'sp' for 'sm_89'
+ptxas info    : Function properties for sp
+ptxas         .     704 bytes stack frame, 876 bytes spill stores, 1216 bytes spill loads
+ptxas info    : Used 24 registers, used 0 barriers, 704 bytes cumulative stack size, 364 bytes cmem[0]
+ptxas info    : Compile time = 56.705 ms
+ptxas info    : Compiling entry function '_Z2ktILi3EEvPf' for 'sm_90a'
+ptxas info    : Function properties for _Z2ktILi3EEvPf
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 10 registers, used 1 barriers, 1024 bytes smem
+ptxas info    : Compile time = 13.026 ms
+ptxas info    : Function properties for _Z1fPfi
+ptxas         .     16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+
+
+def test_parse_ptxas_report() -> None:
+    report = parse_ptxas_log(PTXAS_LOG)
+    sp = report["sp"]
+    assert sp.is_entry and sp.arch == "sm_89" and sp.registers == 24
+    assert (sp.spill_store_bytes, sp.spill_load_bytes, sp.stack_frame_bytes) == (876, 1216, 704)
+    assert sp.local_bytes == 704 and sp.const0_bytes == 364 and sp.spills and not sp.clean
+    kt = report["_Z2ktILi3EEvPf"]
+    assert kt.is_entry and kt.registers == 10 and kt.barriers == 1 and kt.shared_bytes == 1024
+    assert kt.clean
+    callee = report["_Z1fPfi"]
+    assert not callee.is_entry and callee.stack_frame_bytes == 16 and not callee.clean
+    assert list(report) == ["sp", "_Z2ktILi3EEvPf", "_Z1fPfi"]
+
+
+def test_parse_ptxas_report_of_a_real_compile() -> None:
+    module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert set(PREP_KERNELS) <= set(module.entry_names())
+    assert module.resources == parse_ptxas_log(module.log)
+    assert "Used" in module.log

@@ -1,0 +1,242 @@
+"""CPU paths of the prep ops (reference fallbacks) and their argument checks.
+
+The CUDA paths are compared byte for byte with these same references in tests/gpu/test_prep.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from snapmla_cli.cache.layout import (
+    as_token_bytes,
+    nan_token_bytes,
+    quantize_tokens,
+    random_paged_layout,
+    scatter_to_pages,
+    unpack_tokens,
+)
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.formats import D_QK, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
+from snapmla_cli.numerics.quant import quantize_rows
+from snapmla_cli.ops.prep import append_kv, fetch_dequant, fetch_dequant_slots, fetch_dequant_soa, quantize_q
+
+
+def _kv(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    content = torch.randn(n, 512, generator=g) * torch.logspace(-3, 3, n)[:, None]
+    rope = torch.randn(n, 64, generator=g) * 100
+    return torch.cat([content, rope], dim=1).to(torch.bfloat16)
+
+
+def _poisoned_cache(blocks: int) -> torch.Tensor:
+    return nan_token_bytes().expand(blocks, PAGE_SIZE, FP8_TOKEN_BYTES).clone()
+
+
+def _ref_dequant(raw: torch.Tensor) -> torch.Tensor:
+    return unpack_tokens(raw).dequantize(torch.float32).to(torch.bfloat16)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# ---------------------------------------------------------------- quantize_q
+
+
+def test_quantize_q_cpu_matches_reference() -> None:
+    q = _kv(2 * 3 * 4).view(2, 3, 4, D_QK)
+    got = quantize_q(q)
+    ref = quantize_rows(q)
+    assert got.content.dtype == FP8_DTYPE and got.content.shape == (2, 3, 4, 512)
+    assert got.scale.shape == (2, 3, 4) and got.rope.shape == (2, 3, 4, 64)
+    assert torch.equal(got.content.view(torch.uint8), ref.content.view(torch.uint8))
+    assert torch.equal(got.scale, ref.scale)
+    assert _same_bits(got.rope, ref.rope)
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (torch.zeros(4, 575, dtype=torch.bfloat16), r"q: expected shape \[\.\.\., 576\]"),
+        (torch.zeros(4, 576, dtype=torch.int32), "q: expected dtype"),
+        (torch.zeros(576, 4, dtype=torch.bfloat16).T, "q: expected shape|q: expected a contiguous"),
+        (torch.zeros(4, 1152, dtype=torch.bfloat16)[:, ::2], "q: expected a contiguous"),
+        ("not a tensor", "q: expected a torch.Tensor"),
+    ],
+)
+def test_quantize_q_rejects(bad: object, match: str) -> None:
+    with pytest.raises(SnapmlaError, match=match):
+        quantize_q(bad)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- append_kv
+
+
+@pytest.mark.parametrize("layout", ["3d", "4d", "fp8"])
+def test_append_kv_cpu_writes_only_valid_slots(layout: str) -> None:
+    blocks = 3
+    cache = _poisoned_cache(blocks)
+    view = {"3d": cache, "4d": cache.view(blocks, PAGE_SIZE, 1, FP8_TOKEN_BYTES),
+            "fp8": cache.view(FP8_DTYPE)}[layout]
+    kv = _kv(6)
+    slots = torch.tensor([5, -1, 64 * blocks, 130, -9, 0], dtype=torch.int32)
+    out = append_kv(kv, slots, view)
+    assert out is view
+    flat = cache.view(-1, FP8_TOKEN_BYTES)
+    packed = quantize_tokens(kv)
+    assert torch.equal(flat[5], packed[0]) and torch.equal(flat[130], packed[3])
+    assert torch.equal(flat[0], packed[5])
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[[0, 5, 130]] = False
+    assert bool((flat[untouched] == 0xFF).all())
+
+
+def test_append_kv_cpu_accepts_int64_slots_and_empty() -> None:
+    cache = _poisoned_cache(1)
+    kv = _kv(2)
+    append_kv(kv, torch.tensor([3, 2**40], dtype=torch.int64), cache)
+    assert torch.equal(cache.view(-1, FP8_TOKEN_BYTES)[3], quantize_tokens(kv)[0])
+    before = cache.clone()
+    append_kv(kv[:0], torch.zeros(0, dtype=torch.int32), cache)
+    assert torch.equal(before, cache)
+
+
+def test_append_kv_rejects() -> None:
+    cache = _poisoned_cache(2)
+    kv = _kv(3)
+    slots = torch.arange(3, dtype=torch.int32)
+    with pytest.raises(SnapmlaError, match=r"kv: expected shape \[n, 576\]"):
+        append_kv(kv[:, :500], slots, cache)
+    with pytest.raises(SnapmlaError, match=r"slots: expected shape \[3\]"):
+        append_kv(kv, slots[:2], cache)
+    with pytest.raises(SnapmlaError, match="slots: expected dtype int32 or int64"):
+        append_kv(kv, slots.float(), cache)
+    with pytest.raises(SnapmlaError, match="k_cache: expected uint8 or float8_e4m3fn"):
+        append_kv(kv, slots, cache.to(torch.int16))
+    with pytest.raises(SnapmlaError, match="k_cache: expected shape"):
+        append_kv(kv, slots, cache.view(4, 32, FP8_TOKEN_BYTES))
+    with pytest.raises(SnapmlaError, match="k_cache: expected last dim 656"):
+        append_kv(kv, slots, cache[..., :600])
+    with pytest.raises(SnapmlaError, match="k_cache: expected a contiguous"):
+        append_kv(kv, slots, torch.zeros(2, PAGE_SIZE, 2 * FP8_TOKEN_BYTES, dtype=torch.uint8)[..., ::2])
+    with pytest.raises(SnapmlaError, match="slots: expected a tensor on cpu"):
+        append_kv(kv, slots.to("meta"), cache)
+
+
+# ---------------------------------------------------------------- fetch_dequant
+
+
+def _paged_problem(seqlens: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    layout = random_paged_layout(seqlens, generator=g)
+    tokens = [quantize_tokens(_kv(n, seed + i)) for i, n in enumerate(seqlens)]
+    cache = scatter_to_pages(tokens, layout, nan_token_bytes())
+    return layout, tokens, cache
+
+
+def test_fetch_dequant_cpu_matches_reference() -> None:
+    seqlens = [70, 0, 1, 128, 5]
+    layout, tokens, cache = _paged_problem(seqlens)
+    out = fetch_dequant(cache, layout.block_table, layout.cache_seqlens)
+    assert out.dtype == torch.bfloat16 and out.shape == (sum(seqlens), D_QK)
+    ref = torch.cat([_ref_dequant(t) for t in tokens])
+    assert _same_bits(out, ref)
+    assert bool(torch.isfinite(out.float()).all())  # NaN pages past the ends were never read
+
+
+def test_fetch_dequant_total_tokens_pads_and_truncates() -> None:
+    seqlens = [10, 20]
+    layout, tokens, cache = _paged_problem(seqlens, seed=3)
+    ref = torch.cat([_ref_dequant(t) for t in tokens])
+    longer = fetch_dequant(cache, layout.block_table, layout.cache_seqlens, total_tokens=40)
+    assert _same_bits(longer[:30], ref) and bool((longer[30:] == 0).all())
+    shorter = fetch_dequant(cache, layout.block_table, layout.cache_seqlens, total_tokens=12)
+    assert _same_bits(shorter, ref[:12])
+    assert fetch_dequant(cache, layout.block_table, layout.cache_seqlens, total_tokens=0).shape == (0, D_QK)
+
+
+def test_fetch_dequant_bad_pages_read_as_zero() -> None:
+    layout, tokens, cache = _paged_problem([70], seed=4)
+    table = layout.block_table.clone()
+    table[0, 1] = cache.shape[0] + 5  # second page points past the cache
+    seqlens = torch.tensor([70], dtype=torch.int32)
+    out = fetch_dequant(cache, table, seqlens)
+    assert _same_bits(out[:64], _ref_dequant(tokens[0][:64]))
+    assert bool((out[64:] == 0).all())
+    # seqlen beyond the table's capacity: the missing pages read as zero too
+    out = fetch_dequant(cache, table[:, :1], torch.tensor([70], dtype=torch.int32))
+    assert bool((out[64:] == 0).all())
+    # negative lengths count as empty requests
+    out = fetch_dequant(cache, table, torch.tensor([-5], dtype=torch.int32))
+    assert out.shape == (0, D_QK)
+
+
+def test_fetch_dequant_rejects() -> None:
+    layout, _, cache = _paged_problem([5, 6])
+    bt, sl = layout.block_table, layout.cache_seqlens
+    with pytest.raises(SnapmlaError, match="block_table: expected dtype int32"):
+        fetch_dequant(cache, bt.long(), sl)
+    with pytest.raises(SnapmlaError, match="block_table: expected shape"):
+        fetch_dequant(cache, bt[0], sl)
+    with pytest.raises(SnapmlaError, match=r"cache_seqlens: expected shape \[2\]"):
+        fetch_dequant(cache, bt, sl[:1])
+    with pytest.raises(SnapmlaError, match="cache_seqlens: expected dtype int32"):
+        fetch_dequant(cache, bt, sl.float())
+    with pytest.raises(SnapmlaError, match="total_tokens"):
+        fetch_dequant(cache, bt, sl, total_tokens=-1)
+    with pytest.raises(SnapmlaError, match="block_table: expected a tensor on cpu"):
+        fetch_dequant(cache, bt.to("meta"), sl)
+
+
+def test_fetch_dequant_slots_cpu() -> None:
+    layout, tokens, cache = _paged_problem([100], seed=5)
+    flat = as_token_bytes(cache).reshape(-1, FP8_TOKEN_BYTES)
+    slots = torch.tensor([7, -1, flat.shape[0], 3, 7], dtype=torch.int32)
+    out = fetch_dequant_slots(cache, slots)
+    assert out.shape == (5, D_QK)
+    assert _same_bits(out[0], _ref_dequant(flat[7])) and _same_bits(out[3], _ref_dequant(flat[3]))
+    assert _same_bits(out[4], out[0])
+    assert bool((out[1] == 0).all()) and bool((out[2] == 0).all())
+    with pytest.raises(SnapmlaError, match="slots: expected shape"):
+        fetch_dequant_slots(cache, slots.view(5, 1))
+
+
+def test_fetch_dequant_soa_cpu() -> None:
+    rows = quantize_rows(_kv(9, seed=6))
+    content = rows.content.view(torch.uint8).contiguous()
+    slots = torch.tensor([8, 0, -1, 9, 4], dtype=torch.int32)
+    out = fetch_dequant_soa(content, rows.scale, rows.rope, slots)
+    ref = rows.dequantize(torch.float32).to(torch.bfloat16)
+    assert _same_bits(out[0], ref[8]) and _same_bits(out[1], ref[0]) and _same_bits(out[4], ref[4])
+    assert bool((out[2] == 0).all()) and bool((out[3] == 0).all())
+    fp8_view = fetch_dequant_soa(rows.content, rows.scale, rows.rope, slots)
+    assert _same_bits(fp8_view, out)
+    with pytest.raises(SnapmlaError, match=r"scale: expected shape \[9\]"):
+        fetch_dequant_soa(content, rows.scale[:8], rows.rope, slots)
+    with pytest.raises(SnapmlaError, match="rope: expected dtype bfloat16"):
+        fetch_dequant_soa(content, rows.scale, rows.rope.float(), slots)
+    with pytest.raises(SnapmlaError, match=r"content: expected shape \[slots, 512\]"):
+        fetch_dequant_soa(content[:, :256], rows.scale, rows.rope, slots)
+
+
+def test_dequant_reference_is_float32_multiply_then_bf16() -> None:
+    """The kernels' rule, bf16(float32(x) * s), is what dequantize(float32).to(bf16) computes."""
+    rows = quantize_rows(_kv(4, seed=7))
+    s = rows.scale[:, None]
+    manual = torch.cat([rows.content.float() * s, rows.rope.float() * s], dim=1).to(torch.bfloat16)
+    assert _same_bits(manual, rows.dequantize(torch.float32).to(torch.bfloat16))
+
+
+def test_prep_imports_and_runs_without_cupy() -> None:
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"
+        "import torch\n"
+        "from snapmla_cli.ops.prep import quantize_q\n"
+        "r = quantize_q(torch.ones(2, 576, dtype=torch.bfloat16))\n"
+        "assert r.scale.shape == (2,)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
