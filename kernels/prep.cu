@@ -121,14 +121,16 @@ __device__ __forceinline__ void store_dequant(const TokenFp8& t, __nv_bfloat16* 
 }
 
 // A slot is usable when 0 <= slot < num_slots; anything else (-1 padding, garbage) is skipped.
-__device__ __forceinline__ bool slot_ok(i64 slot, i64 num_slots) { return slot >= 0 && slot < num_slots; }
+__device__ __forceinline__ bool slot_ok(i64 slot, i64 num_slots) {
+    return slot >= 0 && slot < num_slots;
+}
 
 // Global token index t of the concatenated output -> cache slot, or -1 when t is past the last
 // request's tokens or the block table points outside the cache. cu_seqlens[0] == 0 and
 // cu_seqlens[i+1] - cu_seqlens[i] = tokens of request i; a binary search over the b+1 offsets
 // (uniform across the warp: every lane loads the same words) finds the request.
-__device__ __forceinline__ i64 paged_slot(i64 t, const i32* cu_seqlens, int batch, const i32* block_table,
-                                          int max_blocks, i64 num_slots) {
+__device__ __forceinline__ i64 paged_slot(i64 t, const i32* cu_seqlens, int batch,
+                                          const i32* block_table, int max_blocks, i64 num_slots) {
     if (t >= static_cast<i64>(ldg_nc_i32(cu_seqlens + batch))) return -1;
     int lo = 0, hi = batch;  // invariant: cu[lo] <= t < cu[hi]
     while (hi - lo > 1) {
@@ -171,7 +173,9 @@ snapmla_quantize_q(const __nv_bfloat16* __restrict__ q, u8* __restrict__ content
             stg_v2(c + QROW_ELEMS_PER_CHUNK * w.lane, o.c0);
             stg_v2(c + QROW_HALF + QROW_ELEMS_PER_CHUNK * w.lane, o.c1);
             if (w.lane == 0) stg_u32(scale + row, __float_as_uint(o.scale));
-            if (w.lane < QROW_ROPE_LANES) stg_v2(rope + row * D_ROPE + QROW_ROPE_PER_LANE * w.lane, o.r);
+            if (w.lane < QROW_ROPE_LANES) {
+                stg_v2(rope + row * D_ROPE + QROW_ROPE_PER_LANE * w.lane, o.r);
+            }
         }
     }
 }
@@ -203,8 +207,12 @@ snapmla_append_kv(const __nv_bfloat16* __restrict__ kv, const i32* __restrict__ 
             stg_v2(token + CONTENT_OFFSET + QROW_ELEMS_PER_CHUNK * w.lane, o.c0);
             stg_v2(token + CONTENT_OFFSET + QROW_HALF + QROW_ELEMS_PER_CHUNK * w.lane, o.c1);
             // scale + 12 zero pad bytes: one 16-byte chunk at offset 512
-            if (w.lane == 0) stg_v4(token + SCALE_OFFSET, make_uint4(__float_as_uint(o.scale), 0u, 0u, 0u));
-            if (w.lane < QROW_ROPE_LANES) stg_v2(token + ROPE_OFFSET + 2 * QROW_ROPE_PER_LANE * w.lane, o.r);
+            if (w.lane == 0) {
+                stg_v4(token + SCALE_OFFSET, make_uint4(__float_as_uint(o.scale), 0u, 0u, 0u));
+            }
+            if (w.lane < QROW_ROPE_LANES) {
+                stg_v2(token + ROPE_OFFSET + 2 * QROW_ROPE_PER_LANE * w.lane, o.r);
+            }
         }
     }
 }
@@ -214,18 +222,21 @@ snapmla_append_kv(const __nv_bfloat16* __restrict__ kv, const i32* __restrict__ 
 //     cu_seqlens[i+1]-1. Rows past cu_seqlens[batch], and rows whose block-table entry points
 //     outside the cache, are written as zeros.
 extern "C" __global__ void __launch_bounds__(prep::THREADS)
-snapmla_fetch_dequant_paged(const u8* __restrict__ cache, i64 num_slots, const i32* __restrict__ block_table,
-                            int max_blocks, const i32* __restrict__ cu_seqlens, int batch,
+snapmla_fetch_dequant_paged(const u8* __restrict__ cache, i64 num_slots,
+                            const i32* __restrict__ block_table, int max_blocks,
+                            const i32* __restrict__ cu_seqlens, int batch,
                             __nv_bfloat16* __restrict__ out, i64 total_tokens) {
     const WarpCoords w = warp_coords();
-    for (i64 group = w.first_group; group * ROWS_PER_WARP < total_tokens; group += w.group_stride) {
+    for (i64 group = w.first_group; group * ROWS_PER_WARP < total_tokens;
+         group += w.group_stride) {
         const i64 base = group * ROWS_PER_WARP;
         TokenFp8 tok[ROWS_PER_WARP];
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
             tok[r] = zero_token();
             if (base + r >= total_tokens) continue;
-            const i64 slot = paged_slot(base + r, cu_seqlens, batch, block_table, max_blocks, num_slots);
+            const i64 slot =
+                paged_slot(base + r, cu_seqlens, batch, block_table, max_blocks, num_slots);
             if (slot >= 0) tok[r] = load_paged_token(cache, slot, w.lane);
         }
 #pragma unroll
@@ -238,8 +249,8 @@ snapmla_fetch_dequant_paged(const u8* __restrict__ cache, i64 num_slots, const i
 
 // (c') fetch-dequant from a slot list: out[i] = dequant(cache[slots[i]]); invalid slot -> zeros.
 extern "C" __global__ void __launch_bounds__(prep::THREADS)
-snapmla_fetch_dequant_slots(const u8* __restrict__ cache, i64 num_slots, const i32* __restrict__ slots,
-                            i64 n, __nv_bfloat16* __restrict__ out) {
+snapmla_fetch_dequant_slots(const u8* __restrict__ cache, i64 num_slots,
+                            const i32* __restrict__ slots, i64 n, __nv_bfloat16* __restrict__ out) {
     const WarpCoords w = warp_coords();
     for (i64 group = w.first_group; group * ROWS_PER_WARP < n; group += w.group_stride) {
         const i64 base = group * ROWS_PER_WARP;
@@ -275,7 +286,8 @@ snapmla_fetch_dequant_soa(const u8* __restrict__ content, const float* __restric
             if (base + r >= n) continue;
             const i64 slot = ldg_nc_i32(slots + base + r);
             if (slot_ok(slot, num_slots)) {
-                tok[r] = load_token(content + slot * D_CONTENT, scale + slot, rope + slot * D_ROPE, w.lane);
+                tok[r] = load_token(content + slot * D_CONTENT, scale + slot, rope + slot * D_ROPE,
+                                    w.lane);
             }
         }
 #pragma unroll

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -24,10 +25,19 @@ from snapmla_cli.runtime.registry import (
     PREP_KERNELS,
     PREP_SOURCE,
     iter_variants,
+    unregistered_sources,
     variant,
 )
 
-cupy = pytest.importorskip("cupy", reason="NVRTC comes with CuPy (pip install 'snapmla[cuda]')")
+try:
+    import cupy  # noqa: F401
+
+    HAVE_NVRTC = True
+except ImportError:
+    HAVE_NVRTC = False
+needs_nvrtc = pytest.mark.skipif(
+    not HAVE_NVRTC, reason="NVRTC comes with CuPy (pip install 'snapmla[cuda]')"
+)
 
 REPO_KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 _LDG128 = re.compile(r"\bLDG\.E(?:\.[A-Z0-9_]+)*\.128\b")
@@ -44,7 +54,9 @@ def isolated_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture(scope="module")
-def compiled_variants(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int, str], nvrtc.CompiledModule]:
+def compiled_variants(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[str, int, str], nvrtc.CompiledModule]:
     """Compile every registered variant once for the module (its own cache folder)."""
     mp = pytest.MonkeyPatch()
     mp.setenv(kernel_cache.CACHE_DIR_ENV, str(tmp_path_factory.mktemp("variants")))
@@ -65,6 +77,7 @@ def _variant_ids() -> list[tuple[str, int, str]]:
 # ------------------------------------------------------------------ registered kernels
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("vid", _variant_ids(), ids=lambda v: f"{v[0]}-v{v[1]}-{v[2]}")
 def test_variant_compiles_without_spills(vid, compiled_variants) -> None:
     source, index, arch = vid
@@ -87,6 +100,14 @@ def test_prep_is_registered_for_sm90a_and_sm89() -> None:
     assert any(dict(v.defines) == PREP_DEFINES for v in KERNEL_SOURCES[PREP_SOURCE])
 
 
+def test_every_kernel_source_is_registered() -> None:
+    """A warning, not a failure, while other kernels are being written: each .cu file should get
+    a KERNEL_SOURCES entry so that this module compiles and checks it."""
+    missing = unregistered_sources()
+    if missing:
+        warnings.warn(f"kernel sources not in KERNEL_SOURCES: {missing}", stacklevel=1)
+
+
 def test_registry_entry_is_one_line() -> None:
     v = variant("k1", "k2", archs=("sm_90a",), TILE=64)
     assert v.kernels == ("k1", "k2") and dict(v.defines) == {"TILE": 64}
@@ -107,6 +128,7 @@ def _sass_by_function(sass: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts) - 1, 2)}
 
 
+@needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_89"])
 def test_prep_sass_uses_128bit_global_loads(arch: str, tmp_path: Path) -> None:
     tool = _cuobjdump()
@@ -115,7 +137,9 @@ def test_prep_sass_uses_128bit_global_loads(arch: str, tmp_path: Path) -> None:
     module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, arch)
     cubin = tmp_path / "prep.cubin"
     cubin.write_bytes(module.cubin)
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    sass = subprocess.run(
+        [tool, "-sass", str(cubin)], capture_output=True, text=True, check=True
+    ).stdout
     functions = _sass_by_function(sass)
     for name in PREP_KERNELS:
         assert name in functions, f"{name} missing from SASS ({list(functions)})"
@@ -127,8 +151,20 @@ def test_prep_sass_uses_128bit_global_loads(arch: str, tmp_path: Path) -> None:
 def test_types_header_mirrors_formats() -> None:
     text = (REPO_KERNELS / "common" / "types.cuh").read_text()
     consts = dict(re.findall(r"constexpr\s+(?:int|float)\s+(\w+)\s*=\s*([^;]+);", text))
-    for name in ("D_CONTENT", "D_ROPE", "D_QK", "D_V", "PAGE_SIZE", "BLOCK_N", "FP8_TOKEN_BYTES",
-                 "CONTENT_OFFSET", "SCALE_OFFSET", "PAD_OFFSET", "ROPE_OFFSET", "ROPE_BYTES"):
+    for name in (
+        "D_CONTENT",
+        "D_ROPE",
+        "D_QK",
+        "D_V",
+        "PAGE_SIZE",
+        "BLOCK_N",
+        "FP8_TOKEN_BYTES",
+        "CONTENT_OFFSET",
+        "SCALE_OFFSET",
+        "PAD_OFFSET",
+        "ROPE_OFFSET",
+        "ROPE_BYTES",
+    ):
         assert int(consts[name]) == getattr(formats, name), name
     assert float(consts["E4M3_MAX"].rstrip("f")) == formats.E4M3_MAX
     assert float.fromhex(consts["KV_SCALE_FLOOR"].rstrip("f")) == formats.KV_SCALE_FLOOR
@@ -138,13 +174,17 @@ def test_types_header_mirrors_formats() -> None:
 # ------------------------------------------------------------------ the caches
 
 
+@needs_nvrtc
 def test_memory_cache_returns_same_module() -> None:
     a = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
     b = nvrtc.compile_module(PREP_SOURCE, dict(reversed(list(PREP_DEFINES.items()))), "sm_90a")
     assert a is b and a.origin == "nvrtc"
 
 
-def test_second_compile_hits_disk_cache(monkeypatch: pytest.MonkeyPatch, isolated_caches: Path) -> None:
+@needs_nvrtc
+def test_second_compile_hits_disk_cache(
+    monkeypatch: pytest.MonkeyPatch, isolated_caches: Path
+) -> None:
     first = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
     assert list(isolated_caches.glob("*.cubin")) and list(isolated_caches.glob("*.json"))
     nvrtc.clear_memory_cache()
@@ -166,6 +206,7 @@ def _copy_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
+@needs_nvrtc
 def test_changed_header_misses_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     folder = _copy_kernels(tmp_path, monkeypatch)
     calls: list[str] = []
@@ -188,6 +229,7 @@ def test_changed_header_misses_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert second.key != first.key and second.origin == "nvrtc"
 
 
+@needs_nvrtc
 def test_defines_change_the_key() -> None:
     a = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
     b = nvrtc.compile_module(PREP_SOURCE, {**PREP_DEFINES, "PREP_ROWS_PER_WARP": 1}, "sm_90a")
@@ -195,6 +237,7 @@ def test_defines_change_the_key() -> None:
     assert ("PREP_ROWS_PER_WARP", "1") in b.defines
 
 
+@needs_nvrtc
 def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -206,6 +249,7 @@ def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_p
 # ------------------------------------------------------------------ errors
 
 
+@needs_nvrtc
 def test_syntax_error_names_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     folder = _copy_kernels(tmp_path, monkeypatch)
     (folder / "broken.cu").write_text('extern "C" __global__ void k(int* x) { x[0] = ; }\n')
@@ -218,6 +262,7 @@ def test_syntax_error_names_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert err.value.__cause__ is None and err.value.__suppress_context__
 
 
+@needs_nvrtc
 def test_missing_source_and_bad_arguments() -> None:
     with pytest.raises(SnapmlaError, match="nope.cu"):
         nvrtc.compile_module("nope.cu")
@@ -253,8 +298,7 @@ def test_scalar_wrappers() -> None:
 
 
 def test_launch_rejects_bare_python_numbers() -> None:
-    fake = Kernel(name="k", source="prep.cu", device_index=0, function=None,
-                  compiled=None)  # type: ignore[arg-type]
+    fake = Kernel(name="k", source="prep.cu", device_index=0, function=None, compiled=None)
     with pytest.raises(SnapmlaError, match="argument 1"):
         launch(fake, 1, 32, [None, 7])
     with pytest.raises(SnapmlaError, match="argument 0"):
@@ -308,6 +352,7 @@ def test_parse_ptxas_report() -> None:
     assert list(report) == ["sp", "_Z2ktILi3EEvPf", "_Z1fPfi"]
 
 
+@needs_nvrtc
 def test_parse_ptxas_report_of_a_real_compile() -> None:
     module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
     assert set(PREP_KERNELS) <= set(module.entry_names())

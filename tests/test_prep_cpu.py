@@ -22,7 +22,13 @@ from snapmla_cli.cache.layout import (
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from snapmla_cli.numerics.quant import quantize_rows
-from snapmla_cli.ops.prep import append_kv, fetch_dequant, fetch_dequant_slots, fetch_dequant_soa, quantize_q
+from snapmla_cli.ops.prep import (
+    append_kv,
+    fetch_dequant,
+    fetch_dequant_slots,
+    fetch_dequant_soa,
+    quantize_q,
+)
 
 
 def _kv(n: int, seed: int = 0) -> torch.Tensor:
@@ -80,8 +86,11 @@ def test_quantize_q_rejects(bad: object, match: str) -> None:
 def test_append_kv_cpu_writes_only_valid_slots(layout: str) -> None:
     blocks = 3
     cache = _poisoned_cache(blocks)
-    view = {"3d": cache, "4d": cache.view(blocks, PAGE_SIZE, 1, FP8_TOKEN_BYTES),
-            "fp8": cache.view(FP8_DTYPE)}[layout]
+    view = {
+        "3d": cache,
+        "4d": cache.view(blocks, PAGE_SIZE, 1, FP8_TOKEN_BYTES),
+        "fp8": cache.view(FP8_DTYPE),
+    }[layout]
     kv = _kv(6)
     slots = torch.tensor([5, -1, 64 * blocks, 130, -9, 0], dtype=torch.int32)
     out = append_kv(kv, slots, view)
@@ -122,7 +131,9 @@ def test_append_kv_rejects() -> None:
     with pytest.raises(SnapmlaError, match="k_cache: expected last dim 656"):
         append_kv(kv, slots, cache[..., :600])
     with pytest.raises(SnapmlaError, match="k_cache: expected a contiguous"):
-        append_kv(kv, slots, torch.zeros(2, PAGE_SIZE, 2 * FP8_TOKEN_BYTES, dtype=torch.uint8)[..., ::2])
+        append_kv(
+            kv, slots, torch.zeros(2, PAGE_SIZE, 2 * FP8_TOKEN_BYTES, dtype=torch.uint8)[..., ::2]
+        )
     with pytest.raises(SnapmlaError, match="slots: expected a tensor on cpu"):
         append_kv(kv, slots.to("meta"), cache)
 
@@ -156,7 +167,10 @@ def test_fetch_dequant_total_tokens_pads_and_truncates() -> None:
     assert _same_bits(longer[:30], ref) and bool((longer[30:] == 0).all())
     shorter = fetch_dequant(cache, layout.block_table, layout.cache_seqlens, total_tokens=12)
     assert _same_bits(shorter, ref[:12])
-    assert fetch_dequant(cache, layout.block_table, layout.cache_seqlens, total_tokens=0).shape == (0, D_QK)
+    assert fetch_dequant(cache, layout.block_table, layout.cache_seqlens, total_tokens=0).shape == (
+        0,
+        D_QK,
+    )
 
 
 def test_fetch_dequant_bad_pages_read_as_zero() -> None:
@@ -193,7 +207,7 @@ def test_fetch_dequant_rejects() -> None:
 
 
 def test_fetch_dequant_slots_cpu() -> None:
-    layout, tokens, cache = _paged_problem([100], seed=5)
+    _, _, cache = _paged_problem([100], seed=5)
     flat = as_token_bytes(cache).reshape(-1, FP8_TOKEN_BYTES)
     slots = torch.tensor([7, -1, flat.shape[0], 3, 7], dtype=torch.int32)
     out = fetch_dequant_slots(cache, slots)
@@ -239,4 +253,8 @@ def test_prep_imports_and_runs_without_cupy() -> None:
         "r = quantize_q(torch.ones(2, 576, dtype=torch.bfloat16))\n"
         "assert r.scale.shape == (2,)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        cwd=str(__import__("pathlib").Path(__file__).parents[1]),
+    )

@@ -43,7 +43,8 @@ __device__ __forceinline__ u32 f32x2_to_bf16x2_rn(float lo, float hi) {
 
 // Two floats -> two E4M3 bytes (RNE, saturating finite); `lo` lands in the low byte.
 __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
-    return static_cast<u32>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+    return static_cast<u32>(
+        __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
 }
 
 // Four floats -> four E4M3 bytes in one u32 (element 0 in the lowest byte).
@@ -55,8 +56,10 @@ __device__ __forceinline__ u32 f32x4_to_e4m3x4(float a, float b, float c, float 
 
 // Two E4M3 bytes (low byte = element 0) -> two floats, through an exact f16x2 conversion.
 __device__ __forceinline__ float2 e4m3x2_to_f32x2(u32 two_bytes) {
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu), __NV_E4M3);
-    return make_float2(__half2float(__half(__half_raw{h.x})), __half2float(__half(__half_raw{h.y})));
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    return make_float2(__half2float(__half(__half_raw{h.x})),
+                       __half2float(__half(__half_raw{h.y})));
 }
 
 // Four E4M3 bytes in a u32 -> four floats.

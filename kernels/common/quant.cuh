@@ -108,7 +108,8 @@ __device__ __forceinline__ uint2 quantize8_e4m3(const float (&x)[8], const RowDi
     float q[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) q[i] = kFast ? div_markstein(x[i], d.s, d.y) : __fdiv_rn(x[i], d.s);
-    return make_uint2(f32x4_to_e4m3x4(q[0], q[1], q[2], q[3]), f32x4_to_e4m3x4(q[4], q[5], q[6], q[7]));
+    return make_uint2(f32x4_to_e4m3x4(q[0], q[1], q[2], q[3]),
+                      f32x4_to_e4m3x4(q[4], q[5], q[6], q[7]));
 }
 
 // Must be called by all 32 lanes of the warp (it reduces the amax with shuffles).

@@ -47,7 +47,7 @@ CONTENT_GAIN_MEDIAN = 0.25
 CONTENT_GAIN_SIGMA = 0.4  # log-normal sigma of the per-channel gain
 OUTLIER_CHANNELS = 6
 OUTLIER_CHANNEL_GAIN = 4.0
-TOKEN_GAIN_SIGMA = 0.5  # log-normal sigma of the per-token magnitude
+TOKEN_GAIN_SIGMA = 0.25  # log-normal sigma of the per-token magnitude
 SINK_EVERY = 4096  # one delimiter-like sink per this many tokens, plus position 0
 SINK_CHANNELS = 4  # sinks carry massive values in these many (shared) channels ...
 SINK_VALUE = 8.0  # ... of about this magnitude
@@ -56,8 +56,8 @@ SINK_VALUE = 8.0  # ... of about this magnitude
 ROPE_AMPLITUDE_FIRST = 6.0  # pair-amplitude base of the first layer ...
 ROPE_AMPLITUDE_LAST = 30.0  # ... and of the last one (geometric in between)
 ROPE_MASSIVE_PAIRS = 3  # low-frequency pairs with an extra-large amplitude ...
-ROPE_MASSIVE_GAIN_FIRST = 2.0  # ... this much larger in the first layer ...
-ROPE_MASSIVE_GAIN_LAST = 8.0  # ... and this much in the last
+ROPE_MASSIVE_GAIN_FIRST = 1.5  # ... this much larger in the first layer ...
+ROPE_MASSIVE_GAIN_LAST = 4.0  # ... and this much in the last
 ROPE_NOISE = 0.3  # Student-t noise relative to the pair amplitude ...
 ROPE_MASSIVE_NOISE = 0.02  # ... and on the massive pairs (consistent: no per-token gain either)
 ROPE_NOISE_DF = 4
@@ -221,7 +221,7 @@ def probe_queries(
     r_gain = share * logit_c.std(dim=1) / torch.clamp(logit_r.std(dim=1), min=1e-30)
     logits = logit_c + r_gain[:, None] * logit_r
     target = torch.clamp(_log_uniform(EFFECTIVE_KEYS, rows, gen), max=max(1.0, tokens / 2))
-    temp = _temperature_for(logits, target)
+    temp = _temperature_for(logits.float(), target.float()).double()
     q = torch.cat([q_c * temp[:, None], q_r * (temp * r_gain)[:, None]], dim=1)
     return q.reshape(n, heads, D_QK).to(torch.bfloat16)
 
@@ -237,7 +237,7 @@ def effective_keys(logits: torch.Tensor) -> torch.Tensor:
     return torch.exp(-(logp.exp() * logp).sum(dim=-1))
 
 
-def _temperature_for(logits: torch.Tensor, target: torch.Tensor, steps: int = 30) -> torch.Tensor:
+def _temperature_for(logits: torch.Tensor, target: torch.Tensor, steps: int = 20) -> torch.Tensor:
     """Per row, the factor ``a`` with ``effective_keys(a * logits) == target`` (bisection on
     ``log a``; the effective key count falls as ``a`` grows)."""
     lo = torch.full_like(target, -10.0)

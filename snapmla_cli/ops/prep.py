@@ -62,7 +62,9 @@ def _same_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
 def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         names = " or ".join(str(d).replace("torch.", "") for d in allowed)
-        raise SnapmlaError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+        raise SnapmlaError(
+            f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}"
+        )
 
 
 def _contiguous(name: str, t: torch.Tensor) -> None:
@@ -103,11 +105,12 @@ def _slots_i32(slots: torch.Tensor) -> torch.Tensor:
 
 def _paged_cache(k_cache: object) -> torch.Tensor:
     """uint8 ``[num_blocks, 64, 656]`` view of an FP8 cache (SPEC section 3 shapes)."""
-    cache = as_token_bytes(_tensor("k_cache", k_cache), "k_cache")
+    original = _tensor("k_cache", k_cache)
+    cache = as_token_bytes(original, "k_cache")
     if cache.dim() != 3 or cache.shape[1] != PAGE_SIZE:
         raise SnapmlaError(
             f"k_cache: expected shape [num_blocks, {PAGE_SIZE}, {FP8_TOKEN_BYTES}] or "
-            f"[num_blocks, {PAGE_SIZE}, 1, {FP8_TOKEN_BYTES}], got {tuple(k_cache.shape)}"  # type: ignore[union-attr]
+            f"[num_blocks, {PAGE_SIZE}, 1, {FP8_TOKEN_BYTES}], got {tuple(original.shape)}"
         )
     _contiguous("k_cache", cache)
     return cache
@@ -149,7 +152,9 @@ def quantize_q(q: torch.Tensor) -> QuantizedRows:
     q = _tensor("q", q)
     device = _same_device([("q", q)])
     if q.dim() < 1 or q.shape[-1] != D_QK:
-        raise SnapmlaError(f"q: expected shape [..., {D_QK}] (e.g. [b, s_q, h_q, {D_QK}]), got {tuple(q.shape)}")
+        raise SnapmlaError(
+            f"q: expected shape [..., {D_QK}] (e.g. [b, s_q, h_q, {D_QK}]), got {tuple(q.shape)}"
+        )
     _contiguous("q", q)
     if device.type == "cpu":
         _dtype("q", q, _CPU_FLOAT_DTYPES)
@@ -222,13 +227,20 @@ def fetch_dequant(
     _dtype("block_table", block_table, (torch.int32,))
     _dtype("cache_seqlens", cache_seqlens, (torch.int32,))
     if block_table.dim() != 2:
-        raise SnapmlaError(f"block_table: expected shape [b, max_blocks], got {tuple(block_table.shape)}")
+        raise SnapmlaError(
+            f"block_table: expected shape [b, max_blocks], got {tuple(block_table.shape)}"
+        )
     batch = block_table.shape[0]
     if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != batch:
-        raise SnapmlaError(f"cache_seqlens: expected shape [{batch}] (one per block_table row), got {tuple(cache_seqlens.shape)}")
+        raise SnapmlaError(
+            f"cache_seqlens: expected shape [{batch}] (one per block_table row), "
+            f"got {tuple(cache_seqlens.shape)}"
+        )
     _contiguous("block_table", block_table)
     _contiguous("cache_seqlens", cache_seqlens)
-    device = _same_device([("k_cache", cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens)])
+    device = _same_device(
+        [("k_cache", cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens)]
+    )
     if total_tokens is not None and (not isinstance(total_tokens, int) or total_tokens < 0):
         raise SnapmlaError(f"total_tokens: expected a non-negative int, got {total_tokens!r}")
 
@@ -242,14 +254,27 @@ def fetch_dequant(
     out = torch.empty((total, D_QK), dtype=torch.bfloat16, device=device)
     if total:
         num_slots = cache.shape[0] * PAGE_SIZE
-        _run(device, "snapmla_fetch_dequant_paged", total,
-             [cache, i64(num_slots), block_table, i32(block_table.shape[1]), cu, i32(batch),
-              out, i64(total)])
+        _run(
+            device,
+            "snapmla_fetch_dequant_paged",
+            total,
+            [
+                cache,
+                i64(num_slots),
+                block_table,
+                i32(block_table.shape[1]),
+                cu,
+                i32(batch),
+                out,
+                i64(total),
+            ],
+        )
     return out
 
 
-def _fetch_paged_cpu(cache: torch.Tensor, block_table: torch.Tensor, cu: torch.Tensor,
-                     total: int) -> torch.Tensor:
+def _fetch_paged_cpu(
+    cache: torch.Tensor, block_table: torch.Tensor, cu: torch.Tensor, total: int
+) -> torch.Tensor:
     out = torch.zeros((total, D_QK), dtype=torch.bfloat16)
     m = min(total, int(cu[-1]))
     max_blocks, num_slots = block_table.shape[1], cache.shape[0] * PAGE_SIZE
@@ -284,8 +309,12 @@ def fetch_dequant_slots(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Ten
     _aligned("k_cache", cache)
     out = torch.empty((n, D_QK), dtype=torch.bfloat16, device=device)
     if n:
-        _run(device, "snapmla_fetch_dequant_slots", n,
-             [cache, i64(num_slots), _slots_i32(slots), i64(n), out])
+        _run(
+            device,
+            "snapmla_fetch_dequant_slots",
+            n,
+            [cache, i64(num_slots), _slots_i32(slots), i64(n), out],
+        )
     return out
 
 
@@ -308,7 +337,9 @@ def fetch_dequant_soa(
     slots = _slots("slots", slots)
     for name, t in (("content", content), ("scale", scale), ("rope", rope)):
         _contiguous(name, t)
-    device = _same_device([("content", content), ("scale", scale), ("rope", rope), ("slots", slots)])
+    device = _same_device(
+        [("content", content), ("scale", scale), ("rope", rope), ("slots", slots)]
+    )
     n = slots.shape[0]
     if device.type == "cpu":
         out = torch.zeros((n, D_QK), dtype=torch.bfloat16)
@@ -321,6 +352,10 @@ def fetch_dequant_soa(
         _aligned(name, t)
     out = torch.empty((n, D_QK), dtype=torch.bfloat16, device=device)
     if n:
-        _run(device, "snapmla_fetch_dequant_soa", n,
-             [content_u8, scale, rope, i64(num_slots), _slots_i32(slots), i64(n), out])
+        _run(
+            device,
+            "snapmla_fetch_dequant_soa",
+            n,
+            [content_u8, scale, rope, i64(num_slots), _slots_i32(slots), i64(n), out],
+        )
     return out

@@ -1,4 +1,4 @@
-"""On-disk cache of compiled kernels: ``<key>.cubin`` plus ``<key>.json`` (NVRTC log, lowered names).
+"""On-disk cache of compiled kernels: ``<key>.cubin`` + ``<key>.json`` (log, lowered names).
 
 Why our own cache and not CuPy's: CuPy's does not hash headers pulled in with ``-I``, and it
 needs a GPU to pick the arch. The key (computed by :mod:`snapmla_cli.runtime.nvrtc`) covers
@@ -47,8 +47,9 @@ def load(key: str) -> CachedKernel | None:
         return None
     if meta.get("format") != _FORMAT or meta.get("cubin_bytes") != len(cubin):
         return None
-    return CachedKernel(cubin=cubin, log=str(meta.get("log", "")),
-                        lowered_names=dict(meta.get("lowered_names", {})))
+    return CachedKernel(
+        cubin=cubin, log=str(meta.get("log", "")), lowered_names=dict(meta.get("lowered_names", {}))
+    )
 
 
 def store(key: str, entry: CachedKernel, description: dict[str, object]) -> bool:

@@ -1,12 +1,11 @@
 """Load compiled kernels on the current torch CUDA device and launch them on torch's stream.
 
 Why this shape: the decode step calls these kernels hundreds of times a second and inside CUDA
-graphs, so the launch path does no I/O, no host sync and no device allocation: a dict lookup
-for the kernel, one for the stream wrapper, then CuPy's launch. Arguments are explicit about
-their C types because CuPy does not check them: tensors become raw pointers, and integers or
-floats must be wrapped with :func:`i32` / :func:`i64` / :func:`f32` (a bare Python ``int``
-is rejected rather than silently passed as 64 bits to an ``int`` parameter).
-"""
+graphs, so the launch path does no I/O, no host sync, no device allocation and no driver query:
+a dict lookup for the kernel, torch's current stream, then CuPy's launch. Arguments are explicit
+about their C types because CuPy does not check them: tensors become raw pointers, and integers
+or floats must be wrapped with :func:`i32` / :func:`i64` / :func:`f32` (a bare Python ``int``
+is rejected rather than silently passed as 64 bits to an ``int`` parameter)."""
 
 from __future__ import annotations
 
@@ -81,14 +80,12 @@ def require_gpu() -> None:
 
 _KERNELS: dict[tuple[object, ...], Kernel] = {}
 _MODULES: dict[tuple[str, int], Any] = {}
-_STREAMS: dict[int, Any] = {}
 
 
 def clear_loaded_kernels() -> None:
-    """Forget loaded kernels and stream wrappers (tests; a changed SNAPMLA_KERNEL_DIR)."""
+    """Forget loaded kernels (tests; a changed SNAPMLA_KERNEL_DIR)."""
     _KERNELS.clear()
     _MODULES.clear()
-    _STREAMS.clear()
 
 
 def get_kernel(
@@ -111,7 +108,12 @@ def get_kernel(
         if index is None:
             index = torch.cuda.current_device()
     # Cheap key on the hot path; the defines are validated by compile_module on a miss.
-    key = (source, kernel_name, tuple(sorted((k, str(v)) for k, v in defines.items())) if defines else (), index)
+    key = (
+        source,
+        kernel_name,
+        tuple(sorted((k, str(v)) for k, v in defines.items())) if defines else (),
+        index,
+    )
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _load(source, kernel_name, defines, index)
@@ -121,8 +123,9 @@ def get_kernel(
     return kernel
 
 
-def _load(source: str, kernel_name: str, defines: Mapping[str, int | str] | None,
-          index: int) -> Kernel:
+def _load(
+    source: str, kernel_name: str, defines: Mapping[str, int | str] | None, index: int
+) -> Kernel:
     require_gpu()
     import cupy
 
@@ -142,8 +145,9 @@ def _load(source: str, kernel_name: str, defines: Mapping[str, int | str] | None
                 f"{source}: no kernel named {kernel_name!r} in the module for {arch} "
                 f"(entries: {', '.join(compiled.entry_names())})"
             ) from None
-    return Kernel(name=kernel_name, source=source, device_index=index, function=function,
-                  compiled=compiled)
+    return Kernel(
+        name=kernel_name, source=source, device_index=index, function=function, compiled=compiled
+    )
 
 
 def _set_dynamic_smem(kernel: Kernel, nbytes: int) -> None:
@@ -158,25 +162,18 @@ def _set_dynamic_smem(kernel: Kernel, nbytes: int) -> None:
     kernel.max_dynamic_smem = nbytes
 
 
-class _StreamHandle:
-    """A raw ``cudaStream_t`` exposed through the CUDA stream protocol."""
+class _RawStream:
+    """torch's ``cudaStream_t`` as CuPy's launch sees it: CuPy's ``Function.__call__`` reads only
+    ``stream.ptr``. Creating a CuPy ``Stream`` object instead would query the driver, which is
+    best avoided while a CUDA graph is being captured; this wrapper makes no CUDA call."""
+
+    __slots__ = ("ptr",)
 
     def __init__(self, ptr: int) -> None:
-        self._ptr = ptr
+        self.ptr = ptr
 
     def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self._ptr)
-
-
-def _cupy_stream(device_index: int) -> Any:
-    ptr = torch.cuda.current_stream(device_index).cuda_stream
-    stream = _STREAMS.get(ptr)
-    if stream is None:
-        import cupy
-
-        stream = cupy.cuda.Stream.from_external(_StreamHandle(ptr))
-        _STREAMS[ptr] = stream
-    return stream
+        return (0, self.ptr)
 
 
 def _dim3(d: Dim) -> tuple[int, ...]:
@@ -206,5 +203,5 @@ def launch(
             )
     if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
         _set_dynamic_smem(kernel, shared_mem)
-    kernel.function(_dim3(grid), _dim3(block), kargs, shared_mem=shared_mem,
-                    stream=_cupy_stream(kernel.device_index))
+    stream = _RawStream(torch.cuda.current_stream(kernel.device_index).cuda_stream)
+    kernel.function(_dim3(grid), _dim3(block), kargs, shared_mem=shared_mem, stream=stream)

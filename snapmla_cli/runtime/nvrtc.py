@@ -82,7 +82,8 @@ def kernel_dir() -> Path:
     folder = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "kernels"
     if not folder.is_dir():
         raise SnapmlaError(
-            f"kernel sources: folder {folder} not found (set {KERNEL_DIR_ENV} to the kernels/ folder)"
+            f"kernel sources: folder {folder} not found "
+            f"(set {KERNEL_DIR_ENV} to the kernels/ folder)"
         )
     return folder
 
@@ -191,16 +192,22 @@ def compile_module(
             return module
         cached = kernel_cache.load(key)
         if cached is not None:
-            module = _make_module(source, arch, defs, cached.cubin, cached.log,
-                                  cached.lowered_names, key, "disk")
+            module = _make_module(
+                source, arch, defs, cached.cubin, cached.log, cached.lowered_names, key, "disk"
+            )
         else:
             cubin, log, lowered = _nvrtc_compile(path.read_text(), source, options, names, arch)
             module = _make_module(source, arch, defs, cubin, log, lowered, key, "nvrtc")
             kernel_cache.store(
                 key,
                 kernel_cache.CachedKernel(cubin=cubin, log=log, lowered_names=lowered),
-                {"source": source, "arch": arch, "defines": dict(defs), "tree_hash": tree,
-                 "nvrtc": list(version)},
+                {
+                    "source": source,
+                    "arch": arch,
+                    "defines": dict(defs),
+                    "tree_hash": tree,
+                    "nvrtc": list(version),
+                },
             )
         _MEMORY[key] = module
         return module
@@ -214,12 +221,25 @@ def _cache_key(
 
 
 def _make_module(
-    source: str, arch: str, defs: DefinesKey, cubin: bytes, log: str,
-    lowered: dict[str, str], key: str, origin: str,
+    source: str,
+    arch: str,
+    defs: DefinesKey,
+    cubin: bytes,
+    log: str,
+    lowered: dict[str, str],
+    key: str,
+    origin: str,
 ) -> CompiledModule:
     return CompiledModule(
-        source=source, arch=arch, defines=defs, cubin=cubin, log=log,
-        resources=parse_ptxas_log(log), lowered_names=lowered, key=key, origin=origin,
+        source=source,
+        arch=arch,
+        defines=defs,
+        cubin=cubin,
+        log=log,
+        resources=parse_ptxas_log(log),
+        lowered_names=lowered,
+        key=key,
+        origin=origin,
     )
 
 

@@ -20,9 +20,7 @@ from dataclasses import dataclass, replace
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
 _PROPS = re.compile(r"Function properties for (\S+)")
-_STACK = re.compile(
-    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
-)
+_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
 _ITEM = re.compile(r"(\d+) bytes (smem|lmem|cumulative stack size|cmem\[(\d+)\])")
 _BARRIERS = re.compile(r"used (\d+) barriers")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from .nvrtc import DEFAULT_ARCH, CompiledModule, compile_module
+from .nvrtc import DEFAULT_ARCH, CompiledModule, compile_module, kernel_dir
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,9 @@ class Variant:
     archs: tuple[str, ...] = (DEFAULT_ARCH,)
 
 
-def variant(*kernels: str, archs: tuple[str, ...] = (DEFAULT_ARCH,), **defines: int | str) -> Variant:
+def variant(
+    *kernels: str, archs: tuple[str, ...] = (DEFAULT_ARCH,), **defines: int | str
+) -> Variant:
     return Variant(kernels=tuple(kernels), defines=dict(defines), archs=tuple(archs))
 
 
@@ -42,11 +44,26 @@ PREP_ARCHS = ("sm_90a", "sm_89")
 # Launch geometry the ops use; the kernel reads the same values as -D defines.
 PREP_DEFINES: dict[str, int] = {"PREP_WARPS_PER_CTA": 8, "PREP_ROWS_PER_WARP": 2}
 
+def _decode_variants() -> dict[str, tuple[Variant, ...]]:
+    """The decode kernels as the built-in heuristic compiles them for 16, 32 and 64+ rows
+    (Hopper only: the FP8 path needs sm_89+ conversions, the tuner adds its own variants)."""
+    from ..ops.decode import COMBINE_WARPS
+    from ..ops.decode_config import bf16_defines, fp8_defines, heuristic_config
+
+    rows = (16, 32, 64)
+    return {
+        "decode_fp8.cu": tuple(variant("snapmla_decode_fp8", **fp8_defines(heuristic_config(r, True))) for r in rows),
+        "decode_bf16.cu": tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows),
+        "combine.cu": (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),),
+    }
+
+
 KERNEL_SOURCES: dict[str, tuple[Variant, ...]] = {
     PREP_SOURCE: (
         variant(*PREP_KERNELS, archs=PREP_ARCHS, **PREP_DEFINES),
         variant(*PREP_KERNELS, archs=PREP_ARCHS, PREP_WARPS_PER_CTA=4, PREP_ROWS_PER_WARP=1),
     ),
+    **_decode_variants(),
 }
 
 
@@ -56,6 +73,14 @@ def iter_variants() -> Iterator[tuple[str, Variant, str]]:
         for var in variants:
             for arch in var.archs:
                 yield source, var, arch
+
+
+def unregistered_sources() -> list[str]:
+    """``.cu`` files under ``kernels/`` that no entry of ``KERNEL_SOURCES`` compiles (so CI
+    would not check them)."""
+    folder = kernel_dir()
+    found = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.cu"))
+    return [name for name in found if name not in KERNEL_SOURCES]
 
 
 def compile_all() -> list[CompiledModule]:

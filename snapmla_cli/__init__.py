@@ -1,0 +1,36 @@
+"""snapmla: FP8 MLA decoding for Hopper GPUs (SnapMLA, arXiv 2602.10718).
+
+Public API, FlashMLA-shaped: ``get_mla_metadata``, ``flash_mla_with_kvcache``, plus the fused
+token-preparation ops (``quantize_q``, ``append_kv``, ``fetch_dequant``) and ``decode_fp8`` for an
+already-quantized Q. GPU modules are imported on first use so that ``import snapmla_cli`` works on
+a machine without CuPy or a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "get_mla_metadata": "snapmla_cli.ops.decode",
+    "flash_mla_with_kvcache": "snapmla_cli.ops.decode",
+    "decode_fp8": "snapmla_cli.ops.decode",
+    "decode_bf16": "snapmla_cli.ops.decode",
+    "quantize_q": "snapmla_cli.ops.prep",
+    "append_kv": "snapmla_cli.ops.prep",
+    "fetch_dequant": "snapmla_cli.ops.prep",
+    "fetch_dequant_slots": "snapmla_cli.ops.prep",
+    "fetch_dequant_soa": "snapmla_cli.ops.prep",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'snapmla_cli' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

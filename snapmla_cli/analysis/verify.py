@@ -1,0 +1,240 @@
+"""``snapmla verify``: decode implementations checked against the float64 references (SPEC section 6).
+
+A *case* is one (h_q, s_q) decode problem over ``batch`` requests of ``ctx`` tokens each. For every
+case the references are computed once: ``ref64`` (float64 decode on the bf16 cache), ``floor``
+(float64 decode on the dequantized FP8 Q and cache) and ``emul`` (the section-5 emulation). Each
+*implementation* (a name, a kind and a callable ``DecodeProblem -> (out, lse)``) is then measured
+against them and gated:
+
+- kind ``fp8``: vs ``ref64`` ``rel_l2 <= floor_factor * rel_l2(floor, ref64) + floor_abs``; and,
+  unless it is the emulation itself, vs ``emul`` ``rel_l2 <= emul_rel_l2``;
+- kind ``bf16``: vs ``ref64`` ``cos_diff <= bf16_cos_diff``.
+
+NaN or inf where the reference is finite makes a metric +inf and fails its gate. On a machine
+without a GPU the only implementation is the emulation; :func:`default_implementations` is where
+the GPU kernels join.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.dump_file import LayerDump
+from ..cache.layout import dequantize_cache, random_paged_layout
+from ..cache.synth import DEFAULT_SPEC, probe_queries, synth_layer_kv
+from ..errors import NoGpuError, SnapmlaError
+from ..numerics.decode_ref import decode_reference
+from ..numerics.emulation import emulate_fp8_decode
+from ..numerics.formats import default_softmax_scale
+from ..numerics.metrics import ErrorMetrics, compare
+from ..numerics.problem import DecodeProblem
+
+EMULATION = "emul"
+DecodeFn = Callable[[DecodeProblem], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """A decode implementation under test. ``kind`` selects its gates: ``"fp8"`` or ``"bf16"``."""
+
+    name: str
+    kind: str
+    run: DecodeFn
+
+
+def run_emulation(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SPEC section-5 emulation on the problem's quantized Q and FP8 cache (float64 results)."""
+    layout = problem.layout
+    return emulate_fp8_decode(problem.q_quantized(), problem.fp8_cache(), layout.block_table,
+                              layout.cache_seqlens, problem.softmax_scale, problem.causal)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``/"auto": CUDA when torch sees a GPU, else the CPU; "cuda" without one is an error."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not str(device).startswith("cuda:"):
+        raise SnapmlaError(f"--device: expected cpu or cuda, got {device!r}")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise NoGpuError("--device cuda: torch sees no CUDA GPU on this machine")
+    return torch.device(device)
+
+
+def default_implementations(device: torch.device) -> list[Implementation]:
+    """What ``verify`` checks on ``device``: the emulation always; the FP8 and BF16 kernels are
+    added here when the device is a CUDA GPU (``snapmla_cli.ops.decode``)."""
+    return [Implementation(EMULATION, "fp8", run_emulation)]
+
+
+@dataclass(frozen=True)
+class Gates:
+    emul_rel_l2: float = 5e-3
+    floor_factor: float = 1.10
+    floor_abs: float = 1e-3
+    bf16_cos_diff: float = 5e-6
+
+
+@dataclass(frozen=True)
+class GateCheck:
+    name: str  # e.g. "rel_l2 vs ref64"
+    value: float
+    limit: float
+
+    @property
+    def passed(self) -> bool:
+        return math.isfinite(self.value) and self.value <= self.limit
+
+
+@dataclass
+class ImplResult:
+    name: str
+    kind: str
+    vs_ref64: ErrorMetrics
+    lse_vs_ref64: ErrorMetrics
+    vs_emul: ErrorMetrics | None
+    checks: list[GateCheck]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+@dataclass
+class CaseResult:
+    heads: int
+    mtp: int
+    batch: int
+    ctx: int
+    causal: bool
+    floor: ErrorMetrics  # floor vs ref64 (out)
+    impls: list[ImplResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.impls)
+
+
+def _gate_checks(kind: str, name: str, vs_ref: ErrorMetrics, vs_emul: ErrorMetrics | None,
+                 floor: ErrorMetrics, gates: Gates) -> list[GateCheck]:
+    if kind == "bf16":
+        return [GateCheck("cos_diff vs ref64", vs_ref.cos_diff, gates.bf16_cos_diff)]
+    if kind != "fp8":
+        raise SnapmlaError(f"implementation {name}: unknown kind {kind!r} (expected fp8 or bf16)")
+    checks = [GateCheck("rel_l2 vs ref64", vs_ref.rel_l2, gates.floor_factor * floor.rel_l2 + gates.floor_abs)]
+    if vs_emul is not None:
+        checks.append(GateCheck("rel_l2 vs emul", vs_emul.rel_l2, gates.emul_rel_l2))
+    return checks
+
+
+def _timed(fn: DecodeFn, problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor, float]:
+    cuda = problem.q.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out, lse = fn(problem)
+    if cuda:
+        torch.cuda.synchronize()
+    return out, lse, time.perf_counter() - start
+
+
+def run_case(problem: DecodeProblem, impls: list[Implementation], gates: Gates = Gates()) -> CaseResult:
+    """Compute the references once, then run and gate every implementation."""
+    layout = problem.layout
+    args = (layout.block_table, layout.cache_seqlens, problem.softmax_scale, problem.causal)
+    ref_out, ref_lse = decode_reference(problem.q, problem.bf16_cache().squeeze(2), *args)
+    q_deq = problem.q_quantized().dequantize(torch.float64)
+    floor_out, _ = decode_reference(q_deq, dequantize_cache(problem.fp8_cache(), torch.float64), *args)
+    floor = compare(floor_out, ref_out)
+    b, s_q, h_q, _ = problem.q.shape
+    ctx = int(layout.cache_seqlens.max())
+    result = CaseResult(h_q, s_q, b, ctx, problem.causal, floor)
+    emul: tuple[torch.Tensor, torch.Tensor] | None = None
+    for impl in impls:
+        out, lse, seconds = _timed(impl.run, problem)
+        if impl.name == EMULATION:
+            emul = (out, lse)
+            vs_emul = None
+        else:
+            if emul is None:
+                emul = run_emulation(problem)
+            vs_emul = compare(out, emul[0])
+        vs_ref = compare(out, ref_out)
+        checks = _gate_checks(impl.kind, impl.name, vs_ref, vs_emul, floor, gates)
+        result.impls.append(ImplResult(impl.name, impl.kind, vs_ref, compare(lse, ref_lse), vs_emul,
+                                       checks, seconds))
+    return result
+
+
+# ---------------------------------------------------------------- problems
+
+
+@dataclass(frozen=True)
+class ProblemSource:
+    """Where a verify run's KV and queries come from: the embedded synthetic model's layer
+    ``layer`` (``dump is None``), or a layer of a KV dump (its own queries when it has some)."""
+
+    layer: int
+    seed: int = 0
+    dump: LayerDump | None = None
+
+    @property
+    def label(self) -> str:
+        return f"dump layer {self.layer}" if self.dump is not None else f"synthetic layer {self.layer}"
+
+
+def synthetic_source(layer: int | None, seed: int = 0) -> ProblemSource:
+    """A layer of the default synthetic model (the last, widest-RoPE one when ``layer`` is None)."""
+    last = DEFAULT_SPEC.layers - 1
+    layer = last if layer is None else layer
+    if not 0 <= layer <= last:
+        raise SnapmlaError(f"--layer {layer}: the synthetic model has layers 0..{last}")
+    return ProblemSource(layer=layer, seed=seed)
+
+
+def request_tokens(source: ProblemSource, batch: int, ctx: int | None) -> list[torch.Tensor]:
+    """bf16 ``[ctx, 576]`` KV of each request. Synthetic: request ``i`` is the layer generated
+    with seed ``seed + i``. Dump: every request holds the layer's first ``ctx`` tokens."""
+    if batch < 1:
+        raise SnapmlaError(f"--batch: must be at least 1, got {batch}")
+    if source.dump is not None:
+        kv = source.dump.kv
+        ctx = kv.shape[0] if ctx is None else ctx
+        if ctx > kv.shape[0]:
+            raise SnapmlaError(f"--ctx {ctx}: dump layer {source.layer} has only {kv.shape[0]} tokens")
+        return [kv[:ctx].to(torch.bfloat16)] * batch
+    ctx = 32 * 1024 if ctx is None else ctx
+    depth = DEFAULT_SPEC.depth(source.layer)
+    return [synth_layer_kv(ctx, depth, source.seed + i, source.layer)[0] for i in range(batch)]
+
+
+def make_problem(source: ProblemSource, tokens: list[torch.Tensor], heads: int, mtp: int,
+                 causal: bool, seed: int = 0) -> DecodeProblem:
+    """Queries ``[b, mtp, heads, 576]`` for ``tokens`` and a random paged layout (NaN-poisoned
+    unused rows, garbage unused block-table entries). Query token ``t`` of request ``i`` sits at
+    position ``n_i - mtp + t``: the dump's own queries when it has some (cycled over rows and
+    heads), else :func:`probe_queries` anchored there."""
+    if heads < 1 or not 1 <= mtp:
+        raise SnapmlaError(f"need heads >= 1 and mtp >= 1, got heads={heads}, mtp={mtp}")
+    rows = []
+    for i, kv in enumerate(tokens):
+        n = kv.shape[0]
+        if mtp > n:
+            raise SnapmlaError(f"--mtp {mtp} exceeds the context of {n} tokens")
+        dumped = source.dump.queries if source.dump is not None else None
+        if dumped is not None:
+            pick = torch.arange(i * mtp, (i + 1) * mtp) % dumped.shape[0]
+            head = torch.arange(heads) % dumped.shape[1]
+            rows.append(dumped[pick][:, head].to(torch.bfloat16))
+        else:
+            anchors = [n - mtp + t for t in range(mtp)]
+            rows.append(probe_queries(kv, mtp, heads, seed * 7919 + i, anchors=anchors))
+    q = torch.stack(rows)
+    gen = torch.Generator().manual_seed(seed)
+    layout = random_paged_layout([t.shape[0] for t in tokens], generator=gen)
+    return DecodeProblem(q, tokens, layout, causal, default_softmax_scale())

@@ -1,0 +1,75 @@
+"""The ``snapmla`` command: a typer app whose subcommands live one per module in this package.
+
+Errors are handled once, here: a :class:`SnapmlaError` (bad argument, bad file) or an ``OSError``
+(unwritable path, full disk) from any subcommand becomes ``error: <message>`` on one line of
+stderr and exit code 2, never a traceback. To add a subcommand, add a line to ``COMMANDS``;
+optional ones whose module is absent are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import typer
+from typer.core import TyperGroup
+
+from ..errors import SnapmlaError
+
+# (name, module under snapmla_cli.cli, function, required). Optional modules may be absent.
+COMMANDS: list[tuple[str, str, str, bool]] = [
+    ("synth", "synth", "synth_command", True),
+    ("quantize", "quantize", "quantize_command", True),
+    ("verify", "verify", "verify_command", True),
+    ("info", "info", "info_command", True),
+    ("dump", "dump", "dump_command", False),
+    ("tune", "tune", "tune_command", False),
+    ("bench", "bench", "bench_command", False),
+]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+class SnapmlaGroup(TyperGroup):
+    """Turns user-facing errors of every subcommand into one line and exit code 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (SnapmlaError, OSError) as exc:
+            typer.echo(f"error: {_one_line(exc)}", err=True)
+            raise typer.Exit(2) from None
+
+
+app = typer.Typer(
+    cls=SnapmlaGroup,
+    name="snapmla",
+    help="FP8 MLA decoding for Hopper GPUs (SnapMLA): synthetic and captured KV caches, "
+    "quantization fidelity, verification against float64 references, GPU facts.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    for name, module_name, function, required in COMMANDS:
+        full = f"{__package__}.{module_name}"
+        if not required and importlib.util.find_spec(full) is None:
+            continue
+        module = importlib.import_module(full)
+        app.command(name)(getattr(module, function))
+
+
+_register()
+
+
+def main() -> None:
+    app(prog_name="snapmla")
+
+
+if __name__ == "__main__":
+    main()

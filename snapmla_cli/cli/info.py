@@ -1,0 +1,47 @@
+"""``snapmla info``: the GPUs, the CUDA toolchain and the tuning database this machine would use."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from ..runtime.gpu_facts import GpuFacts, list_gpus, toolchain_facts
+from .common import console
+
+
+def _tuning_lines(gpus: list[GpuFacts]) -> list[str]:
+    """The seam for the tuning package: ``snapmla_cli.tuning.describe_database(gpus)`` returns
+    lines describing the entries found for these GPUs, when it exists."""
+    from .. import tuning
+
+    describe = getattr(tuning, "describe_database", None)
+    if describe is None:
+        return ["tuning database: none found"]
+    return list(describe(gpus)) or ["tuning database: none found"]
+
+
+def info_command() -> None:
+    """Show the GPUs, the CUDA toolchain (NVRTC, CuPy, torch) and the tuning database.
+
+    GPU facts come from NVML (SM count from torch). Without a GPU or driver it says so and
+    still exits 0."""
+    out = console()
+    listing = list_gpus()
+    if listing.gpus:
+        table = Table(title="GPUs")
+        for column in ("#", "name", "SMs", "cc", "memory GiB", "max SM MHz", "max mem MHz", "driver", "CUDA driver"):
+            table.add_column(column, justify="right")
+        for g in listing.gpus:
+            table.add_row(str(g.index), g.name, "n/a" if g.sm_count is None else str(g.sm_count),
+                          f"{g.compute_capability[0]}.{g.compute_capability[1]}",
+                          f"{g.memory_bytes / 2**30:.1f}", str(g.max_sm_clock_mhz or "n/a"),
+                          str(g.max_mem_clock_mhz or "n/a"), g.driver_version, g.cuda_driver_version)
+        out.print(table)
+    else:
+        out.print(f"GPU: none ({listing.reason}); decode kernels cannot run here, the CPU reference and emulation can")
+    tc = toolchain_facts()
+    out.print(f"torch: {tc.torch_version} (CUDA build: {tc.torch_cuda or 'none, CPU-only'}; "
+              f"CUDA usable: {'yes' if tc.cuda_available else 'no'})")
+    out.print(f"CuPy: {tc.cupy_version or 'not usable (' + str(tc.cupy_error) + ')'}")
+    out.print(f"NVRTC: {tc.nvrtc_version or 'not usable (' + str(tc.nvrtc_error) + ')'}")
+    for line in _tuning_lines(listing.gpus):
+        out.print(line)

@@ -1,0 +1,108 @@
+"""``snapmla quantize``: write the SnapMLA FP8 cache of a KV dump and report the layer-wise
+fidelity of every quantization configuration (paper Appendix G)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from ..analysis.fidelity import FidelityReport, analyze_layer, layer_queries
+from ..analysis.verify import resolve_device
+from ..cache.atomic import check_writable
+from ..cache.dump_file import KVDump, read_dump
+from ..cache.fp8_file import FP8CacheFile, FP8CacheLayer, quantize_layer_cache, write_fp8_cache
+from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
+from ..errors import SnapmlaError
+from ..numerics.configs import CONFIGS, get_configs
+from ..sizes import parse_size
+from .common import Device, console, fmt, progress, write_json
+
+
+def quantize_command(
+    dump: Annotated[Path | None, typer.Argument(help="KV dump (safetensors); omitted: the synthetic default.")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="FP8 cache file to write.")] = ...,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT, --json, --plot files.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the fidelity report as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the Fig.-5-style plot (PNG).")] = None,
+    queries: Annotated[int | None, typer.Option(help="Probe queries per layer (default: the dump's, else 4 synthetic).")] = None,
+    configs: Annotated[str, typer.Option(help="Configurations to compare, comma-separated.")] = ",".join(CONFIGS),
+    device: Annotated[Device, typer.Option(help="Where to quantize and analyse.")] = Device.auto,
+    layers: Annotated[int | None, typer.Option(help="Synthetic default only: layers (8).")] = None,
+    tokens: Annotated[str | None, typer.Option(help="Synthetic default only: tokens per layer (32k).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic default and of synthetic probes.")] = 0,
+) -> None:
+    """Write the FP8 cache of a KV dump and compare quantization configs layer by layer.
+
+    Every layer goes into the SnapMLA 656-byte FP8 cache file (SPEC section 8); the attention
+    output and KV error of configurations snap, A, B, C, D, G are measured per layer against
+    float64 attention on the original cache (paper Appendix G)."""
+    for path, what in ((output, "output"), (json_path, "--json"), (plot, "--plot")):
+        if path is not None:
+            check_writable(path, force, what)
+    chosen = get_configs([c.strip() for c in configs.split(",") if c.strip()])
+    if queries is not None and queries < 1:
+        raise SnapmlaError(f"--queries: must be at least 1, got {queries}")
+    dev = resolve_device(device.value)
+    source = _load(dump, layers, tokens, seed)
+    out, err = console(), console(stderr=True)
+    report = FidelityReport([c.id for c in chosen], [])
+    pages = []
+    with progress(err) as bar:
+        task = bar.add_task("quantize + analyse", total=len(source.layers))
+        for layer in source.layers:
+            pages.append(FP8CacheLayer(layer.index, quantize_layer_cache(layer.kv, dev), layer.kv.shape[0]))
+            probes, kind = layer_queries(layer, queries, seed)
+            report.layers.append(analyze_layer(layer, chosen, probes, kind, dev))
+            bar.advance(task)
+    meta = {"source": str(dump) if dump is not None else "synthetic default"}
+    write_fp8_cache(FP8CacheFile(pages, source.model, meta), output, force=force)
+    _render(out, report)
+    out.print(f"wrote {output} ({len(pages)} layers, {output.stat().st_size / 2**20:.1f} MiB)")
+    if json_path is not None:
+        write_json(json_path, {"source": meta["source"], "model": source.model, **report.as_dict()})
+        out.print(f"wrote {json_path}")
+    if plot is not None:
+        from ..analysis.plot import plot_fidelity
+
+        plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}")
+        out.print(f"wrote {plot}")
+
+
+def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int) -> KVDump:
+    if dump is not None:
+        if layers is not None or tokens is not None:
+            raise SnapmlaError("--layers/--tokens apply only to the synthetic default (no DUMP given)")
+        return read_dump(dump)
+    spec = SynthSpec(
+        layers=DEFAULT_SPEC.layers if layers is None else layers,
+        tokens=DEFAULT_SPEC.tokens if tokens is None else parse_size(tokens, "--tokens"),
+        seed=seed,
+    )
+    return synth_dump(spec)
+
+
+def _render(out, report: FidelityReport) -> None:
+    rows = report.layers
+    per_layer = Table(title="attention output rel L2 vs float64 on the original cache, per layer")
+    per_layer.add_column("layer", justify="right")
+    per_layer.add_column("tokens", justify="right")
+    for config in report.configs:
+        per_layer.add_column(config, justify="right")
+    for layer in rows:
+        per_layer.add_row(str(layer.layer), str(layer.tokens),
+                          *(fmt(layer.metrics["output"][c].rel_l2) for c in report.configs))
+    out.print(per_layer)
+    mean = Table(title=f"mean over {len(rows)} layers ({rows[0].query_rows} probe rows/layer, {rows[0].probes})")
+    for column in ("config", "out rmse", "out cos_diff", "out rel_l2", "kv rel_l2", "content rel_l2", "RoPE rel_l2"):
+        mean.add_column(column, justify="right")
+    best = min(report.configs, key=lambda c: report.mean("output", c, "rel_l2"))
+    for config in report.configs:
+        cells = [report.mean("output", config, m) for m in ("rmse", "cos_diff", "rel_l2")]
+        cells += [report.mean(part, config, "rel_l2") for part in ("kv", "kv_content", "kv_rope")]
+        name = Text(config, style="bold green" if config == best else "")
+        mean.add_row(name, *(fmt(v) for v in cells))
+    out.print(mean)

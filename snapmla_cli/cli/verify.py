@@ -1,0 +1,138 @@
+"""``snapmla verify``: every decode implementation on this machine against the float64 references,
+with the pass/fail gates of SPEC section 6. Exit 0 only when every gate passes, 1 otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from ..analysis.verify import (
+    CaseResult,
+    Gates,
+    ProblemSource,
+    default_implementations,
+    make_problem,
+    request_tokens,
+    resolve_device,
+    run_case,
+    synthetic_source,
+)
+from ..cache.atomic import check_writable
+from ..cache.dump_file import read_dump
+from ..errors import SnapmlaError
+from ..sizes import format_size, parse_size, parse_size_list
+from .common import Device, console, fmt, progress, write_json
+
+CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
+GPU_BATCH = 4
+
+
+def verify_command(
+    ctx: Annotated[str | None, typer.Option(help="Context per request: 2048, 32k, 1m (default 32k; a dump: all its tokens).")] = None,
+    batch: Annotated[int | None, typer.Option(help=f"Requests per case (default {CPU_BATCH} on CPU, {GPU_BATCH} on GPU).")] = None,
+    heads: Annotated[str, typer.Option(help="Query heads h_q, comma-separated.")] = "16,64,128",
+    mtp: Annotated[str, typer.Option(help="Query tokens per request s_q, comma-separated.")] = "1,2",
+    dump: Annotated[Path | None, typer.Option(help="Take KV (and queries) from this KV dump.")] = None,
+    layer: Annotated[int | None, typer.Option(help="Layer to use (default: the last).")] = None,
+    device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
+    causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal MTP masking.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of the synthetic data, queries and page layout.")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
+    gate_emul: Annotated[float, typer.Option(help="FP8 kernel vs emul: max rel_l2.")] = Gates.emul_rel_l2,
+    gate_floor_factor: Annotated[float, typer.Option(help="FP8 vs ref64: max rel_l2 = factor * floor + abs.")] = Gates.floor_factor,
+    gate_floor_abs: Annotated[float, typer.Option(help="FP8 vs ref64: the abs term.")] = Gates.floor_abs,
+    gate_bf16_cos: Annotated[float, typer.Option(help="BF16 kernel vs ref64: max cos_diff.")] = Gates.bf16_cos_diff,
+) -> None:
+    """Check the decode implementations against float64 references and the FP8 floor.
+
+    On CPU the FP8 pipeline's emulation is checked; on a GPU also the kernels. Exit 0 only
+    when every gate passes (SPEC section 6)."""
+    if json_path is not None:
+        check_writable(json_path, force, "--json")
+    dev = resolve_device(device.value)
+    head_list, mtp_list = parse_size_list(heads, "--heads"), parse_size_list(mtp, "--mtp")
+    context = None if ctx is None else parse_size(ctx, "--ctx")
+    batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
+    source = _source(dump, layer, seed)
+    gates = Gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos)
+    impls = default_implementations(dev)
+    tokens = request_tokens(source, batch, context)
+    results: list[CaseResult] = []
+    with progress(console(stderr=True)) as bar:
+        task = bar.add_task("verify", total=len(head_list) * len(mtp_list))
+        for h in head_list:
+            for s in mtp_list:
+                problem = make_problem(source, tokens, h, s, causal, seed).to(dev)
+                results.append(run_case(problem, impls, gates))
+                bar.advance(task)
+    out = console()
+    _render(out, results, source, dev.type, gates)
+    if json_path is not None:
+        write_json(json_path, _as_dict(results, source, dev.type, gates))
+        out.print(f"wrote {json_path}")
+    if not all(r.passed for r in results):
+        raise typer.Exit(1)
+
+
+def _source(dump: Path | None, layer: int | None, seed: int) -> ProblemSource:
+    if dump is None:
+        return synthetic_source(layer, seed)
+    kv_dump = read_dump(dump)
+    indices = [entry.index for entry in kv_dump.layers]
+    index = indices[-1] if layer is None else layer
+    if index not in indices:
+        raise SnapmlaError(f"--layer {index}: {dump} has layers {indices[0]}..{indices[-1]}")
+    return ProblemSource(layer=index, seed=seed, dump=kv_dump.layers[indices.index(index)])
+
+
+def _render(out, results: list[CaseResult], source: ProblemSource, device: str, gates: Gates) -> None:
+    first = results[0]
+    title = (f"verify: {source.label}, ctx {format_size(first.ctx)}, batch {first.batch}, "
+             f"{'causal' if first.causal else 'non-causal'}, {device}")
+    table = Table(title=title)
+    for column in ("h_q", "s_q", "impl", "rel_l2", "floor", "limit", "cos_diff", "rmse", "lse max_abs",
+                   "vs emul", "time s", "gates"):
+        table.add_column(column, justify="right")
+    for case in results:
+        for r in case.impls:
+            limit = next((c.limit for c in r.checks if c.name.endswith("ref64")), None)
+            verdict = Text("PASS", style="green") if r.passed else Text(
+                "FAIL: " + ", ".join(c.name for c in r.checks if not c.passed), style="bold red")
+            table.add_row(str(case.heads), str(case.mtp), r.name, fmt(r.vs_ref64.rel_l2), fmt(case.floor.rel_l2),
+                          fmt(limit), fmt(r.vs_ref64.cos_diff), fmt(r.vs_ref64.rmse), fmt(r.lse_vs_ref64.max_abs),
+                          fmt(r.vs_emul.rel_l2 if r.vs_emul else None), f"{r.seconds:.2f}", verdict)
+    out.print(table)
+    passed = sum(r.passed for r in results)
+    out.print(f"{passed}/{len(results)} cases pass (fp8: rel_l2 vs ref64 <= {gates.floor_factor} * floor + "
+              f"{gates.floor_abs}, vs emul <= {gates.emul_rel_l2}; bf16: cos_diff <= {gates.bf16_cos_diff})")
+
+
+def _as_dict(results: list[CaseResult], source: ProblemSource, device: str, gates: Gates) -> dict:
+    return {
+        "source": source.label,
+        "device": device,
+        "gates": vars(gates),
+        "passed": all(r.passed for r in results),
+        "cases": [
+            {
+                "heads": c.heads, "mtp": c.mtp, "batch": c.batch, "ctx": c.ctx, "causal": c.causal,
+                "floor_vs_ref64": c.floor.as_dict(),
+                "implementations": [
+                    {
+                        "name": r.name, "kind": r.kind, "passed": r.passed, "seconds": r.seconds,
+                        "vs_ref64": r.vs_ref64.as_dict(), "lse_vs_ref64": r.lse_vs_ref64.as_dict(),
+                        "vs_emul": r.vs_emul.as_dict() if r.vs_emul else None,
+                        "gates": [{"name": g.name, "value": g.value, "limit": g.limit, "passed": g.passed}
+                                  for g in r.checks],
+                    }
+                    for r in c.impls
+                ],
+            }
+            for c in results
+        ],
+    }
