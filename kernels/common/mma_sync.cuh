@@ -112,3 +112,48 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 }  // namespace snapmla
+
+// ---- bulk async copies completing on an mbarrier (sm_90) ----------------------------------
+namespace snapmla {
+
+__device__ __forceinline__ void mbarrier_init(void* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// Announce `bytes` of incoming transactions and arrive once.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(void* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait_parity(void* bar, unsigned parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "wait_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+// Order this thread's earlier shared-memory accesses before later async-proxy (bulk copy) ones.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// One contiguous global -> shared copy of `bytes` (multiple of 16, both ends 16-byte aligned).
+__device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_src, unsigned bytes,
+                                              void* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            smem_addr(smem_dst)),
+        "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// a / b correctly rounded for the decode's P quantization (b a normal float, a/b finite):
+// reciprocal plus one Newton correction of the quotient, given inv_b = __frcp_rn(b).
+__device__ __forceinline__ float div_rn_fast(float a, float b, float inv_b) {
+    const float q = a * inv_b;
+    const float r = fmaf(-b, q, a);
+    return fmaf(r, inv_b, q);
+}
+
+}  // namespace snapmla

@@ -53,8 +53,8 @@ SINK_CHANNELS = 4  # sinks carry massive values in these many (shared) channels 
 SINK_VALUE = 8.0  # ... of about this magnitude
 
 # RoPE.
-ROPE_AMPLITUDE_FIRST = 6.0  # pair-amplitude base of the first layer ...
-ROPE_AMPLITUDE_LAST = 30.0  # ... and of the last one (geometric in between)
+ROPE_AMPLITUDE_FIRST = 8.0  # pair-amplitude base of the first layer ...
+ROPE_AMPLITUDE_LAST = 80.0  # ... and of the last one (geometric in between)
 ROPE_MASSIVE_PAIRS = 3  # low-frequency pairs with an extra-large amplitude ...
 ROPE_MASSIVE_GAIN_FIRST = 1.5  # ... this much larger in the first layer ...
 ROPE_MASSIVE_GAIN_LAST = 4.0  # ... and this much in the last
@@ -129,35 +129,37 @@ def sink_positions(tokens: int, gen: torch.Generator) -> torch.Tensor:
     return torch.unique(torch.cat([torch.zeros(1, dtype=torch.long), picks]))
 
 
-def synth_content(tokens: int, gen: torch.Generator) -> torch.Tensor:
-    """float32 ``[tokens, 512]`` content (module docstring)."""
+def synth_content(tokens: int, layer_gen: torch.Generator, gen: torch.Generator) -> torch.Tensor:
+    """float32 ``[tokens, 512]`` content (module docstring). ``layer_gen`` draws the layer's
+    structure (topics, channel gains, sink channels), ``gen`` the tokens."""
+    topics = torch.randn(NUM_TOPICS, D_CONTENT, generator=layer_gen)
+    gain = CONTENT_GAIN_MEDIAN * torch.exp(CONTENT_GAIN_SIGMA * torch.randn(D_CONTENT, generator=layer_gen))
+    gain[torch.randperm(D_CONTENT, generator=layer_gen)[:OUTLIER_CHANNELS]] *= OUTLIER_CHANNEL_GAIN
+    channels = torch.randperm(D_CONTENT, generator=layer_gen)[:SINK_CHANNELS]
+    signs = torch.where(torch.rand(SINK_CHANNELS, generator=layer_gen) < 0.5, -1.0, 1.0)
     starts = torch.rand(tokens, generator=gen) < 1.0 / MEAN_SEGMENT
     starts[0] = True
     segment = torch.cumsum(starts.long(), 0) - 1
     topic = torch.randint(0, NUM_TOPICS, (int(segment[-1]) + 1,), generator=gen)[segment]
-    topics = torch.randn(NUM_TOPICS, D_CONTENT, generator=gen)
     z = TOPIC_WEIGHT * topics[topic] + math.sqrt(1 - TOPIC_WEIGHT**2) * torch.randn(tokens, D_CONTENT, generator=gen)
-    gain = CONTENT_GAIN_MEDIAN * torch.exp(CONTENT_GAIN_SIGMA * torch.randn(D_CONTENT, generator=gen))
-    gain[torch.randperm(D_CONTENT, generator=gen)[:OUTLIER_CHANNELS]] *= OUTLIER_CHANNEL_GAIN
     token_gain = torch.exp(TOKEN_GAIN_SIGMA * torch.randn(tokens, 1, generator=gen))
     content = token_gain * gain * z
     sinks = sink_positions(tokens, gen)
-    channels = torch.randperm(D_CONTENT, generator=gen)[:SINK_CHANNELS]
-    signs = torch.where(torch.rand(SINK_CHANNELS, generator=gen) < 0.5, -1.0, 1.0)
     jitter = 1 + 0.1 * torch.randn(sinks.shape[0], SINK_CHANNELS, generator=gen)
     content[sinks[:, None], channels[None, :]] = SINK_VALUE * signs * jitter
     return content
 
 
-def synth_rope(positions: torch.Tensor, depth: float, gen: torch.Generator) -> torch.Tensor:
-    """float32 ``[tokens, 64]`` rotated RoPE keys (module docstring)."""
+def synth_rope(positions: torch.Tensor, depth: float, layer_gen: torch.Generator, gen: torch.Generator) -> torch.Tensor:
+    """float32 ``[tokens, 64]`` rotated RoPE keys (module docstring). ``layer_gen`` draws the
+    layer's pair amplitudes, massive pairs and directions, ``gen`` the tokens."""
     pairs = D_ROPE // 2
     frac = torch.arange(pairs, dtype=torch.float32) / (pairs - 1)  # 0 = highest frequency
-    amp = torch.exp(0.4 * torch.randn(pairs, generator=gen)) * (0.3 + 2.0 * frac**2)
-    massive = pairs - 1 - torch.randperm(pairs // 3, generator=gen)[:ROPE_MASSIVE_PAIRS]
+    amp = torch.exp(0.4 * torch.randn(pairs, generator=layer_gen)) * (0.3 + 2.0 * frac**2)
+    massive = pairs - 1 - torch.randperm(pairs // 3, generator=layer_gen)[:ROPE_MASSIVE_PAIRS]
     amp[massive] *= _lerp_log(ROPE_MASSIVE_GAIN_FIRST, ROPE_MASSIVE_GAIN_LAST, depth)
     amp *= _lerp_log(ROPE_AMPLITUDE_FIRST, ROPE_AMPLITUDE_LAST, depth)
-    angle = 2 * math.pi * torch.rand(pairs, generator=gen)
+    angle = 2 * math.pi * torch.rand(pairs, generator=layer_gen)
     direction = torch.stack([torch.cos(angle), torch.sin(angle)], dim=-1)  # [pairs, 2]
     n = positions.shape[0]
     normal = torch.randn(n, pairs, 2, generator=gen)
@@ -172,13 +174,15 @@ def synth_rope(positions: torch.Tensor, depth: float, gen: torch.Generator) -> t
 
 
 def synth_layer_kv(tokens: int, depth: float, seed: int, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """bf16 ``[tokens, 576]`` KV and int64 positions ``0 .. tokens-1`` of one layer at ``depth``."""
+    """bf16 ``[tokens, 576]`` KV and int64 positions ``0 .. tokens-1`` of one layer at ``depth``.
+    The layer's structure depends on ``(seed, layer)`` only, not on ``tokens``."""
     if tokens < 1:
         raise SnapmlaError(f"synth: tokens must be at least 1, got {tokens}")
-    gen = _generator(seed, layer, 1)
+    layer_gen, gen = _generator(seed, layer, 3), _generator(seed, layer, 1)
     positions = torch.arange(tokens, dtype=torch.int64)
-    kv = torch.cat([synth_content(tokens, gen), synth_rope(positions, depth, gen)], dim=1)
-    return kv.to(torch.bfloat16), positions
+    content = synth_content(tokens, layer_gen, gen)
+    rope = synth_rope(positions, depth, layer_gen, gen)
+    return torch.cat([content, rope], dim=1).to(torch.bfloat16), positions
 
 
 def probe_queries(
@@ -299,5 +303,5 @@ def _quantile(x: torch.Tensor, q: float, sample: int = 1 << 20) -> float:
     flat = x.reshape(-1)
     if flat.numel() > sample:
         flat = flat[torch.randint(0, flat.numel(), (sample,), generator=torch.Generator().manual_seed(0))]
-    k = max(1, min(flat.numel(), int(math.ceil(q * flat.numel()))))
+    k = max(1, min(flat.numel(), math.ceil(q * flat.numel())))
     return float(flat.kthvalue(k).values)

@@ -185,7 +185,7 @@ def decode_fp8(
     rt = _runtime()
     if num_work > 0:
         kernel = rt.get_kernel("decode_fp8.cu", "snapmla_decode_fp8", fp8_defines(cfg))
-        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads, 1, 1),
+        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads(fp8=True), 1, 1),
                   (content, q.scale, q.rope, cache, block_table, cache_seqlens,
                    tile_scheduler_metadata, out, lse, partial_out, partial_lse,
                    np.int32(block_table.stride(0)), np.float32(scale * LOG2E), np.int32(h_q),
@@ -227,7 +227,7 @@ def decode_bf16(
     rt = _runtime()
     if num_work > 0:
         kernel = rt.get_kernel("decode_bf16.cu", "snapmla_decode_bf16", bf16_defines(cfg))
-        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads, 1, 1),
+        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads(fp8=False), 1, 1),
                   (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, out, lse,
                    partial_out, partial_lse, np.int32(block_table.stride(0)),
                    np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal))),

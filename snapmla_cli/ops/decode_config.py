@@ -20,16 +20,22 @@ FP8_Q_CONTENT_STRIDE = 512 + 16
 FP8_Q_ROPE_STRIDE = 128 + 16
 EXCHANGE_BYTES_PER_LANE_TILE = 16  # one float4 per lane per logit column tile
 BF16_ROW_STRIDE = 576 * 2 + 16
+FP8_REDUCE_BYTES_PER_ROW = 8  # (block max, block max of e * s_k) per row per token group
+FP8_OUT_TILES = 32  # 8-wide output tiles per warp (256 dims)
+MBARRIER_BYTES = 8
+MAX_WARPS = 8
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """``row_groups`` 16-row groups per CTA (two warps each), ``stages`` pipeline depth,
+    """``row_groups`` 16-row groups per CTA (two warps each), ``kv_split`` token groups of
+    warps sharing each page (FP8 kernel), ``stages`` pipeline depth,
     ``block_n`` tokens per stage (BF16 kernel; the FP8 kernel always uses the 64-token page,
     the P-quantization block), ``min_ctas_per_sm`` for ``__launch_bounds__``, and the split
     policy."""
 
     row_groups: int = 4
+    kv_split: int = 1
     stages: int = 2
     block_n: int = 64
     min_ctas_per_sm: int = 1
@@ -39,20 +45,34 @@ class DecodeConfig:
     def block_m(self) -> int:
         return ROWS_PER_GROUP * self.row_groups
 
-    @property
-    def threads(self) -> int:
-        return 32 * WARPS_PER_GROUP * self.row_groups
+    def threads(self, fp8: bool = True) -> int:
+        groups = self.kv_split if fp8 else 1
+        return 32 * WARPS_PER_GROUP * self.row_groups * groups
 
     def with_sms(self, num_sms: int) -> DecodeConfig:
         return replace(self, split=replace(self.split, num_sms=num_sms))
 
 
 def fp8_smem_bytes(cfg: DecodeConfig) -> int:
-    warps = WARPS_PER_GROUP * cfg.row_groups
-    n_tiles = PAGE_TOKENS // 8
+    warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
+    n_tiles = PAGE_TOKENS // cfg.kv_split // 8
+    exchange = 2 * warps * n_tiles * 32 * EXCHANGE_BYTES_PER_LANE_TILE  # double-buffered
+    reduce = cfg.kv_split * cfg.row_groups * ROWS_PER_GROUP * FP8_REDUCE_BYTES_PER_ROW
     return (cfg.block_m * (FP8_Q_CONTENT_STRIDE + FP8_Q_ROPE_STRIDE)
-            + cfg.stages * PAGE_TOKENS * FP8_TOKEN_BYTES
-            + warps * n_tiles * 32 * EXCHANGE_BYTES_PER_LANE_TILE)
+            + cfg.stages * PAGE_TOKENS * FP8_TOKEN_BYTES + exchange + reduce
+            + cfg.stages * MBARRIER_BYTES)
+
+
+def fp8_config_valid(cfg: DecodeConfig) -> bool:
+    """The constraints the kernel ``static_assert``s: <= 8 warps per SM (the kernel needs
+    ~230-250 registers per thread), page space for the token-group reduction, >= 2 stages,
+    shared memory within the opt-in limit."""
+    warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
+    scratch = 2 * cfg.row_groups * 32 * (FP8_OUT_TILES + 1) * EXCHANGE_BYTES_PER_LANE_TILE
+    return (warps * cfg.min_ctas_per_sm <= MAX_WARPS and cfg.stages >= 2 and cfg.kv_split in (1, 2, 4)
+            and cfg.row_groups in (1, 2, 4)
+            and (cfg.kv_split == 1 or scratch <= cfg.stages * PAGE_TOKENS * FP8_TOKEN_BYTES)
+            and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
 
 
 def bf16_smem_bytes(cfg: DecodeConfig) -> int:
@@ -63,7 +83,8 @@ def bf16_smem_bytes(cfg: DecodeConfig) -> int:
 
 
 def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
-    return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages, "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
+    return {"ROW_GROUPS": cfg.row_groups, "KV_SPLIT": cfg.kv_split, "STAGES": cfg.stages,
+            "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
 
 def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
@@ -73,12 +94,14 @@ def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
 
 def heuristic_config(rows: int, fp8: bool = True) -> DecodeConfig:
     """Built-in choice: as few 16-row groups as cover the rows (a 16-row problem wastes no MMA
-    work), deeper pipelines when the CTA is small, two CTAs per SM when they fit."""
+    work), token groups so that every CTA has 8 warps on its page, the deepest pipeline that
+    fits in shared memory."""
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
     if fp8:
-        stages = {1: 2, 2: 2, 4: 2}[row_groups]
-        ctas = 2 if row_groups == 1 else 1
-        cfg = DecodeConfig(row_groups=row_groups, stages=stages, block_n=64, min_ctas_per_sm=ctas)
+        kv_split = 4 // row_groups
+        stages = 2 if row_groups == 4 else 3
+        cfg = DecodeConfig(row_groups=row_groups, kv_split=kv_split, stages=stages, block_n=64,
+                           min_ctas_per_sm=1)
     else:
         block_n = 64 if row_groups == 1 else 32
         cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1)

@@ -1,0 +1,176 @@
+"""The ``snapmla`` command line, end to end on the CPU (typer's CliRunner)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from snapmla_cli.cache.dump_file import DUMP_FORMAT, read_dump
+from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
+from snapmla_cli.cli.app import COMMANDS, app
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.formats import D_QK
+from snapmla_cli.sizes import format_size, parse_size, parse_size_list
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def assert_one_line_error(result, *needles: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def small_dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("dump") / "dump.safetensors"
+    result = invoke("synth", "-o", path, "--layers", 3, "--tokens", "1k", "--queries", 2, "--heads", 4)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_synth_writes_a_valid_dump(small_dump: Path) -> None:
+    dump = read_dump(small_dump)
+    assert [layer.index for layer in dump.layers] == [0, 1, 2]
+    assert dump.layers[0].kv.shape == (1024, D_QK) and dump.layers[0].kv.dtype == torch.bfloat16
+    assert dump.layers[2].queries.shape == (2, 4, D_QK)
+    assert torch.equal(dump.layers[1].positions, torch.arange(1024))
+
+
+def test_quantize_writes_cache_json_and_plot(small_dump: Path, tmp_path: Path) -> None:
+    out, report, plot = tmp_path / "c.safetensors", tmp_path / "r.json", tmp_path / "p.png"
+    result = invoke("quantize", small_dump, "-o", out, "--json", report, "--plot", plot)
+    assert result.exit_code == 0, result.output
+    assert "mean over 3 layers" in result.stdout
+    cache = read_fp8_cache(out)
+    for layer, original in zip(cache.layers, read_dump(small_dump).layers):
+        assert layer.seqlen == 1024
+        assert torch.equal(layer.cache, quantize_layer_cache(original.kv))
+    data = json.loads(report.read_text())
+    assert data["configs"] == ["snap", "A", "B", "C", "D", "G"]
+    assert len(data["layers"]) == 3 and data["layers"][0]["probes"] == "dump"
+    assert data["mean"]["output"]["A"]["rel_l2"] > data["mean"]["output"]["snap"]["rel_l2"]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quantize_without_a_dump_uses_the_synthetic_default(tmp_path: Path) -> None:
+    out = tmp_path / "c.safetensors"
+    result = invoke("quantize", "-o", out, "--layers", 2, "--tokens", 256, "--configs", "snap,A")
+    assert result.exit_code == 0, result.output
+    assert [layer.seqlen for layer in read_fp8_cache(out).layers] == [256, 256]
+
+
+def test_refuses_to_overwrite_without_force(small_dump: Path, tmp_path: Path) -> None:
+    out = tmp_path / "c.safetensors"
+    out.write_bytes(b"keep me")
+    assert_one_line_error(invoke("quantize", small_dump, "-o", out), "exists", "--force")
+    assert out.read_bytes() == b"keep me"
+    report = tmp_path / "r.json"
+    report.write_text("{}")
+    assert_one_line_error(invoke("quantize", small_dump, "-o", tmp_path / "new.st", "--json", report), "--json")
+    assert not (tmp_path / "new.st").exists()
+    assert_one_line_error(invoke("synth", "-o", small_dump, "--tokens", 64), "exists")
+    result = invoke("quantize", small_dump, "-o", out, "--force", "--configs", "snap")
+    assert result.exit_code == 0 and out.read_bytes() != b"keep me"
+
+
+def _bad_dump(tmp_path: Path, name: str, tensors: dict[str, torch.Tensor]) -> Path:
+    path = tmp_path / name
+    meta = {"format": DUMP_FORMAT, "version": "1", "kv_lora_rank": "512", "rope_dim": "64", "model": "t"}
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.safetensors"
+    junk.write_text("hello")
+    nan = torch.zeros(4, D_QK)
+    nan[2, 3] = float("nan")
+    cases = [
+        (junk, "not a safetensors file"),
+        (tmp_path / "missing.safetensors", "no such file"),
+        (_bad_dump(tmp_path, "w.st", {"layers.0.kv": torch.zeros(4, 512)}), "layer 0"),
+        (_bad_dump(tmp_path, "n.st", {"layers.1.kv": nan}), "layer 1"),
+        (_bad_dump(tmp_path, "e.st", {"layers.2.kv": torch.zeros(0, D_QK)}), "layer 2"),
+    ]
+    for path, needle in cases:
+        assert_one_line_error(invoke("quantize", path, "-o", tmp_path / "out.st"), needle)
+        assert_one_line_error(invoke("verify", "--dump", path), needle)
+    assert not (tmp_path / "out.st").exists()
+    assert_one_line_error(invoke("verify", "--ctx", "12q"), "--ctx")
+    assert_one_line_error(invoke("verify", "--heads", "16,x"), "--heads")
+    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "Q")
+    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--device", "cuda")
+                          if not torch.cuda.is_available() else invoke("verify", "--ctx", "0"))
+
+
+def test_verify_passes_on_cpu(tmp_path: Path) -> None:
+    report = tmp_path / "v.json"
+    result = invoke("verify", "--ctx", "2k", "--heads", "16", "--mtp", "1,2", "--device", "cpu", "--json", report)
+    assert result.exit_code == 0, result.output
+    assert "2/2 cases pass" in result.stdout
+    data = json.loads(report.read_text())
+    assert data["passed"] and [c["mtp"] for c in data["cases"]] == [1, 2]
+    assert data["cases"][0]["implementations"][0]["name"] == "emul"
+
+
+def test_verify_on_a_dump_with_its_queries(small_dump: Path) -> None:
+    result = invoke("verify", "--dump", small_dump, "--layer", 1, "--heads", 4, "--mtp", 1, "--batch", 2,
+                    "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "dump layer 1" in result.stdout
+    assert_one_line_error(invoke("verify", "--dump", small_dump, "--layer", 9), "--layer 9")
+    assert_one_line_error(invoke("verify", "--dump", small_dump, "--ctx", "4k"), "only 1024 tokens")
+
+
+def test_verify_exits_1_when_a_gate_fails() -> None:
+    result = invoke("verify", "--ctx", 256, "--heads", 4, "--mtp", 1, "--device", "cpu",
+                    "--gate-floor-factor", "0.5", "--gate-floor-abs", "0")
+    assert result.exit_code == 1, result.output
+    assert "FAIL" in result.stdout
+
+
+def test_info_works_without_a_gpu() -> None:
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert "torch:" in result.stdout and "tuning database" in result.stdout
+    if not torch.cuda.is_available():
+        assert "GPU: none" in result.stdout
+
+
+@pytest.mark.parametrize("command", [name for name, *_ in COMMANDS])
+def test_help_for_every_command(command: str) -> None:
+    registered = {c.name for c in app.registered_commands}
+    if command not in registered:
+        pytest.skip(f"{command} is not available yet")
+    result = invoke(command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Usage" in result.stdout
+
+
+def test_top_level_help_lists_the_commands() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for name in ("synth", "quantize", "verify", "info"):
+        assert name in result.stdout
+
+
+def test_sizes() -> None:
+    assert parse_size("32k") == 32768 and parse_size("32768") == 32768 and parse_size("1m") == 1 << 20
+    assert parse_size(" 2K ") == 2048 and parse_size_list("16,64,128") == [16, 64, 128]
+    assert format_size(32768) == "32k" and format_size(1000) == "1000"
+    for bad in ("", "k", "1.5k", "-3", "0", "4g"):
+        with pytest.raises(SnapmlaError):
+            parse_size(bad, "--ctx")

@@ -1,0 +1,97 @@
+"""The quantization configurations of SPEC section 4 and their ranking on synthetic data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from snapmla_cli.analysis.fidelity import FidelityReport, analyze_layer, layer_queries
+from snapmla_cli.cache.synth import SynthSpec, synth_dump
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.configs import CONFIGS, get_configs
+from snapmla_cli.numerics.formats import D_CONTENT, D_QK
+from snapmla_cli.numerics.quant import quantize_rows
+
+
+@pytest.fixture(scope="module")
+def report() -> FidelityReport:
+    """4 layers x 4096 tokens of the synthetic model (depth 0 .. 1), 4 x 16 probe rows each."""
+    dump = synth_dump(SynthSpec(layers=4, tokens=4096, seed=0))
+    configs = get_configs()
+    result = FidelityReport([c.id for c in configs], [])
+    for layer in dump.layers:
+        queries, probes = layer_queries(layer, None)
+        result.layers.append(analyze_layer(layer, configs, queries, probes))
+    return result
+
+
+def _kv(seed: int = 0, tokens: int = 200) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    gain = torch.exp(torch.randn(tokens, 1, generator=gen))
+    return torch.cat([torch.randn(tokens, D_CONTENT, generator=gen) * gain,
+                      torch.randn(tokens, 64, generator=gen) * 500], dim=1).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_every_config_is_a_finite_fake_quantizer(config: str) -> None:
+    kv = _kv()
+    fake = CONFIGS[config].fake_quant(kv)
+    assert fake.dtype == torch.float32 and fake.shape == (200, D_QK)
+    assert torch.isfinite(fake).all()
+    rel = (fake - kv.float()).norm() / kv.float().norm()
+    assert 0 < rel < 0.05
+
+
+def test_snap_is_the_reference_quantizer() -> None:
+    kv = _kv(1)
+    assert torch.equal(CONFIGS["snap"].fake_quant(kv), quantize_rows(kv).dequantize())
+
+
+def test_rope_handling_per_config() -> None:
+    kv = _kv(2)
+    rope = kv[:, D_CONTENT:].float()
+    for config in ("B", "C", "D", "G"):  # bf16 RoPE kept as is (the input is bf16)
+        assert torch.equal(CONFIGS[config].fake_quant(kv)[:, D_CONTENT:], rope)
+    a_rope = CONFIGS["A"].fake_quant(kv)[:, D_CONTENT:]
+    assert not torch.equal(a_rope, rope)  # A quantizes RoPE to E4M3
+
+
+def test_scale_groups() -> None:
+    """One outlier (token 0, channel 0) coarsens exactly the values sharing its scale group:
+    1.0 / (1000 / 448) = 0.448 is not an E4M3 value, 1.0 / (1 / 448) = 448 is."""
+    kv = torch.zeros(130, D_QK)
+    kv[:, :D_CONTENT] = 1.0
+    kv[0, 0] = 1000.0
+    fake = {c: CONFIGS[c].fake_quant(kv) for c in CONFIGS}
+    for c in CONFIGS:
+        assert fake[c][0, 0] == 1000.0  # the group maximum is exact
+    exact = {c: [bool(fake[c][t, ch] == 1.0) for t, ch in ((0, 1), (5, 0), (5, 1), (70, 1), (5, 200))]
+             for c in CONFIGS}
+    #                    (0,1)  (5,0)  (5,1)  (70,1) (5,200)
+    assert exact["snap"] == [False, True, True, True, True]  # per token
+    assert exact["G"] == [False, True, True, True, True]  # per token, 128-channel group
+    assert exact["B"] == [False, False, False, False, False]  # per tensor
+    assert exact["C"] == [True, False, True, True, True]  # per channel
+    assert exact["D"] == [False, False, False, True, True]  # 64 tokens x 128 channels
+
+
+def test_unknown_config_is_a_one_line_error() -> None:
+    with pytest.raises(SnapmlaError, match="unknown quantization config 'Z'"):
+        get_configs(["snap", "Z"])
+
+
+def test_snap_beats_a_on_wide_rope_data(report: FidelityReport) -> None:
+    deepest = report.layers[-1].metrics["output"]
+    assert deepest["snap"].rel_l2 * 2 < deepest["A"].rel_l2
+    assert deepest["snap"].cos_diff * 3 < deepest["A"].cos_diff
+
+
+def test_ranking_on_the_synthetic_dump(report: FidelityReport) -> None:
+    mean = {c: report.mean("output", c, "rel_l2") for c in report.configs}
+    assert all(0 < v < 0.2 for v in mean.values()), mean
+    others = [mean[c] for c in report.configs if c != "A"]
+    assert mean["A"] > 2 * max(others), mean  # A clearly worst
+    # snap ranks with the best: E4M3 is floating point, so B/C/D/G differ from snap only
+    # through rounding realisations and snap's extra bf16 rounding of the pre-scaled RoPE
+    # (docs/DATA.md); all five stay within 30 % of each other here.
+    assert mean["snap"] < 1.3 * min(others), mean

@@ -1,0 +1,114 @@
+"""KV dump files and FP8 cache files (SPEC section 8): round trips and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from snapmla_cli.cache.dump_file import DUMP_FORMAT, KVDump, LayerDump, read_dump, write_dump
+from snapmla_cli.cache.fp8_file import (
+    FP8CacheFile,
+    FP8CacheLayer,
+    quantize_layer_cache,
+    read_fp8_cache,
+    write_fp8_cache,
+)
+from snapmla_cli.cache.layout import quantize_tokens
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.formats import D_QK
+
+META = {"format": DUMP_FORMAT, "version": "1", "kv_lora_rank": "512", "rope_dim": "64", "model": "t"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_round_trip(tmp_path: Path, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    layers = [
+        LayerDump(0, torch.randn(100, D_QK, generator=gen).to(dtype), torch.arange(100),
+                  torch.randn(2, 3, D_QK, generator=gen).to(dtype)),
+        LayerDump(3, torch.randn(7, D_QK, generator=gen).to(dtype)),
+    ]
+    path = tmp_path / "d.safetensors"
+    write_dump(KVDump(layers, model="m", extra_metadata={"note": "x"}), path)
+    back = read_dump(path)
+    assert back.model == "m" and back.extra_metadata == {"note": "x"}
+    assert [layer.index for layer in back.layers] == [0, 3]
+    assert torch.equal(back.layers[0].kv, layers[0].kv) and back.layers[0].kv.dtype == dtype
+    assert torch.equal(back.layers[0].positions, layers[0].positions)
+    assert torch.equal(back.layers[0].queries, layers[0].queries)
+    assert back.layers[1].queries is None and back.layers[1].positions is None
+
+
+def _raw(tmp_path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = META) -> Path:
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def _one_line_error(path: Path, *needles: str) -> None:
+    with pytest.raises(SnapmlaError) as info:
+        read_dump(path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_not_a_dump(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"this is not safetensors at all")
+    _one_line_error(junk, "not a safetensors file")
+    _one_line_error(_raw(tmp_path, {"x": torch.zeros(2)}, {"format": "other"}), "not a snapmla-kv-dump")
+    _one_line_error(tmp_path / "missing.safetensors", "no such file")
+
+
+def test_wrong_width(tmp_path: Path) -> None:
+    _one_line_error(_raw(tmp_path, {"layers.2.kv": torch.zeros(4, 575)}), "layer 2", "575", "576")
+
+
+def test_nan_and_inf(tmp_path: Path) -> None:
+    kv = torch.zeros(8, D_QK)
+    kv[5, 7] = float("nan")
+    _one_line_error(_raw(tmp_path, {"layers.1.kv": kv}), "layer 1", "NaN/inf", "token 5")
+    kv[5, 7] = float("inf")
+    _one_line_error(_raw(tmp_path, {"layers.1.kv": kv}), "layer 1", "NaN/inf")
+
+
+def test_empty_layer(tmp_path: Path) -> None:
+    _one_line_error(_raw(tmp_path, {"layers.4.kv": torch.zeros(0, D_QK)}), "layer 4", "empty")
+
+
+def test_write_refuses_to_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    dump = KVDump([LayerDump(0, torch.zeros(3, D_QK))])
+    write_dump(dump, path)
+    with pytest.raises(SnapmlaError, match="--force"):
+        write_dump(dump, path)
+    write_dump(dump, path, force=True)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 100])
+def test_layer_cache_is_the_quantizer_bytes_in_pages(tokens: int) -> None:
+    kv = torch.randn(tokens, D_QK).to(torch.bfloat16)
+    cache = quantize_layer_cache(kv)
+    assert cache.dtype == torch.uint8 and cache.shape == ((tokens + 63) // 64, 64, 656)
+    flat = cache.view(-1, 656)
+    assert torch.equal(flat[:tokens], quantize_tokens(kv))
+    assert flat[tokens:].eq(0).all()
+
+
+def test_fp8_cache_file_round_trip_and_errors(tmp_path: Path) -> None:
+    kv = torch.randn(70, D_QK).to(torch.bfloat16)
+    layer = FP8CacheLayer(5, quantize_layer_cache(kv), 70)
+    path = tmp_path / "c.safetensors"
+    write_fp8_cache(FP8CacheFile([layer], model="m"), path)
+    back = read_fp8_cache(path)
+    assert back.model == "m" and back.layers[0].index == 5 and back.layers[0].seqlen == 70
+    assert torch.equal(back.layers[0].cache, layer.cache)
+    with pytest.raises(SnapmlaError, match="not a snapmla-fp8-cache"):
+        read_fp8_cache(_raw(tmp_path, {"layers.0.kv": torch.zeros(1, D_QK)}))
+    with pytest.raises(SnapmlaError, match="does not fit"):
+        write_fp8_cache(FP8CacheFile([FP8CacheLayer(0, layer.cache, 200)]), tmp_path / "x.safetensors")

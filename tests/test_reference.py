@@ -1,0 +1,90 @@
+"""decode_reference (SPEC section 2) against a naive loop over query rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from snapmla_cli.cache.layout import PagedLayout, scatter_to_pages
+from snapmla_cli.numerics.decode_ref import decode_reference
+from snapmla_cli.numerics.formats import D_QK, D_V
+from snapmla_cli.numerics.problem import DecodeProblem, random_problem
+
+
+def naive_decode(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row at a time, straight from SPEC section 2."""
+    b, s_q, h_q, _ = problem.q.shape
+    out = torch.zeros(b, s_q, h_q, D_V, dtype=torch.float64)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
+    for i in range(b):
+        keys = problem.tokens[i].double()
+        n = keys.shape[0]
+        for t in range(s_q):
+            visible = min(max(n - s_q + t + 1, 0), n) if problem.causal else n
+            if visible == 0:
+                continue
+            for h in range(h_q):
+                logits = problem.softmax_scale * (keys[:visible] @ problem.q[i, t, h].double())
+                top = logits.max()
+                weights = torch.exp(logits - top)
+                out[i, t, h] = (weights / weights.sum()) @ keys[:visible, :D_V]
+                lse[i, h, t] = top + torch.log(weights.sum())
+    return out, lse
+
+
+def _reference(problem: DecodeProblem, cache: torch.Tensor | None = None, table: torch.Tensor | None = None):
+    cache = problem.bf16_cache().squeeze(2) if cache is None else cache
+    table = problem.layout.block_table if table is None else table
+    return decode_reference(problem.q, cache, table, problem.layout.cache_seqlens,
+                            problem.softmax_scale, problem.causal)
+
+
+@pytest.mark.parametrize("h_q", [1, 3, 20])
+def test_matches_naive_loop_any_head_count(h_q: int) -> None:
+    problem = random_problem([70, 1, 128], s_q=1, h_q=h_q, seed=h_q)
+    out, lse = _reference(problem)
+    ref_out, ref_lse = naive_decode(problem)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
+def test_causal_mtp_matches_naive_loop(s_q: int) -> None:
+    problem = random_problem([2, 65, 130], s_q=s_q, h_q=3, causal=True, seed=10 + s_q)
+    out, lse = _reference(problem)
+    ref_out, ref_lse = naive_decode(problem)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_empty_sequences_give_zero_output_and_infinite_lse() -> None:
+    problem = random_problem([0, 5, 0], s_q=2, h_q=2, seed=3)
+    out, lse = _reference(problem)
+    for i in (0, 2):
+        assert out[i].eq(0).all()
+        assert torch.isinf(lse[i]).all() and (lse[i] > 0).all()
+    assert torch.isfinite(lse[1]).all()
+
+
+def test_rows_without_visible_keys_under_causal_masking() -> None:
+    problem = random_problem([2], s_q=4, h_q=2, causal=True, seed=4)  # tokens 0, 1 see nothing
+    out, lse = _reference(problem)
+    assert out[0, :2].eq(0).all() and torch.isinf(lse[0, :, :2]).all()
+    assert torch.isfinite(lse[0, :, 2:]).all()
+
+
+def test_poisoned_rows_and_garbage_block_table_entries_never_change_a_result() -> None:
+    problem = random_problem([3, 64, 100], s_q=2, h_q=4, causal=True, seed=5)
+    out, lse = _reference(problem)  # unused rows NaN, unused table entries -7
+    assert torch.isfinite(out).all()
+    layout = problem.layout
+    other_fill = torch.full((D_QK,), 3.0e4, dtype=torch.bfloat16)
+    other_cache = scatter_to_pages(problem.tokens, layout, other_fill)
+    table = layout.block_table.clone()
+    for i, n in enumerate(layout.cache_seqlens.tolist()):
+        table[i, (n + 63) // 64 :] = 10**6 + i  # different garbage, far out of range
+    out2, lse2 = _reference(problem, other_cache, table)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    assert isinstance(layout, PagedLayout)

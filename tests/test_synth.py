@@ -1,0 +1,79 @@
+"""The synthetic KV generator: determinism, DeepSeek RoPE, ranges, probe queries (docs/DATA.md)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from snapmla_cli.cache.synth import (
+    SynthSpec,
+    apply_rope,
+    effective_keys,
+    layer_stats,
+    probe_queries,
+    rope_frequencies,
+    synth_dump,
+    synth_layer_kv,
+)
+from snapmla_cli.numerics.formats import D_CONTENT, default_softmax_scale
+
+
+def test_same_seed_same_bytes() -> None:
+    a = synth_dump(SynthSpec(layers=2, tokens=300, queries=2, heads=3, seed=5))
+    b = synth_dump(SynthSpec(layers=2, tokens=300, queries=2, heads=3, seed=5))
+    c = synth_dump(SynthSpec(layers=2, tokens=300, queries=2, heads=3, seed=6))
+    for x, y, z in zip(a.layers, b.layers, c.layers):
+        assert torch.equal(x.kv, y.kv) and torch.equal(x.queries, y.queries)
+        assert not torch.equal(x.kv, z.kv)
+
+
+def test_deepseek_rope_frequencies_and_rotation() -> None:
+    f = rope_frequencies()
+    assert f[0] == 1.0 and math.isclose(float(f[31]), 10000 ** (-62 / 64) / 40, rel_tol=1e-12)
+    assert bool((f[1:] < f[:-1]).all())  # frequencies fall with the pair index
+    x, y = torch.randn(2, 64, dtype=torch.float64)
+    # a rotation: pair norms kept; the dot product depends only on the position difference
+    rx = apply_rope(x[None], torch.tensor([1000]))[0]
+    assert torch.allclose(rx.view(32, 2).norm(dim=1), x.view(32, 2).norm(dim=1))
+    d1 = apply_rope(x[None], torch.tensor([1000]))[0] @ apply_rope(y[None], torch.tensor([990]))[0]
+    d2 = apply_rope(x[None], torch.tensor([50]))[0] @ apply_rope(y[None], torch.tensor([40]))[0]
+    assert math.isclose(float(d1), float(d2), rel_tol=1e-9)
+    # interleaved pairs: (x0, x1) turns by pos * f_0 = pos radians
+    e = torch.zeros(64, dtype=torch.float64)
+    e[0] = 1.0
+    r = apply_rope(e[None], torch.tensor([1]))[0]
+    assert math.isclose(float(r[0]), math.cos(1.0)) and math.isclose(float(r[1]), math.sin(1.0))
+
+
+def test_ranges_grow_with_depth_like_the_paper() -> None:
+    first = layer_stats(synth_layer_kv(8192, 0.0, 0, 0)[0])
+    last = layer_stats(synth_layer_kv(8192, 1.0, 0, 7)[0])
+    for st in (first, last):
+        assert st.content_absmax < 20 and 0.1 < st.content_rms < 1.0
+    assert first.rope_p999 < 200 and last.rope_p999 > 500  # ~1e2 -> ~1e3
+    assert last.rope_absmax > 3 * last.rope_p999 / 2  # outlier tails
+    assert last.rope_rms > 5 * first.rope_rms
+
+
+def test_sinks_and_per_token_magnitudes() -> None:
+    kv, _ = synth_layer_kv(4096, 0.5, 0, 3)
+    amax = kv[:, :D_CONTENT].float().abs().amax(dim=1)
+    assert amax[0] > 2 * amax.median()  # token 0 is a sink
+    assert amax.max() / amax.min() > 3  # per-token magnitudes vary
+
+
+def test_probe_queries_attend_neither_uniformly_nor_one_hot() -> None:
+    kv, _ = synth_layer_kv(4096, 1.0, 0, 7)
+    q = probe_queries(kv, 3, 8, seed=1)
+    assert q.shape == (3, 8, 576) and q.dtype == torch.bfloat16
+    logits = default_softmax_scale() * (q.double().reshape(-1, 576) @ kv.double().T)
+    n_eff = effective_keys(logits)
+    assert bool((n_eff > 4).all()) and bool((n_eff < 2048).all())
+    assert float(torch.softmax(logits, -1).amax(-1).median()) < 0.9
+
+
+def test_probe_queries_anchor_position() -> None:
+    kv, _ = synth_layer_kv(1024, 1.0, 0, 7)
+    q = probe_queries(kv, 2, 4, seed=0, anchors=[100, 1023])
+    assert q.shape == (2, 4, 576)
