@@ -1,0 +1,45 @@
+"""One FP8 (or BF16) decode call on a benchmark shape, for Nsight Compute:
+``ncu -k snapmla_decode_fp8 -c 1 python3 scripts/profile_decode.py --heads 16``."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from snapmla_cli.cache.layout import random_paged_layout
+from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
+from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+from snapmla_cli.ops.prep import append_kv, quantize_q
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--mtp", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--bf16", action="store_true")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    layout = random_paged_layout([args.ctx] * args.batch, generator=torch.Generator().manual_seed(0), spare_blocks=0)
+    table, lens = layout.block_table.to(device), layout.cache_seqlens.to(device)
+    q = (torch.randn(args.batch, args.mtp, args.heads, D_QK, device=device) * 0.5).to(torch.bfloat16)
+    kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
+    rows = args.mtp * args.heads
+    if args.bf16:
+        meta, splits = get_mla_metadata(lens, rows, 1, fp8=False)
+        for _ in range(2):
+            decode_bf16(q, kv.view(-1, 64, 1, D_QK), table, lens, meta, splits, None, True)
+    else:
+        cache = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
+        append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache)
+        meta, splits = get_mla_metadata(lens, rows, 1, fp8=True)
+        qq = quantize_q(q)
+        for _ in range(2):
+            decode_fp8(qq, cache, table, lens, meta, splits, None, True)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
