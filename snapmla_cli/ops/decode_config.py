@@ -93,15 +93,17 @@ def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
 
 
 def heuristic_config(rows: int, fp8: bool = True) -> DecodeConfig:
-    """Built-in choice: as few 16-row groups as cover the rows (a 16-row problem wastes no MMA
-    work), token groups so that every CTA has 8 warps on its page, the deepest pipeline that
-    fits in shared memory."""
+    """Built-in choice, from the variant sweep on the H200 (docs/PERF.md): 16 rows run best as
+    two small CTAs per SM (2 warps each, whole pages); 32 rows as one CTA of two row groups with
+    two token groups per page (8 warps); 64+ rows as 64-row tiles (8 warps)."""
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
     if fp8:
-        kv_split = 4 // row_groups
-        stages = 2 if row_groups == 4 else 3
-        cfg = DecodeConfig(row_groups=row_groups, kv_split=kv_split, stages=stages, block_n=64,
-                           min_ctas_per_sm=1)
+        if row_groups == 1:
+            cfg = DecodeConfig(row_groups=1, kv_split=1, stages=2, min_ctas_per_sm=2)
+        elif row_groups == 2:
+            cfg = DecodeConfig(row_groups=2, kv_split=2, stages=3, min_ctas_per_sm=1)
+        else:
+            cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1)
     else:
         block_n = 64 if row_groups == 1 else 32
         cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1)

@@ -1,0 +1,253 @@
+"""The real step runner of ``snapmla bench``: one decode step of an MLA attention stack on one GPU.
+
+A step is ``L`` attention calls, each a real launch sequence:
+- FP8 (SnapMLA): fused Q-quant (``quantize_q``), fused K-append of the step's new tokens into the
+  656-byte cache (``append_kv``), FP8 decode (``decode_fp8``).
+- BF16 baseline: the new tokens copied into the bf16 cache (``index_copy_``), then FlashMLA's
+  ``flash_mla_with_kvcache`` when the ``flash_mla`` package is importable (``--bf16-impl auto``),
+  else snapmla's BF16 kernel (``decode_bf16``).
+
+What is shared and what is not (docs/DESIGN.md): every layer has its own q and new-token rows;
+the KV cache tensors are shared between layers (the attention cost per layer is identical, and
+memory stays bounded), with enough distinct caches that a small cache is never re-read from L2 by
+the next layer (``plan.distinct_caches``). Requests keep a fixed length: each step rewrites the
+last ``s_q`` positions, so repeated steps do the same work. The split-KV metadata is computed
+once per case, outside the timed step (an engine computes it once per step for all layers).
+
+The step is captured once in a CUDA graph and the replays are timed (CUDA events, median); if the
+capture fails the step is timed as eager launches and the measurement says so.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..cache.layout import random_paged_layout
+from ..errors import SnapmlaError
+from ..numerics.formats import D_QK, D_V, FP8_TOKEN_BYTES, PAGE_SIZE
+from .ceilings import measure_ceilings
+from .plan import FP8, TOKEN_BYTES, distinct_caches
+from .results import StepTiming
+from .roofline import Ceilings, DecodeWork
+from .timing import time_cuda
+from .worker import StepSpec
+
+FILL_TOKENS = 1 << 20  # tokens per chunk when filling a cache with random data
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())[:200]
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def flashmla_module():
+    """FlashMLA's Python package, or None when it is not importable."""
+    try:
+        import flash_mla  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - absent or broken: the baseline falls back to snapmla's
+        return None
+    if not hasattr(flash_mla, "flash_mla_with_kvcache") or not hasattr(flash_mla, "get_mla_metadata"):
+        return None
+    return flash_mla
+
+
+@dataclass
+class _Inputs:
+    """The step's tensors that do not depend on the cache format."""
+
+    block_table: torch.Tensor  # int32 [b, pages]
+    seqlens: torch.Tensor  # int32 [b]
+    slots: torch.Tensor  # int32 [b * s_q]: where the new tokens go
+    q: torch.Tensor  # bf16 [L, b, s_q, h, 576]: one q per layer
+    kv_new: torch.Tensor  # bf16 [L, b * s_q, 576]: the new tokens of each layer
+    num_blocks: int
+
+
+def _inputs(spec: StepSpec, device: torch.device) -> _Inputs:
+    cpu_gen = torch.Generator().manual_seed(spec.seed)
+    layout = random_paged_layout([spec.context] * spec.batch, generator=cpu_gen, spare_blocks=0)
+    pos = torch.arange(spec.context - spec.s_q, spec.context)
+    pages = layout.block_table[:, pos // PAGE_SIZE].long()
+    slots = (pages * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).to(torch.int32)
+    gen = torch.Generator(device=device).manual_seed(spec.seed)
+    shape_q = (spec.layers, spec.batch, spec.s_q, spec.heads, D_QK)
+    q = torch.randn(shape_q, generator=gen, device=device, dtype=torch.bfloat16)
+    kv_new = torch.randn((spec.layers, spec.batch * spec.s_q, D_QK), generator=gen, device=device,
+                         dtype=torch.bfloat16)
+    return _Inputs(layout.block_table.to(device), layout.cache_seqlens.to(device),
+                   slots.to(device), q, kv_new, layout.num_blocks)
+
+
+def _fp8_cache(num_blocks: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    """A 656-byte cache holding random tokens, written by the K-append kernel (real scales)."""
+    from ..ops.prep import append_kv
+
+    cache = torch.empty((num_blocks, PAGE_SIZE, FP8_TOKEN_BYTES), dtype=torch.uint8, device=device)
+    tokens = num_blocks * PAGE_SIZE
+    for start in range(0, tokens, FILL_TOKENS):
+        n = min(FILL_TOKENS, tokens - start)
+        kv = torch.randn((n, D_QK), generator=gen, device=device, dtype=torch.bfloat16)
+        append_kv(kv, torch.arange(start, start + n, device=device, dtype=torch.int32), cache)
+    return cache
+
+
+def _bf16_cache(num_blocks: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn((num_blocks, PAGE_SIZE, 1, D_QK), generator=gen, device=device,
+                       dtype=torch.bfloat16)
+
+
+def _capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up on a side stream before capture, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+class GpuStepRunner:
+    """Times :class:`StepSpec` steps on ``cuda:local_rank``."""
+
+    def __init__(self, local_rank: int, steps: int = 20, warmup: int = 3, graphs: bool = True,
+                 bf16_impl: str = "auto", roofline: bool = True) -> None:
+        self.local_rank, self.steps, self.warmup = local_rank, steps, warmup
+        self.graphs, self.bf16_impl, self.roofline = graphs, bf16_impl, roofline
+        self.device = torch.device("cuda", local_rank)
+        self.device_name = ""
+        self.ceilings: Ceilings | None = None
+        self.flashmla = None
+
+    def setup(self) -> dict:
+        torch.cuda.set_device(self.device)
+        props = torch.cuda.get_device_properties(self.device)
+        self.device_name = props.name
+        facts: dict = {"device": props.name, "sms": props.multi_processor_count,
+                       "memory_bytes": props.total_memory}
+        if self.bf16_impl in ("auto", "flashmla"):
+            self.flashmla = flashmla_module()
+            if self.flashmla is None and self.bf16_impl == "flashmla":
+                raise SnapmlaError("--bf16-impl flashmla: the flash_mla package is not importable")
+        facts["bf16_kernel"] = "flashmla" if self.flashmla is not None else "snapmla-bf16"
+        if self.roofline:
+            self.ceilings = measure_ceilings(self.device)
+            facts["ceilings"] = asdict(self.ceilings)
+            gc.collect()
+            torch.cuda.empty_cache()
+        return facts
+
+    # ------------------------------------------------------------------ steps
+
+    def _fp8_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]):
+        from ..ops.decode import decode_fp8, get_mla_metadata
+        from ..ops.prep import append_kv, quantize_q
+
+        meta, splits = get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1, fp8=True)
+        n = len(caches)
+
+        def step() -> None:
+            for layer in range(spec.layers):
+                cache = caches[layer % n]
+                qq = quantize_q(x.q[layer])
+                append_kv(x.kv_new[layer], x.slots, cache)
+                decode_fp8(qq, cache, x.block_table, x.seqlens, meta, splits, None, True)
+
+        return step, "snapmla-fp8"
+
+    def _flashmla_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]):
+        fm, n = self.flashmla, len(caches)
+        flat = [cache.view(-1, D_QK) for cache in caches]
+        slots = x.slots.long()
+        meta, splits = fm.get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1)
+
+        def step() -> None:
+            for layer in range(spec.layers):
+                flat[layer % n].index_copy_(0, slots, x.kv_new[layer])
+                fm.flash_mla_with_kvcache(x.q[layer], caches[layer % n], x.block_table,
+                                          x.seqlens, D_V, meta, splits, causal=True)
+
+        return step, "flashmla-bf16"
+
+    def _bf16_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]):
+        from ..ops.decode import decode_bf16, get_mla_metadata
+
+        n = len(caches)
+        flat = [cache.view(-1, D_QK) for cache in caches]
+        slots = x.slots.long()
+        meta, splits = get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1, fp8=False)
+
+        def step() -> None:
+            for layer in range(spec.layers):
+                flat[layer % n].index_copy_(0, slots, x.kv_new[layer])
+                decode_bf16(x.q[layer], caches[layer % n], x.block_table, x.seqlens, meta,
+                            splits, None, True)
+
+        return step, "snapmla-bf16"
+
+    # ------------------------------------------------------------------ timing
+
+    def _time(self, step: Callable[[], None]) -> tuple[float, bool, str]:
+        step()  # compiles and loads the kernels outside any capture
+        torch.cuda.synchronize(self.device)
+        note = ""
+        if self.graphs:
+            try:
+                graph = _capture(step)
+            except Exception as exc:  # noqa: BLE001 - any capture failure: time eagerly instead
+                torch.cuda.synchronize(self.device)
+                note = f"CUDA graph capture failed ({_one_line(exc)}); timed eager launches"
+            else:
+                try:
+                    return time_cuda(graph.replay, reps=self.steps, warmup=self.warmup), True, ""
+                finally:
+                    del graph
+        return time_cuda(step, reps=self.steps, warmup=self.warmup), False, note
+
+    def run(self, spec: StepSpec) -> StepTiming:
+        try:
+            return self._run(spec)
+        finally:  # the case's tensors (and graph pool) are unreachable now: give them back
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def _run(self, spec: StepSpec) -> StepTiming:
+        fp8 = spec.impl == FP8
+        x = _inputs(spec, self.device)
+        gen = torch.Generator(device=self.device).manual_seed(spec.seed + 1)
+        cache_bytes = x.num_blocks * PAGE_SIZE * TOKEN_BYTES[spec.impl]
+        first = (_fp8_cache if fp8 else _bf16_cache)(x.num_blocks, self.device, gen)
+        count = distinct_caches(cache_bytes, spec.layers)
+        caches = [first] + [first.clone() for _ in range(count - 1)]
+        notes = []
+        if fp8:
+            step, kernel = self._fp8_step(spec, x, caches)
+        else:
+            step = None
+            if self.flashmla is not None:
+                try:
+                    step, kernel = self._flashmla_step(spec, x, caches)
+                    step()
+                except Exception as exc:  # noqa: BLE001 - FlashMLA build or API mismatch
+                    if self.bf16_impl == "flashmla":
+                        raise SnapmlaError(f"--bf16-impl flashmla: FlashMLA failed ({_one_line(exc)})") from None
+                    notes.append(f"FlashMLA failed ({_one_line(exc)}); BF16 baseline is snapmla-bf16")
+                    self.flashmla, step = None, None
+            if step is None:
+                step, kernel = self._bf16_step(spec, x, caches)
+        seconds, graphed, time_note = self._time(step)
+        notes.append(time_note)
+        t_min = None
+        if self.ceilings is not None:
+            work = DecodeWork(spec.batch, spec.s_q, spec.heads, spec.context)
+            t_min = spec.layers * work.t_min(fp8, self.ceilings)
+        return StepTiming(seconds, kernel, graphed, t_min, "; ".join(n for n in notes if n))
+
+    def close(self) -> None:
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -1,0 +1,178 @@
+"""How a :class:`BenchReport` looks: two rich tables (throughput per layout and context; per-rank
+kernel figures) and a bar chart in the style of the SnapMLA paper's Figure 1 (grouped bars per
+context, BF16 vs FP8, one panel per parallel layout). Nothing here runs or measures anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..cache.atomic import write_atomic
+from ..errors import SnapmlaError
+from ..sizes import format_size
+from .plan import PRESETS, BenchPlan, format_bytes
+from .results import BenchReport, CaseResult
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def _tps(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def describe_plan(plan: BenchPlan) -> str:
+    """One line: model, stack, layouts, contexts and how the batch is chosen."""
+    preset = PRESETS[plan.model]
+    model = plan.model if (plan.heads, plan.layers) == (preset.heads, preset.layers) else f"{plan.model} (custom)"
+    batch = f"batch {plan.batch}" if plan.batch is not None else "batch from the KV budget"
+    budget = f", KV budget {format_bytes(plan.kv_mem)}/GPU" if plan.kv_mem is not None else ""
+    return (f"{model}: {plan.heads} heads x {plan.layers} MLA layers, s_q {plan.s_q}; "
+            f"{', '.join(layout.name for layout in plan.layouts)} on {plan.world} "
+            f"rank{'s' if plan.world > 1 else ''}; ctx {','.join(format_size(c) for c in plan.contexts)}; "
+            f"{batch}{budget}")
+
+
+def plot_title(report: BenchReport) -> str:
+    plan = report.plan
+    budget = f", KV budget {format_bytes(plan.kv_mem)}/GPU" if plan.kv_mem is not None else ""
+    batch = f", batch {plan.batch}/DP" if plan.batch is not None else ""
+    return (f"{plan.model}: {plan.heads} heads x {plan.layers} MLA layers, s_q {plan.s_q}{batch}{budget}"
+            f"\n{_devices(report)}")
+
+
+def _devices(report: BenchReport) -> str:
+    names = [r.get("device", "?") for r in report.meta.get("ranks", [])]
+    if not names:
+        return "?"
+    unique = list(dict.fromkeys(names))
+    return ", ".join(f"{name} x{names.count(name)}" for name in unique)
+
+
+def throughput_table(report: BenchReport) -> Table:
+    plan = report.plan
+    table = Table(title=f"snapmla bench: decode tokens/s of the attention stack, all GPUs "
+                        f"({describe_plan(plan)}; {_devices(report)})", title_justify="left")
+    for name in ("layout", "ctx", "heads/rank", "batch/DP"):
+        table.add_column(name, justify="right")
+    for name in ("BF16 tok/s", "FP8 tok/s", "x same batch", "batch FP8/BF16 same mem",
+                 "FP8 tok/s same mem", "x same mem", "FP8 tok/s/GPU same mem"):
+        table.add_column(name, justify="right")
+    for c in report.comparisons:
+        mem = c.fp8_mem is not None and c.bf16_mem is not None
+        table.add_row(
+            c.layout.label, format_size(c.context), str(c.fp8.heads), str(c.fp8.batch),
+            _tps(c.bf16.aggregate_tokens_per_s), _tps(c.fp8.aggregate_tokens_per_s),
+            _x(c.speedup_equal_batch),
+            f"{c.fp8_mem.batch}/{c.bf16_mem.batch}" if mem else "-",
+            _tps(c.fp8_mem.aggregate_tokens_per_s) if mem else "-",
+            _x(c.speedup_equal_memory),
+            _tps(c.fp8_mem.per_gpu_tokens_per_s) if mem else "-",
+        )
+    return table
+
+
+def _cases(report: BenchReport) -> list[CaseResult]:
+    seen: dict[tuple, CaseResult] = {}
+    for c in report.comparisons:
+        for case in (c.bf16, c.fp8, c.bf16_mem, c.fp8_mem):
+            if case is not None:
+                seen.setdefault((case.layout, case.context, case.impl, case.batch), case)
+    return list(seen.values())
+
+
+def kernel_table(report: BenchReport) -> Table:
+    table = Table(title="per rank (mean over ranks): one step = every layer's Q-quant/append + "
+                        "decode; TFLOPS and GB/s per SPEC section 7 over the whole step",
+                  title_justify="left")
+    for name in ("layout", "ctx", "format", "kernel", "batch/DP", "heads/rank", "ms/step",
+                 "us/layer", "TFLOPS/GPU", "GB/s/GPU", "roofline %", "timed"):
+        table.add_column(name, justify="left" if name in ("format", "kernel", "timed") else "right")
+    for case in _cases(report):
+        world = case.layout.world
+        table.add_row(
+            case.layout.label, format_size(case.context), case.impl.upper(), case.kernel,
+            str(case.batch), str(case.heads), f"{case.step_s * 1e3:.2f}", f"{case.us_per_layer:.1f}",
+            f"{case.tflops / world:.1f}", f"{case.gbs / world:.0f}",
+            "-" if case.roof_pct is None else f"{case.roof_pct:.1f}",
+            "CUDA graph" if case.graphed else "eager",
+        )
+    return table
+
+
+def render_report(out: Console, report: BenchReport) -> None:
+    out.print(throughput_table(report))
+    out.print(kernel_table(report))
+    plan = report.plan
+    out.print(
+        f"tokens/s: requests x s_q ({plan.s_q}) per step of {plan.layers} attention calls, summed "
+        "over DP groups (the ranks of a TP group decode the same requests, at the pace of the "
+        "slowest); attention only: no MoE/MLP, no TP all-reduce. 'same mem': each format at the "
+        "batch the KV budget holds (656 vs 1152 bytes per token per layer)."
+    )
+    for note in report.notes:
+        out.print(f"note: {note}")
+
+
+def check_plot_path(path: Path) -> None:
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise SnapmlaError(f"--plot {path}: expected a {', '.join(PLOT_SUFFIXES)} file")
+
+
+def plot_report(report: BenchReport, path: Path) -> None:
+    """Grouped bars per context (BF16, FP8 at the same batch, FP8 at the same KV memory),
+    one panel per layout, FP8/BF16 speed-ups written over the FP8 bars. Written atomically."""
+    check_plot_path(path)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SnapmlaError("--plot needs matplotlib: pip install 'snapmla[plot]'") from None
+    comparisons = report.comparisons
+    layouts = list(dict.fromkeys(c.layout for c in comparisons))
+    fig, axes = plt.subplots(1, len(layouts), figsize=(4.8 * len(layouts), 4.2), squeeze=False,
+                             constrained_layout=True)
+    colors = {"bf16": "#8c8c8c", "bf16_mem": "#8c8c8c", "fp8": "#1f77b4", "fp8_mem": "#ff7f0e"}
+    for ax, layout in zip(axes[0], layouts):
+        rows = [c for c in comparisons if c.layout == layout]
+        mem = all(c.fp8_mem is not None and c.bf16_mem is not None for c in rows)
+        series = [(f"BF16 ({rows[0].bf16.kernel}), same batch", "bf16",
+                   [c.bf16.aggregate_tokens_per_s for c in rows], None),
+                  ("FP8 SnapMLA, same batch", "fp8", [c.fp8.aggregate_tokens_per_s for c in rows],
+                   [c.speedup_equal_batch for c in rows])]
+        if mem and any(c.bf16_mem.batch != c.bf16.batch for c in rows):
+            series.append(("BF16, same KV memory", "bf16_mem",
+                           [c.bf16_mem.aggregate_tokens_per_s for c in rows], None))
+        if mem:
+            series.append(("FP8 SnapMLA, same KV memory", "fp8_mem",
+                           [c.fp8_mem.aggregate_tokens_per_s for c in rows],
+                           [c.speedup_equal_memory for c in rows]))
+        width = 0.8 / len(series)
+        for i, (label, key, values, speedups) in enumerate(series):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
+            bars = ax.bar(xs, values, width, label=label, color=colors[key],
+                          hatch="//" if key.endswith("_mem") else None, edgecolor="white")
+            if speedups is not None:
+                for bar, s in zip(bars, speedups):
+                    ax.annotate(f"{s:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                                textcoords="offset points")
+        ax.set_xticks(range(len(rows)), [format_size(c.context) for c in rows])
+        ax.set_xlabel("context length")
+        ax.set_title(f"{layout.label}: {rows[0].fp8.heads} heads/rank")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    axes[0][0].set_ylabel("decode tokens/s, attention stack, all GPUs")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=7)
+    fig.suptitle(plot_title(report), fontsize=9)
+    suffix = path.suffix.lstrip(".").lower()
+    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=130, format=suffix))
+    plt.close(fig)

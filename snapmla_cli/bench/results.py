@@ -1,0 +1,242 @@
+"""Per-rank measurements of ``snapmla bench`` and how they add up over a layout (pure).
+
+A DP group decodes its own requests; the ranks of a TP group decode the *same* requests with
+a share of the heads each and advance in lockstep, so the group's step takes as long as its
+slowest rank. Hence, for one layout:
+
+    aggregate tokens/s = sum over DP groups of  batch * s_q / max over the group's TP ranks of step_s
+    tokens/s per GPU   = aggregate / (dp * tp)
+
+TFLOPS and GB/s (SPEC section 7, decode work only, over the whole step time, which also holds the
+Q-quant and the K-append) add up over all ranks, since each rank does its own share of the work.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+from ..errors import SnapmlaError
+from .plan import BF16, FP8, BenchPlan, Layout
+from .roofline import DecodeWork
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """What a step runner reports for one case on one rank."""
+
+    step_s: float  # median time of one decode step: all layers, every launch
+    kernel: str  # what ran, e.g. snapmla-fp8, snapmla-bf16, flashmla-bf16, cpu-fake
+    graphed: bool  # timed as a CUDA-graph replay (else eager launches)
+    t_min_s: float | None = None  # SPEC section 7 roofline of the step's decode calls
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One rank's timing of one case (a layout, a context, a format, a batch)."""
+
+    rank: int
+    layout: str
+    dp_index: int
+    tp_index: int
+    context: int
+    impl: str
+    batch: int
+    s_q: int
+    heads: int  # query heads on this rank
+    layers: int
+    step_s: float
+    kernel: str
+    graphed: bool
+    t_min_s: float | None = None
+    note: str = ""
+    device: str = ""
+
+    @property
+    def work(self) -> DecodeWork:
+        return DecodeWork(self.batch, self.s_q, self.heads, self.context)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.s_q / self.step_s
+
+    @property
+    def us_per_layer(self) -> float:
+        return 1e6 * self.step_s / self.layers
+
+    @property
+    def tflops(self) -> float:
+        return self.layers * self.work.flops / self.step_s / 1e12
+
+    @property
+    def gbs(self) -> float:
+        return self.layers * self.work.bytes(self.impl == FP8) / self.step_s / 1e9
+
+    @property
+    def roof_pct(self) -> float | None:
+        return None if self.t_min_s is None else 100.0 * self.t_min_s / self.step_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, us_per_layer=self.us_per_layer,
+                 tflops=self.tflops, gbs=self.gbs, roof_pct=self.roof_pct)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Measurement:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """One case over all ranks of a layout."""
+
+    layout: Layout
+    context: int
+    impl: str
+    kernel: str
+    batch: int  # per DP group
+    s_q: int
+    heads: int  # per rank
+    layers: int
+    group_step_s: tuple[float, ...]  # per DP group: its slowest TP rank
+    aggregate_tokens_per_s: float
+    step_s: float  # mean over ranks
+    us_per_layer: float  # mean over ranks
+    tflops: float  # sum over ranks
+    gbs: float  # sum over ranks
+    roof_pct: float | None  # mean over ranks
+    graphed: bool  # every rank replayed a CUDA graph
+    notes: tuple[str, ...] = ()
+
+    @property
+    def per_gpu_tokens_per_s(self) -> float:
+        return self.aggregate_tokens_per_s / self.layout.world
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layout"] = self.layout.name
+        d["per_gpu_tokens_per_s"] = self.per_gpu_tokens_per_s
+        return d
+
+
+def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
+    """Combine one case's measurements, one per rank of ``layout``."""
+    if not rows:
+        raise SnapmlaError(f"{layout.name}: no measurements to combine")
+    ranks = sorted(m.rank for m in rows)
+    if ranks != list(range(layout.world)):
+        raise SnapmlaError(f"{layout.name}: expected one result from each of ranks 0..{layout.world - 1}, got {ranks}")
+    first = rows[0]
+    groups: dict[int, list[Measurement]] = {}
+    for m in rows:
+        groups.setdefault(m.dp_index, []).append(m)
+    if sorted(groups) != list(range(layout.dp)) or any(len(g) != layout.tp for g in groups.values()):
+        raise SnapmlaError(f"{layout.name}: ranks do not form {layout.dp} DP groups of {layout.tp}")
+    group_step = tuple(max(m.step_s for m in groups[i]) for i in range(layout.dp))
+    aggregate_tps = sum(groups[i][0].batch * groups[i][0].s_q / t for i, t in enumerate(group_step))
+    roofs = [m.roof_pct for m in rows]
+    kernels = sorted({m.kernel for m in rows})
+    return CaseResult(
+        layout=layout, context=first.context, impl=first.impl, kernel="/".join(kernels),
+        batch=first.batch, s_q=first.s_q, heads=first.heads, layers=first.layers,
+        group_step_s=group_step, aggregate_tokens_per_s=aggregate_tps,
+        step_s=statistics.fmean(m.step_s for m in rows),
+        us_per_layer=statistics.fmean(m.us_per_layer for m in rows),
+        tflops=sum(m.tflops for m in rows), gbs=sum(m.gbs for m in rows),
+        roof_pct=None if any(r is None for r in roofs) else statistics.fmean(roofs),
+        graphed=all(m.graphed for m in rows),
+        notes=tuple(dict.fromkeys(m.note for m in rows if m.note)),
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """FP8 against BF16 for one (layout, context): at the same batch, and at the same KV memory
+    (each format at the batch the budget holds) when a budget is set."""
+
+    layout: Layout
+    context: int
+    fp8: CaseResult
+    bf16: CaseResult
+    fp8_mem: CaseResult | None = None
+    bf16_mem: CaseResult | None = None
+
+    @property
+    def speedup_equal_batch(self) -> float:
+        return self.fp8.aggregate_tokens_per_s / self.bf16.aggregate_tokens_per_s
+
+    @property
+    def speedup_equal_memory(self) -> float | None:
+        if self.fp8_mem is None or self.bf16_mem is None:
+            return None
+        return self.fp8_mem.aggregate_tokens_per_s / self.bf16_mem.aggregate_tokens_per_s
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.name,
+            "context": self.context,
+            "equal_batch": {"fp8": self.fp8.to_dict(), "bf16": self.bf16.to_dict(),
+                            "speedup": self.speedup_equal_batch},
+            "equal_memory": None if self.fp8_mem is None or self.bf16_mem is None else {
+                "fp8": self.fp8_mem.to_dict(), "bf16": self.bf16_mem.to_dict(),
+                "speedup": self.speedup_equal_memory},
+        }
+
+
+def compare(plan: BenchPlan, measurements: list[Measurement]) -> list[Comparison]:
+    """Every (layout, context) of the plan, from all ranks' measurements."""
+    by_case: dict[tuple[str, int, str, int], list[Measurement]] = {}
+    for m in measurements:
+        by_case.setdefault((m.layout, m.context, m.impl, m.batch), []).append(m)
+
+    def case(layout: Layout, ctx: int, impl: str, batch: int) -> CaseResult:
+        rows = by_case.get((layout.name, ctx, impl, batch))
+        if rows is None:
+            raise SnapmlaError(f"{layout.name} ctx {ctx}: no {impl} result at batch {batch}")
+        return aggregate(layout, rows)
+
+    out = []
+    for layout in plan.layouts:
+        for ctx in plan.contexts:
+            b = plan.batches(ctx)
+            mem = b.has_equal_memory
+            out.append(Comparison(
+                layout, ctx, case(layout, ctx, FP8, b.equal), case(layout, ctx, BF16, b.equal),
+                case(layout, ctx, FP8, b.fp8_mem) if mem else None,
+                case(layout, ctx, BF16, b.bf16_mem) if mem else None,
+            ))
+    return out
+
+
+@dataclass
+class BenchReport:
+    """Everything rank 0 knows after the gather: the plan, the raw per-rank measurements and
+    the comparisons; ``meta`` holds the machine facts (devices, backend, launcher)."""
+
+    plan: BenchPlan
+    measurements: list[Measurement]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def comparisons(self) -> list[Comparison]:
+        return compare(self.plan, self.measurements)
+
+    @property
+    def notes(self) -> list[str]:
+        return list(dict.fromkeys(m.note for m in self.measurements if m.note))
+
+    def to_dict(self) -> dict:
+        plan = asdict(self.plan)
+        plan["layouts"] = [layout.name for layout in self.plan.layouts]
+        return {
+            "format": "snapmla-bench",
+            "version": "1",
+            "plan": plan,
+            "meta": self.meta,
+            "comparisons": [c.to_dict() for c in self.comparisons],
+            "measurements": [m.to_dict() for m in self.measurements],
+            "notes": self.notes,
+        }

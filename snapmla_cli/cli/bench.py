@@ -1,0 +1,148 @@
+"""``snapmla bench``: decode throughput of an MLA model's attention stack, FP8 (SnapMLA) against
+BF16, on one GPU or many (DP/TP ranks through torch.distributed), like the paper's Figure 1.
+
+Parses and checks every argument, then hands the plan to ``bench.launch`` (which spawns the ranks
+or joins torchrun's), renders rank 0's report, and writes ``--json`` / ``--plot``. Errors are
+one line on stderr and exit code 2, also when this command is mounted on an app of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..bench.launch import RunnerSpec, preflight, run_benchmark, torchrun_env
+from ..bench.plan import (
+    DEFAULT_CONTEXTS,
+    LAYOUT_PRESETS,
+    PRESETS,
+    BenchPlan,
+    Layout,
+    make_plan,
+    parse_bytes,
+    parse_layouts,
+)
+from ..cache.atomic import check_writable
+from ..errors import SnapmlaError
+from ..sizes import parse_size_list
+from .common import console, write_json
+
+
+class Model(str, Enum):
+    deepseek_v3 = "deepseek-v3"
+    longcat_flash = "longcat-flash"
+
+
+class Bf16Impl(str, Enum):
+    auto = "auto"
+    snapmla = "snapmla"
+    flashmla = "flashmla"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def print_progress(message: str) -> None:
+    """Rank 0's progress, one line per timed case, on stderr (picklable: sent to spawned ranks)."""
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def build_plan(
+    model: str, heads: int | None, layers: int | None, mtp: int, ctx: str, batch: int | None,
+    kv_mem: str | None, dp: int | None, tp: int | None, layout: str | None, seed: int,
+) -> BenchPlan:
+    """The checked plan from the command line's strings (raises a one-line SnapmlaError)."""
+    if layout is not None and (dp is not None or tp is not None):
+        raise SnapmlaError("--layout and --dp/--tp both given: use one or the other")
+    if layout is not None:
+        layouts = parse_layouts(layout)
+    else:
+        for name, value in (("--dp", dp), ("--tp", tp)):
+            if value is not None and value < 1:
+                raise SnapmlaError(f"{name}: expected at least 1, got {value}")
+        layouts = (Layout(dp or 1, tp or 1),)
+    return make_plan(
+        model=model, heads=heads, layers=layers, mtp=mtp,
+        contexts=parse_size_list(ctx, "--ctx"), layouts=layouts, batch=batch,
+        kv_mem=None if kv_mem is None else parse_bytes(kv_mem, "--kv-mem"), seed=seed,
+    )
+
+
+def bench_command(
+    model: Annotated[Model, typer.Option(help="Model preset: deepseek-v3 (128 heads, 61 MLA layers) or longcat-flash (64 heads, 28 layers x 2 MLA = 56).")] = Model.deepseek_v3,
+    heads: Annotated[int | None, typer.Option(help="Query heads of the model (overrides the preset); split over --tp.")] = None,
+    layers: Annotated[int | None, typer.Option(help="Attention calls per decoded token (overrides the preset).")] = None,
+    mtp: Annotated[int, typer.Option(help="Query tokens per request and step, s_q (MTP: 2).")] = 1,
+    ctx: Annotated[str, typer.Option(help="Context lengths, comma-separated: 16k,32k,64k,128k.")] = DEFAULT_CONTEXTS,
+    batch: Annotated[int | None, typer.Option(help="Requests per DP group for both formats (default: what --kv-mem holds in BF16).")] = None,
+    kv_mem: Annotated[str | None, typer.Option(help="KV-cache budget per GPU for all layers, e.g. 60GiB (default 60GiB without --batch); sizes the equal-memory batches.")] = None,
+    dp: Annotated[int | None, typer.Option(help="Data-parallel groups (independent batches).")] = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks per group (heads / tp per rank).")] = None,
+    layout: Annotated[str | None, typer.Option(help=f"Layouts instead of --dp/--tp, comma-separated, same GPU count: {', '.join(LAYOUT_PRESETS)} or any dpNtpM.")] = None,
+    steps: Annotated[int, typer.Option(help="Timed steps per case (median).")] = 20,
+    warmup: Annotated[int, typer.Option(help="Untimed steps before timing.")] = 3,
+    graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Time CUDA-graph replays of one step (eager when capture fails).")] = True,
+    bf16_impl: Annotated[Bf16Impl, typer.Option(help="BF16 baseline: FlashMLA if importable (auto), or forced.")] = Bf16Impl.auto,
+    roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Measure GEMM/copy ceilings for the roofline column.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of the random caches, queries and page layout.")] = 0,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON (atomic).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Write a Figure-1-style bar chart (.png/.pdf/.svg).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the --json / --plot files.")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--quiet", help="One line per timed case on stderr.")] = True,
+    cpu_fake: Annotated[bool, typer.Option("--cpu-fake", hidden=True, help="CI: run the orchestration on the CPU with a tiny fake workload.")] = False,
+) -> None:
+    """Decode throughput, FP8 (SnapMLA) vs BF16, per parallel layout and context.
+
+    Times one decode step of the model's attention stack (per layer: Q-quant, K-append of the new
+    token, decode) on every rank, at the same batch for both formats and at the same KV memory
+    (FP8 holds 1.76x more tokens). --dp/--tp ranks are spawned one per GPU, or started by
+    torchrun (multi-node); rank 0 prints the tables."""
+    try:
+        _bench(model.value, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps, warmup,
+               graphs, bf16_impl.value, roofline, seed, json_path, plot, force, progress, cpu_fake)
+    except (SnapmlaError, OSError) as exc:
+        typer.echo(f"error: {_one_line(exc)}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps, warmup, graphs,
+           bf16_impl, roofline, seed, json_path, plot, force, progress, cpu_fake) -> None:
+    if model not in PRESETS:
+        raise SnapmlaError(f"--model: {model!r} is not one of {', '.join(PRESETS)}")
+    plan = build_plan(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, seed)
+    spec = RunnerSpec(kind="cpu-fake" if cpu_fake else "gpu", steps=steps, warmup=warmup,
+                      graphs=graphs, bf16_impl=bf16_impl, roofline=roofline)
+    if json_path is not None:
+        check_writable(json_path, force, "--json")
+    if plot is not None:
+        from ..bench.render import check_plot_path
+
+        check_writable(plot, force, "--plot")
+        check_plot_path(plot)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SnapmlaError("--plot needs matplotlib: pip install 'snapmla[plot]'") from None
+    from ..bench.render import describe_plan, plot_report, render_report
+
+    env = torchrun_env()
+    preflight(plan, spec, env)  # no GPU, too few GPUs, torchrun's world size: fail before output
+    if progress and (env is None or env.rank == 0):
+        print_progress(describe_plan(plan))
+    report = run_benchmark(plan, spec, progress=print_progress if progress else None)
+    if report is None:  # a torchrun rank other than 0: rank 0 prints
+        return
+    out = console()
+    render_report(out, report)
+    if json_path is not None:
+        write_json(json_path, report.to_dict())
+        out.print(f"wrote {json_path}")
+    if plot is not None:
+        plot_report(report, plot)
+        out.print(f"wrote {plot}")

@@ -1,0 +1,233 @@
+"""``snapmla tune``: search the decode kernels' parameters per shape bucket on this GPU and store
+the winners in the tuning database (SPEC section 9; docs/DESIGN.md, "Tuning")."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..errors import SnapmlaError
+from ..sizes import format_size
+from .common import console, progress
+
+HELP_BUDGET = ("Per bucket: seconds of tuning ('120s', '2m') or a number of candidates besides "
+               "the default ('40').")
+
+
+def tune_command(
+    heads: Annotated[str, typer.Option("--heads", help="Query heads h_q, e.g. 64 or 16,64,128.")] = "64",
+    mtp: Annotated[str, typer.Option("--mtp", help="Query tokens per request s_q (2 with MTP); list allowed.")] = "1",
+    batch: Annotated[str, typer.Option("--batch", help="Batch buckets: 64, 1,8,64 or a range 16-128.")] = "64",
+    ctx: Annotated[str, typer.Option("--ctx", help="Context buckets: 16k,32k,64k,128k or ranges (16k-64k).")] = "16k,32k,64k,128k",
+    fmt: Annotated[str, typer.Option("--format", help="Cache format: fp8, bf16 or both.")] = "fp8",
+    budget: Annotated[str, typer.Option("--budget", help=HELP_BUDGET)] = "60s",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List the search space and exit (no GPU needed).")] = False,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted run and skip buckets already tuned with these kernel sources.")] = True,
+    db_dir: Annotated[Path | None, typer.Option("--db-dir", help="Database folder (default: $SNAPMLA_TUNING_DIR or ~/.config/snapmla/tuning).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Store the new result even when the stored entry is faster (and overwrite an unreadable file).")] = False,
+) -> None:
+    """Tune the decode kernels for this GPU and write the tuning database.
+
+    For each bucket (h_q, s_q, batch range, context range, format) every valid kernel variant
+    and split policy is compiled, checked against the reference numerics, and timed with CUDA
+    events; the fastest is stored next to the heuristic default's time."""
+    try:
+        _tune(heads, mtp, batch, ctx, fmt, budget, dry_run, resume, db_dir, force)
+    except SnapmlaError as exc:
+        typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted: measurements so far are kept; run the same command again to "
+                   "resume", err=True)
+        raise typer.Exit(130) from None
+
+
+def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry_run: bool,
+          resume: bool, db_dir: Path | None, force: bool) -> None:
+    from ..tuning.db import user_dir
+    from ..tuning.space import (
+        make_buckets,
+        parse_budget,
+        parse_formats,
+        parse_int_list,
+        parse_ranges,
+    )
+
+    buckets = make_buckets(parse_int_list(heads, "--heads"), parse_int_list(mtp, "--mtp"),
+                           parse_ranges(batch, "--batch"), parse_ranges(ctx, "--ctx"),
+                           parse_formats(fmt))
+    limit = parse_budget(budget)
+    folder = db_dir.expanduser() if db_dir is not None else user_dir()
+    if folder.exists() and not folder.is_dir():
+        raise SnapmlaError(f"--db-dir: {folder} is not a folder")
+    command = (f"snapmla tune --heads {heads} --mtp {mtp} --batch {batch} --ctx {ctx} "
+               f"--format {fmt} --budget {budget}")
+    if dry_run:
+        _dry_run(buckets, limit, folder)
+    else:
+        _run(buckets, limit, folder, resume, force, command)
+
+
+# ---------------------------------------------------------------------------------------------
+# --dry-run
+
+
+def _gpu_for_dry_run():
+    """(GpuKey, SM count) of the current GPU, or (None, default SM count) without one."""
+    from ..tuning.space import DEFAULT_NUM_SMS
+
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from ..tuning.lookup import device_gpu_key
+
+            key = device_gpu_key(torch.cuda.current_device())
+            return key, key.sm_count or DEFAULT_NUM_SMS
+    except Exception:  # noqa: BLE001 - a dry run never needs the GPU
+        pass
+    return None, DEFAULT_NUM_SMS
+
+
+def _dry_run(buckets, limit, folder: Path) -> None:
+    from ..tuning.db import db_filename
+    from ..tuning.space import config_id, search_space, smem_bytes, split_policies
+
+    out = console()
+    gpu, sms = _gpu_for_dry_run()
+    where = folder / (db_filename(gpu.name) if gpu else "<GPU name>.yaml")
+    gpu_text = gpu.label() if gpu else f"none (split plans assume {sms} SMs)"
+    spaces = [search_space(b, sms) for b in buckets]
+    shown: set[tuple[str, int]] = set()
+    for space in spaces:
+        b = space.bucket
+        if (b.format, b.rows) in shown:
+            continue
+        shown.add((b.format, b.rows))
+        table = Table(title=f"{b.format} kernel variants for {b.rows} rows (h_q x s_q)")
+        for column in ("kernel", "row groups", "kv split", "stages", "block_n", "CTAs/SM",
+                       "smem B", "split policies"):
+            table.add_column(column, justify="right")
+        for k in space.kernels:
+            kid = config_id(k, b.format).split("/")[0]
+            table.add_row(kid + (" (default)" if k == space.kernels[0] else ""),
+                          str(k.row_groups), str(getattr(k, "kv_split", "-")) if b.fp8 else "-",
+                          str(k.stages), str(k.block_n) if not b.fp8 else "-",
+                          str(k.min_ctas_per_sm), str(smem_bytes(k, b.format)),
+                          str(len(split_policies(k, space.default.split))))
+        out.print(table)
+        reasons = Counter(re.sub(r"\d+", "N", why) for _, why in space.pruned)
+        if space.pruned:
+            out.print(f"pruned {len(space.pruned)} variants: "
+                      + "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items())))
+    policies = split_policies(spaces[0].default, spaces[0].default.split)
+    out.print("split policies (target CTAs per SM x waves / min blocks per split): "
+              + ", ".join(f"{p.ctas_per_sm}x{p.waves}/mb{p.min_blocks_per_split}" for p in policies))
+    table = Table(title="buckets")
+    for column in ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default"):
+        table.add_column(column, justify="right")
+    for space in spaces:
+        b = space.bucket
+        table.add_row(b.label(), f"batch {b.timed_batch} x ctx {format_size(b.timed_context)}",
+                      str(len(space.candidates)), str(space.aliases),
+                      config_id(space.default, b.format))
+    out.print(table)
+    total = sum(len(s.candidates) for s in spaces)
+    out.print(f"{len(spaces)} buckets, {total} candidates; budget {limit}; GPU: {gpu_text}; "
+              f"database: {where}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the real run
+
+
+def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) -> None:
+    import torch
+
+    from .. import __version__
+    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+    from ..tuning.db import find_entry, save_entries
+    from ..tuning.lookup import clear_cache, device_gpu_key
+    from ..tuning.measure import GpuMeasurer
+    from ..tuning.space import search_space
+    from ..tuning.tuner import BucketResult, EntryInfo, PartialStore, Tuner, partial_path
+
+    measurer = GpuMeasurer()  # NoGpuError without a GPU
+    gpu = device_gpu_key(measurer.device.index)
+    kernels = source_tree_hash(kernel_dir())
+    out, err = console(), console(stderr=True)
+    spaces = [search_space(b, measurer.sm_count) for b in buckets]
+    partial = PartialStore(partial_path(folder, gpu), gpu, kernels, resume)
+    if partial.note:
+        err.print(partial.note)
+    results: list[BucketResult] = []
+    todo = []
+    for space in spaces:
+        stored = find_entry(folder, gpu, space.bucket) if resume and not force else None
+        if stored is not None and stored.kernels == kernels:
+            results.append(BucketResult(space.bucket, None, None, [], stored.default_time_us / 1e6,
+                                        stored.time_us / 1e6, skipped="already tuned",
+                                        entry=stored))
+        else:
+            todo.append(space)
+    tuner = Tuner(measurer, limit, EntryInfo(__version__, command, kernels), partial=partial)
+    t0 = time.monotonic()
+    with progress(err) as bar:
+        items = [(s.bucket.format, c) for s in todo for c in s.candidates]
+        task = bar.add_task("compiling kernel variants", total=None)
+        measurer.precompile(items, lambda done, total: bar.update(task, completed=done, total=total))
+        bar.remove_task(task)
+        planned = [tuner.planned(s) for s in todo]
+        task = bar.add_task("tuning", total=sum(planned))
+        offset = 0
+        for space, n in zip(todo, planned):
+            tuner.progress = (lambda desc, done, total, o=offset:
+                              bar.update(task, completed=o + done, description=desc))
+            result = tuner.tune(space)
+            offset += n
+            bar.update(task, completed=offset)
+            if result.entry is not None:
+                path, outcomes = save_entries(folder, gpu, [result.entry], force)
+                if outcomes[0].action == "kept_old":
+                    result.notes.append(f"kept the stored entry ({outcomes[0].previous.time_us:.1f}"
+                                        " us), faster than this run's; --force to replace it")
+                    result.entry = outcomes[0].previous
+            partial.finish(space.bucket.id)
+            results.append(result)
+    clear_cache()
+    torch.cuda.empty_cache()
+    _render(out, results, gpu, folder, time.monotonic() - t0)
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def _render(out, results, gpu, folder: Path, wall: float) -> None:
+    from ..tuning.db import db_filename
+    from ..tuning.space import config_id
+
+    table = Table(title=f"snapmla tune on {gpu.label()}")
+    for column in ("bucket", "default us", "tuned us", "speed-up", "tuned config", "timed",
+                   "failed", "note"):
+        table.add_column(column, justify="right")
+    for r in results:
+        tuned = config_id(r.entry.config, r.bucket.format) if r.entry else "-"
+        speed = f"{r.speedup:.3f}x" if r.speedup else "-"
+        note = r.skipped or ("not stored: nothing passed the gate" if r.entry is None else "")
+        table.add_row(r.bucket.label(), _us(r.default_time_s), _us(r.best_time_s), speed, tuned,
+                      str(len(r.measured)), str(r.failed), note)
+    out.print(table)
+    for r in results:
+        for note in r.notes:
+            out.print(f"{r.bucket.label()}: {note}")
+        for m in r.measured:
+            if not m.ok and "wrong result" in m.detail:
+                out.print(f"{r.bucket.label()}: {m.cid} failed the gate ({m.detail})")
+    out.print(f"database: {folder / db_filename(gpu.name)} ({wall:.0f} s)")

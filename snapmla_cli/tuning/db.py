@@ -1,0 +1,401 @@
+"""The tuning database (SPEC section 9): YAML files, one per GPU model, vLLM-style.
+
+File ``<normalised GPU name>.yaml`` (``NVIDIA H200`` -> ``NVIDIA_H200.yaml``)::
+
+    format: snapmla-tuning
+    version: 1
+    devices:
+    - gpu: {name: NVIDIA H200, sm_count: 132, compute_capability: [9, 0], cuda_driver_major: 13}
+      entries:
+      - bucket: {h_q: 64, s_q: 2, batch: [64, 64], context: [16384, 16384], format: fp8}
+        config: {row_groups: 4, kv_split: 1, stages: 2, block_n: 64, min_ctas_per_sm: 1,
+                 split: {ctas_per_sm: 1, waves: 1, min_blocks_per_split: 4,
+                         max_splits_per_request: 64}}
+        time_us: ...          # measured, tuned config
+        default_time_us: ...  # measured in the same run, the heuristic default
+        ...
+
+Folders searched: the user's (``$SNAPMLA_TUNING_DIR``, else ``~/.config/snapmla/tuning``) first,
+then the shipped ``tuning_db/`` of the repository. Writes go through a temp file and a rename
+(:func:`snapmla_cli.cache.atomic.write_text_atomic`) and merge with what the file holds: per
+bucket the faster entry is kept (``force`` keeps the new one), every other entry is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..cache.atomic import write_text_atomic
+from ..errors import SnapmlaError
+from ..ops.decode_config import DecodeConfig
+from ..ops.schedule import SplitPolicy
+from .space import Bucket, config_problem
+
+FORMAT_TAG = "snapmla-tuning"
+VERSION = 1
+TUNING_DIR_ENV = "SNAPMLA_TUNING_DIR"
+HEADER = ("# snapmla tuning database (SPEC section 9), written by `snapmla tune`.\n"
+          "# Format: tuning_db/README.md. Entries are measurements: do not edit the times.\n")
+
+
+class DbError(SnapmlaError):
+    """A database file that cannot be read or parsed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU key and file names
+
+
+@dataclass(frozen=True)
+class GpuKey:
+    """What a database section is keyed on: the GPU name as NVML reports it, the SM count, the
+    compute capability and the CUDA driver major version."""
+
+    name: str
+    sm_count: int | None
+    compute_capability: tuple[int, int]
+    cuda_driver_major: int | None
+
+    def same_gpu(self, other: GpuKey) -> bool:
+        """Same model: name, SM count and compute capability (the driver only ranks matches)."""
+        return (self.name.strip() == other.name.strip() and self.sm_count == other.sm_count
+                and tuple(self.compute_capability) == tuple(other.compute_capability))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "sm_count": self.sm_count,
+                "compute_capability": list(self.compute_capability),
+                "cuda_driver_major": self.cuda_driver_major}
+
+    @classmethod
+    def from_dict(cls, data: object) -> GpuKey:
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            raise ValueError("gpu: expected a mapping with a name")
+        cc = data.get("compute_capability")
+        if (not isinstance(cc, (list, tuple)) or len(cc) != 2
+                or not all(isinstance(v, int) for v in cc)):
+            raise ValueError(f"gpu: compute_capability must be [major, minor], got {cc!r}")
+        sms, drv = data.get("sm_count"), data.get("cuda_driver_major")
+        for key, value in (("sm_count", sms), ("cuda_driver_major", drv)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"gpu: {key} must be an integer, got {value!r}")
+        return cls(data["name"], sms, (cc[0], cc[1]), drv)
+
+    @classmethod
+    def from_facts(cls, facts: Any) -> GpuKey:
+        """From :class:`snapmla_cli.runtime.gpu_facts.GpuFacts` (or anything with its fields)."""
+        try:
+            driver = int(str(facts.cuda_driver_version).split(".")[0])
+        except (AttributeError, ValueError):
+            driver = None
+        return cls(str(facts.name), facts.sm_count, tuple(facts.compute_capability), driver)
+
+    def label(self) -> str:
+        cc = f"{self.compute_capability[0]}.{self.compute_capability[1]}"
+        sms = "?" if self.sm_count is None else self.sm_count
+        drv = "?" if self.cuda_driver_major is None else self.cuda_driver_major
+        return f"{self.name} ({sms} SMs, cc {cc}, CUDA driver {drv})"
+
+
+_SPACES = re.compile(r"\s+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def normalise_gpu_name(name: str) -> str:
+    """File stem for a GPU name: strip, runs of spaces -> ``_``, drop anything outside
+    ``[A-Za-z0-9_-]`` (``"NVIDIA H100 80GB HBM3"`` -> ``NVIDIA_H100_80GB_HBM3``)."""
+    stem = _UNSAFE.sub("", _SPACES.sub("_", name.strip()))
+    return stem or "unknown_gpu"
+
+
+def db_filename(name: str) -> str:
+    return normalise_gpu_name(name) + ".yaml"
+
+
+def user_dir() -> Path:
+    """``$SNAPMLA_TUNING_DIR``, else ``~/.config/snapmla/tuning``."""
+    env = os.environ.get(TUNING_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".config" / "snapmla" / "tuning"
+
+
+def shipped_dir() -> Path:
+    """The repository's ``tuning_db/`` (next to ``snapmla_cli/``)."""
+    return Path(__file__).resolve().parents[2] / "tuning_db"
+
+
+def search_dirs() -> list[tuple[str, Path]]:
+    """``[("user", ...), ("shipped", ...)]`` in search order (one entry if they coincide)."""
+    dirs = [("user", user_dir()), ("shipped", shipped_dir())]
+    try:
+        if dirs[0][1].resolve() == dirs[1][1].resolve():
+            return [("shipped", dirs[1][1])]
+    except OSError:
+        pass
+    return dirs
+
+
+# ---------------------------------------------------------------------------------------------
+# entries
+
+
+_CONFIG_FIELDS = [f.name for f in dataclasses.fields(DecodeConfig) if f.name != "split"]
+_SPLIT_FIELDS = [f.name for f in dataclasses.fields(SplitPolicy) if f.name != "num_sms"]
+
+
+def config_to_dict(cfg: DecodeConfig) -> dict[str, Any]:
+    """Every kernel parameter plus the split policy; ``num_sms`` is left out (filled in from the
+    GPU at run time)."""
+    out: dict[str, Any] = {name: getattr(cfg, name) for name in _CONFIG_FIELDS}
+    out["split"] = {name: getattr(cfg.split, name) for name in _SPLIT_FIELDS}
+    return out
+
+
+def config_from_dict(data: object) -> DecodeConfig:
+    """Inverse of :func:`config_to_dict`; missing fields take their defaults, unknown ones are
+    an error (a parameter this version of the kernels does not have)."""
+    if not isinstance(data, dict):
+        raise ValueError("config: expected a mapping")
+    split_data = data.get("split", {})
+    if not isinstance(split_data, dict):
+        raise ValueError("config.split: expected a mapping")
+    unknown = sorted(set(data) - set(_CONFIG_FIELDS) - {"split"})
+    unknown += sorted(f"split.{k}" for k in set(split_data) - set(_SPLIT_FIELDS))
+    if unknown:
+        raise ValueError(f"config: unknown parameter(s) {', '.join(map(str, unknown))}")
+    for key, value in [*data.items(), *split_data.items()]:
+        if key != "split" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"config: {key} must be a positive integer, got {value!r}")
+    kwargs = {k: v for k, v in data.items() if k != "split"}
+    return DecodeConfig(**kwargs, split=SplitPolicy(**split_data))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One bucket's tuned configuration and how it was measured."""
+
+    bucket: Bucket
+    config: DecodeConfig
+    time_us: float
+    default_time_us: float
+    date: str
+    snapmla_version: str
+    command: str
+    default_config: DecodeConfig | None = None
+    kernels: str = ""  # hash of the kernels/ source tree the times were measured with
+    timed_at: dict[str, int] = field(default_factory=dict)  # batch, context actually timed
+    candidates: int = 0  # candidates measured
+
+    @property
+    def speedup(self) -> float:
+        return self.default_time_us / self.time_us if self.time_us > 0 else math.nan
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "bucket": self.bucket.as_dict(),
+            "config": config_to_dict(self.config),
+            "time_us": round(float(self.time_us), 3),
+            "default_time_us": round(float(self.default_time_us), 3),
+            "speedup": round(self.speedup, 4),
+            "default_config": None if self.default_config is None else config_to_dict(
+                self.default_config),
+            "timed_at": dict(self.timed_at),
+            "candidates": self.candidates,
+            "date": self.date,
+            "snapmla_version": self.snapmla_version,
+            "kernels": self.kernels,
+            "command": self.command,
+        }
+        return out
+
+    @classmethod
+    def from_dict(cls, data: object) -> Entry:
+        if not isinstance(data, dict):
+            raise ValueError("entry: expected a mapping")
+        bucket = Bucket.from_dict(data.get("bucket"))
+        config = config_from_dict(data.get("config"))
+        why = config_problem(config, bucket.format)
+        if why:
+            raise ValueError(f"config invalid for the {bucket.format} kernel: {why}")
+        times = []
+        for key in ("time_us", "default_time_us"):
+            value = data.get(key)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{key}: expected a positive number, got {value!r}")
+            times.append(float(value))
+        default = data.get("default_config")
+        timed_at = data.get("timed_at") or {}
+        return cls(
+            bucket=bucket, config=config, time_us=times[0], default_time_us=times[1],
+            date=str(data.get("date", "")), snapmla_version=str(data.get("snapmla_version", "")),
+            command=str(data.get("command", "")),
+            default_config=None if default is None else config_from_dict(default),
+            kernels=str(data.get("kernels", "") or ""),
+            timed_at={str(k): int(v) for k, v in timed_at.items()} if isinstance(
+                timed_at, dict) else {},
+            candidates=int(data.get("candidates", 0) or 0),
+        )
+
+
+@dataclass
+class DeviceSection:
+    gpu: GpuKey
+    entries: list[Entry]
+
+
+@dataclass
+class LoadedFile:
+    """A parsed file; ``problems`` lists the entries skipped as malformed."""
+
+    path: Path
+    sections: list[DeviceSection]
+    problems: list[str]
+
+
+def parse_text(text: str, path: Path) -> LoadedFile:
+    """Parse a database file's text. A file that is not a database at all raises
+    :class:`DbError`; malformed entries inside a good file are skipped and listed."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise DbError(f"{path}: not valid YAML{where}") from None
+    if data is None:
+        return LoadedFile(path, [], [])
+    if not isinstance(data, dict) or data.get("format") != FORMAT_TAG:
+        raise DbError(f"{path}: not a snapmla tuning database (expected 'format: {FORMAT_TAG}')")
+    if data.get("version") != VERSION:
+        raise DbError(f"{path}: database version {data.get('version')!r}, this snapmla reads "
+                      f"version {VERSION}")
+    devices = data.get("devices") or []
+    if not isinstance(devices, list):
+        raise DbError(f"{path}: 'devices' must be a list")
+    sections: list[DeviceSection] = []
+    problems: list[str] = []
+    for i, dev in enumerate(devices):
+        try:
+            gpu = GpuKey.from_dict(dev.get("gpu") if isinstance(dev, dict) else None)
+        except ValueError as exc:
+            problems.append(f"devices[{i}]: {exc}")
+            continue
+        entries: list[Entry] = []
+        raw_entries = dev.get("entries") or []
+        if not isinstance(raw_entries, list):
+            problems.append(f"devices[{i}].entries: expected a list")
+            raw_entries = []
+        for j, raw in enumerate(raw_entries):
+            try:
+                entries.append(Entry.from_dict(raw))
+            except (ValueError, TypeError) as exc:
+                problems.append(f"devices[{i}].entries[{j}]: {exc}")
+        sections.append(DeviceSection(gpu, entries))
+    return LoadedFile(path, sections, problems)
+
+
+def load_file(path: Path) -> LoadedFile:
+    """Read and parse ``path``; :class:`DbError` if it cannot be read or is not a database."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DbError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
+    return parse_text(text, path)
+
+
+def dump_text(sections: list[DeviceSection]) -> str:
+    import yaml
+
+    data = {
+        "format": FORMAT_TAG,
+        "version": VERSION,
+        "devices": [{"gpu": s.gpu.as_dict(), "entries": [e.as_dict() for e in _sorted(s.entries)]}
+                    for s in sections],
+    }
+    return HEADER + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
+
+
+def _sorted(entries: list[Entry]) -> list[Entry]:
+    return sorted(entries, key=lambda e: (e.bucket.format, e.bucket.h_q, e.bucket.s_q,
+                                          e.bucket.batch, e.bucket.context))
+
+
+# ---------------------------------------------------------------------------------------------
+# merge and save
+
+
+@dataclass(frozen=True)
+class MergeOutcome:
+    """What happened to a new entry: ``added``, ``replaced`` (faster or forced) or ``kept_old``
+    (the stored entry was faster)."""
+
+    action: str
+    previous: Entry | None = None
+
+
+def merge_entry(entries: list[Entry], new: Entry, force: bool = False) -> tuple[list[Entry], MergeOutcome]:
+    """``entries`` with ``new`` merged in: per bucket the faster entry stays (``force``: the new
+    one); entries of other buckets are kept untouched."""
+    out = [e for e in entries if e.bucket != new.bucket]
+    same = [e for e in entries if e.bucket == new.bucket]
+    previous = min(same, key=lambda e: e.time_us) if same else None
+    if previous is None:
+        return out + [new], MergeOutcome("added")
+    if force or new.time_us < previous.time_us:
+        return out + [new], MergeOutcome("replaced", previous)
+    return out + [previous], MergeOutcome("kept_old", previous)
+
+
+def save_entries(folder: Path, gpu: GpuKey, new_entries: list[Entry], force: bool = False
+                 ) -> tuple[Path, list[MergeOutcome]]:
+    """Merge ``new_entries`` into ``folder/<GPU>.yaml`` (created if missing) and write it
+    atomically. A file that exists but cannot be parsed is not overwritten (SnapmlaError)
+    unless ``force``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / db_filename(gpu.name)
+    sections: list[DeviceSection] = []
+    if path.exists():
+        try:
+            sections = load_file(path).sections
+        except DbError as exc:
+            if not force:
+                raise SnapmlaError(f"{exc}; not overwriting it (move it away or pass --force)"
+                                   ) from None
+    section = next((s for s in sections if s.gpu == gpu), None)
+    if section is None:
+        section = DeviceSection(gpu, [])
+        sections.append(section)
+    outcomes = []
+    for entry in new_entries:
+        section.entries, outcome = merge_entry(section.entries, entry, force)
+        outcomes.append(outcome)
+    write_text_atomic(path, dump_text(sections))
+    return path, outcomes
+
+
+def find_entry(folder: Path, gpu: GpuKey, bucket: Bucket) -> Entry | None:
+    """The stored entry of ``bucket`` for exactly ``gpu`` in ``folder`` (None if none/unreadable)."""
+    path = folder / db_filename(gpu.name)
+    if not path.exists():
+        return None
+    try:
+        loaded = load_file(path)
+    except DbError:
+        return None
+    for section in loaded.sections:
+        if section.gpu == gpu:
+            for entry in section.entries:
+                if entry.bucket == bucket:
+                    return entry
+    return None
+
+
+def strip_sms(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with the split policy's SM count back at its default (as stored)."""
+    return replace(cfg, split=replace(cfg.split, num_sms=SplitPolicy().num_sms))

@@ -1,0 +1,306 @@
+"""Run-time lookup in the tuning database: exact GPU, then the nearest bucket, else None (the
+caller falls back to the built-in heuristic).
+
+Hot path: :func:`lookup_decode_config` is called by ``choose_config`` on every decode call that
+gets no explicit config, so it never does I/O after the first call per device: the matching
+entries are parsed once per (device, ``$SNAPMLA_TUNING_DIR``) and kept in memory, and each
+``(rows, fp8, batch, context)`` answer is memoised. It never raises: an unreadable or corrupt
+file gives one ``warnings.warn`` naming it (once per process) and is ignored.
+
+Distance between a query ``(rows, batch, context)`` and an entry (all in log2 units):
+
+1. rows (``h_q * s_q``): 0 when equal, else ``|log2(rows_entry / rows)|``; entries more than a
+   factor of 2 away are never used (a tile plan for 16 rows says little about 128);
+2. batch + context: 0 inside the entry's range, else the log2 distance to the nearest end of the
+   range; an unknown value (``None``) counts 0.
+
+The smallest (rows distance, shape distance) wins; on a tie the user's database beats the
+shipped one, then a section with the same CUDA driver major beats another, then the
+configuration shared by most tied entries wins (e.g. a context-agnostic query over four
+context buckets takes the config most of them chose), then the first bucket in sort order.
+A config whose row groups exceed what the query's rows need is narrowed to fit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..ops.decode_config import DecodeConfig
+from .db import (
+    TUNING_DIR_ENV,
+    DbError,
+    Entry,
+    GpuKey,
+    db_filename,
+    load_file,
+    search_dirs,
+)
+from .space import config_id, config_problem, max_row_groups
+
+MAX_ROWS_LOG2 = 1.0  # use entries tuned for at most 2x more or fewer rows
+_MEMO_LIMIT = 4096
+_MISS = object()
+
+
+@dataclass(frozen=True)
+class Located:
+    """An entry and where it came from."""
+
+    entry: Entry
+    path: Path
+    origin: str  # "user" or "shipped"
+    gpu: GpuKey  # the section's key
+
+    @property
+    def origin_rank(self) -> int:
+        return 0 if self.origin == "user" else 1
+
+
+@dataclass
+class _DeviceState:
+    gpu: GpuKey | None
+    located: list[Located]
+    memo: dict[tuple[Any, ...], DecodeConfig | None]
+
+
+_STATE: dict[tuple[int, str | None], _DeviceState] = {}
+_WARNED: set[str] = set()
+
+
+def clear_cache(reset_warnings: bool = False) -> None:
+    """Forget parsed databases (after ``snapmla tune`` wrote one; tests)."""
+    _STATE.clear()
+    if reset_warnings:
+        _WARNED.clear()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Located]:
+    """Entries of the sections matching ``gpu`` (same model) or, given only ``name``, any
+    section of that GPU name; user folder first. Bad files warn once and are skipped."""
+    gpu_name = gpu.name if gpu is not None else name
+    if gpu_name is None:
+        return []
+    out: list[Located] = []
+    for origin, folder in search_dirs():
+        path = folder / db_filename(gpu_name)
+        try:
+            exists = path.is_file()
+        except OSError:
+            exists = False
+        if not exists:
+            continue
+        try:
+            loaded = load_file(path)
+        except DbError as exc:
+            _warn_once(str(path), f"snapmla tuning database ignored: {exc}")
+            continue
+        except Exception as exc:  # noqa: BLE001 - never let a bad file break a decode call
+            _warn_once(str(path), f"snapmla tuning database ignored: {path}: "
+                                  f"{type(exc).__name__}: {exc}")
+            continue
+        if loaded.problems:
+            _warn_once(str(path), f"snapmla tuning database {path}: skipped "
+                                  f"{len(loaded.problems)} bad entr"
+                                  f"{'y' if len(loaded.problems) == 1 else 'ies'} "
+                                  f"({loaded.problems[0]})")
+        for section in loaded.sections:
+            match = (section.gpu.same_gpu(gpu) if gpu is not None
+                     else section.gpu.name.strip() == gpu_name.strip())
+            if match:
+                out += [Located(e, path, origin, section.gpu) for e in section.entries]
+    return out
+
+
+def _device_index(device: Any) -> int | None:
+    import torch
+
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_gpu_key(index: int) -> GpuKey:
+    """The database key of CUDA device ``index``: NVML's name and driver (matched by UUID),
+    torch's SM count and compute capability."""
+    import torch
+
+    props = torch.cuda.get_device_properties(index)
+    name, driver = str(props.name), None
+    uuid = getattr(props, "uuid", None)
+    try:
+        from ..runtime.gpu_facts import list_gpus
+
+        for facts in list_gpus().gpus:
+            if uuid is not None and facts.uuid == f"GPU-{uuid}":
+                name, driver = facts.name, facts.cuda_driver_major
+                break
+    except Exception:  # noqa: BLE001 - NVML trouble only loses the driver preference
+        pass
+    if driver is None:
+        try:
+            driver = int(torch._C._cuda_getDriverVersion()) // 1000
+        except Exception:  # noqa: BLE001
+            driver = None
+    return GpuKey(name, int(props.multi_processor_count), (int(props.major), int(props.minor)),
+                  driver)
+
+
+def _state_for(device: Any) -> _DeviceState | None:
+    index = _device_index(device)
+    if index is None:
+        return None
+    key = (index, os.environ.get(TUNING_DIR_ENV))
+    state = _STATE.get(key)
+    if state is None:
+        gpu = _device_key_hook(index)
+        state = _DeviceState(gpu, load_located(gpu) if gpu is not None else [], {})
+        _STATE[key] = state
+    return state
+
+
+# Tests replace this to pretend to be a given GPU.
+_device_key_hook = device_gpu_key
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+
+
+def _range_distance(r: tuple[int, int], x: float | None) -> float:
+    if x is None:
+        return 0.0
+    x = max(float(x), 1.0)
+    if r[0] <= x <= r[1]:
+        return 0.0
+    return math.log2(r[0] / x) if x < r[0] else math.log2(x / r[1])
+
+
+def bucket_distance(entry: Entry, rows: int, batch: float | None, context: float | None
+                    ) -> tuple[float, float] | None:
+    """(rows distance, batch + context distance), or None when the rows are too far apart."""
+    d_rows = 0.0 if entry.bucket.rows == rows else abs(math.log2(entry.bucket.rows / rows))
+    if d_rows > MAX_ROWS_LOG2 + 1e-12:
+        return None
+    return (d_rows, _range_distance(entry.bucket.batch, batch)
+            + _range_distance(entry.bucket.context, context))
+
+
+def select_entry(located: list[Located], rows: int, fmt: str, batch: float | None = None,
+                 context: float | None = None, gpu: GpuKey | None = None) -> Located | None:
+    """The nearest entry for the query (module docstring), or None."""
+    scored = []
+    for loc in located:
+        if loc.entry.bucket.format != fmt:
+            continue
+        dist = bucket_distance(loc.entry, rows, batch, context)
+        if dist is None:
+            continue
+        driver_rank = 0 if gpu is None or loc.gpu.cuda_driver_major == gpu.cuda_driver_major else 1
+        scored.append((round(dist[0], 9), round(dist[1], 9), loc.origin_rank, driver_rank, loc))
+    if not scored:
+        return None
+    best = min(s[:4] for s in scored)
+    tied = [s[4] for s in scored if s[:4] == best]
+    tied.sort(key=lambda loc: loc.entry.bucket.id)
+    votes = Counter(loc.entry.config for loc in tied)
+    top = max(votes.values())
+    return next(loc for loc in tied if votes[loc.entry.config] == top)
+
+
+def adapt_config(cfg: DecodeConfig, rows: int, fmt: str) -> DecodeConfig | None:
+    """Narrow the row groups to what ``rows`` needs; None if the result is not launchable."""
+    limit = max_row_groups(rows)
+    if cfg.row_groups > limit:
+        cfg = replace(cfg, row_groups=limit)
+    return None if config_problem(cfg, fmt, rows) else cfg
+
+
+def lookup_decode_config(rows: int, fp8: bool, device: Any, batch: int | None = None,
+                         context: float | None = None) -> DecodeConfig | None:
+    """The tuned configuration for ``rows = s_q * h_q`` on ``device`` (nearest bucket of this
+    exact GPU model), or None: no entry, a CPU device, or any problem (warned once). ``batch``
+    (requests) and ``context`` (e.g. mean cached tokens per request) refine the choice when
+    given. The split policy's SM count is left for the caller to fill in."""
+    try:
+        state = _state_for(device)
+        if state is None or not state.located:
+            return None
+        key = (rows, bool(fp8), batch, context)
+        hit = state.memo.get(key, _MISS)
+        if hit is not _MISS:
+            return hit  # type: ignore[return-value]
+        fmt = "fp8" if fp8 else "bf16"
+        loc = select_entry(state.located, rows, fmt, batch, context, state.gpu)
+        cfg = None if loc is None else adapt_config(loc.entry.config, rows, fmt)
+        if len(state.memo) >= _MEMO_LIMIT:
+            state.memo.clear()
+        state.memo[key] = cfg
+        return cfg
+    except Exception as exc:  # noqa: BLE001 - the heuristic is always a valid answer
+        _warn_once("lookup", f"snapmla tuning lookup failed ({type(exc).__name__}: {exc}); "
+                             "using the built-in heuristic")
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# `snapmla info`
+
+
+def matching_entries(gpu: Any) -> list[Located]:
+    """Entries that apply to ``gpu``: a :class:`GpuFacts` (or anything with ``name``,
+    ``sm_count``, ``compute_capability``), a :class:`GpuKey`, or a plain NVML name (then every
+    section of that name). User folder first. Never raises."""
+    try:
+        if isinstance(gpu, str):
+            return load_located(name=gpu)
+        key = gpu if isinstance(gpu, GpuKey) else GpuKey.from_facts(gpu)
+        if key.sm_count is None:  # torch could not count SMs: match name + capability only
+            return [loc for loc in load_located(name=key.name)
+                    if tuple(loc.gpu.compute_capability) == tuple(key.compute_capability)]
+        return load_located(key)
+    except Exception as exc:  # noqa: BLE001
+        _warn_once("matching", f"snapmla tuning database: {type(exc).__name__}: {exc}")
+        return []
+
+
+def entry_line(loc: Located) -> str:
+    e = loc.entry
+    return (f"{e.bucket.label()}: {config_id(e.config, e.bucket.format)} {e.time_us:.1f} us, "
+            f"{e.speedup:.2f}x vs default ({e.date or 'undated'}, {loc.origin})")
+
+
+def describe_database(gpus: list[Any]) -> list[str]:
+    """Lines for ``snapmla info``: the folders searched and, per GPU, the entries that apply."""
+    dirs = search_dirs()
+    lines = ["tuning database folders: " + ", ".join(f"{o} {p}" for o, p in dirs)]
+    for g in gpus:
+        found = matching_entries(g)
+        if not found:
+            lines.append(f"tuning entries for {g.name}: none (the built-in heuristic is used)")
+            continue
+        files = sorted({str(loc.path) for loc in found})
+        lines.append(f"tuning entries for {g.name}: {len(found)} ({', '.join(files)})")
+        lines += ["  " + entry_line(loc) for loc in found]
+    if not gpus:
+        names = sorted({p.name for _, d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+        lines.append("tuning files: " + (", ".join(names) if names else "none"))
+    return lines

@@ -1,0 +1,275 @@
+"""The GPU side of ``snapmla tune``: compile the candidates, gate each against the reference
+numerics, time it with CUDA events.
+
+- **Correctness gate** (before any timing; a wrong-but-fast candidate is never stored): the
+  candidate runs a small random problem (lengths 0, 1, 64, 777, 1500: empty requests, a partial
+  page, several splits) with NaN-poisoned outputs. FP8: ``rel_l2(out, emulation) <= 5e-3`` with
+  the emulation run on the candidate's own split bounds, and ``max |lse - lse_emul| < 1e-2``
+  (SPEC section 6, as ``tests/gpu/test_decode.py``). BF16: ``cos_diff(out, float64) <= 5e-6``.
+- **Timing**: the bucket's timed shape (all requests at the timed context), KV pages in a random
+  order; when one input set fits in twice the L2 cache, several copies of the cache are made and
+  the calls rotate through them, so every call reads from HBM. Each candidate: one untimed call
+  (loads the kernel), a 3-call estimate, then the median over repeats of ``inner`` back-to-back
+  calls (so the host's per-call overhead overlaps the GPU work), ~0.1 s per candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..bench.timing import time_cuda
+from ..errors import SnapmlaError
+from ..numerics.metrics import compare
+from ..ops.decode_config import DecodeConfig
+from .compile import Job, compile_jobs
+from .space import Bucket, config_id, kernel_key
+from .tuner import CheckResult, FatalMeasureError
+
+CHECK_SEQLENS = (1500, 64, 0, 777, 1)
+EMUL_GATE = 5e-3
+LSE_GATE = 1e-2
+BF16_COS_GATE = 5e-6
+L2_FACTOR = 2  # timed bytes per rotation >= this x the L2 size
+MAX_COPIES = 256
+TARGET_S = 0.1  # timed GPU seconds per candidate
+FP8_TOKEN_BYTES = 656
+BF16_TOKEN_BYTES = 576 * 2
+PAGE = 64
+CHUNK_BLOCKS = 4096  # cache filled in chunks to bound temporaries
+
+
+@dataclass
+class _CheckProblem:
+    q: torch.Tensor  # bf16 [b, s_q, h_q, 576]
+    q_rows: Any  # QuantizedRows (FP8)
+    cache: torch.Tensor
+    table: torch.Tensor
+    seqlens: torch.Tensor
+    seqlens_host: list[int]
+    scale: float
+    causal: bool
+    refs: dict[tuple[tuple[int, ...], ...], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _TimingInputs:
+    bucket: Bucket
+    q: Any  # QuantizedRows (FP8) or bf16 tensor
+    cache: torch.Tensor
+    tables: list[torch.Tensor]
+    seqlens: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+class GpuMeasurer:
+    """Implements :class:`snapmla_cli.tuning.tuner.Measurer` on the current CUDA device."""
+
+    def __init__(self, device: torch.device | None = None, *, target_s: float = TARGET_S,
+                 compile_workers: int | None = None, seed: int = 0) -> None:
+        from ..runtime.launch import device_arch, require_gpu
+
+        require_gpu()
+        index = torch.cuda.current_device() if device is None or device.index is None else device.index
+        self.device = torch.device("cuda", index)
+        props = torch.cuda.get_device_properties(self.device)
+        self.sm_count = int(props.multi_processor_count)
+        self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+        self.arch = device_arch((props.major, props.minor))
+        self.target_s = target_s
+        self.compile_workers = compile_workers
+        self.seed = seed
+        self.compile_errors: dict[Job, str | None] = {}
+        self._problems: dict[tuple[str, int, int], _CheckProblem] = {}
+        self._checked: dict[tuple[str, int, int, str], CheckResult] = {}
+        self._inputs: _TimingInputs | None = None
+
+    # compile ---------------------------------------------------------------------------------
+    def precompile(self, items: list[tuple[str, DecodeConfig]], progress=None) -> dict[Job, str | None]:
+        jobs = [kernel_key(cfg, fmt) for fmt, cfg in items]
+        self.compile_errors.update(compile_jobs(jobs, self.arch, self.compile_workers, progress))
+        return self.compile_errors
+
+    # guard -----------------------------------------------------------------------------------
+    def _guard(self, fn):
+        try:
+            return fn()
+        except Exception as exc:
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception as sticky:  # noqa: BLE001 - the context is gone
+                raise FatalMeasureError(f"CUDA context unusable: {sticky}") from exc
+            raise
+
+    # correctness -----------------------------------------------------------------------------
+    def _problem(self, bucket: Bucket) -> _CheckProblem:
+        key = (bucket.format, bucket.h_q, bucket.s_q)
+        prob = self._problems.get(key)
+        if prob is None:
+            from ..numerics.problem import random_problem
+            from ..numerics.quant import quantize_rows
+
+            p = random_problem(list(CHECK_SEQLENS), bucket.s_q, bucket.h_q, causal=bucket.causal,
+                               seed=self.seed + 17 * bucket.h_q + bucket.s_q)
+            dev = self.device
+            cache = p.fp8_cache() if bucket.fp8 else p.bf16_cache()
+            q = p.q.to(dev)
+            prob = _CheckProblem(q=q, q_rows=quantize_rows(q) if bucket.fp8 else None,
+                                 cache=cache.to(dev), table=p.layout.block_table.to(dev),
+                                 seqlens=p.layout.cache_seqlens.to(dev),
+                                 seqlens_host=[int(n) for n in p.layout.cache_seqlens.tolist()],
+                                 scale=p.softmax_scale, causal=p.causal, refs={})
+            self._problems[key] = prob
+        return prob
+
+    def _reference(self, bucket: Bucket, prob: _CheckProblem, bounds: list[list[int]]):
+        key = tuple(tuple(b) for b in bounds) if bucket.fp8 else ()
+        ref = prob.refs.get(key)
+        if ref is None:
+            if bucket.fp8:
+                from ..numerics.emulation import emulate_fp8_decode
+
+                ref = emulate_fp8_decode(prob.q_rows, prob.cache, prob.table, prob.seqlens,
+                                         prob.scale, prob.causal, split_bounds=bounds)
+            else:
+                from ..numerics.decode_ref import decode_reference
+
+                ref = decode_reference(prob.q, prob.cache.squeeze(2), prob.table, prob.seqlens,
+                                       prob.scale, prob.causal)
+            prob.refs[key] = ref
+        return ref
+
+    def check(self, bucket: Bucket, cfg: DecodeConfig) -> CheckResult:
+        err = self.compile_errors.get(kernel_key(cfg, bucket.format))
+        if err:
+            return CheckResult(False, f"compile failed: {err}")
+        key = (bucket.format, bucket.h_q, bucket.s_q, config_id(cfg, bucket.format))
+        if key not in self._checked:
+            self._checked[key] = self._guard(lambda: self._check(bucket, cfg))
+        return self._checked[key]
+
+    def _check(self, bucket: Bucket, cfg: DecodeConfig) -> CheckResult:
+        from ..ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+        from ..ops.schedule import split_token_bounds
+
+        prob = self._problem(bucket)
+        b, s_q, h_q = len(prob.seqlens_host), bucket.s_q, bucket.h_q
+        meta, splits = get_mla_metadata(prob.seqlens, bucket.rows, 1, fp8=bucket.fp8, config=cfg)
+        out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=self.device)
+        lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=self.device)
+        if bucket.fp8:
+            decode_fp8(prob.q_rows, prob.cache, prob.table, prob.seqlens, meta, splits, prob.scale,
+                       prob.causal, config=cfg, out=out, lse=lse)
+        else:
+            decode_bf16(prob.q, prob.cache, prob.table, prob.seqlens, meta, splits, prob.scale,
+                        prob.causal, config=cfg, out=out, lse=lse)
+        torch.cuda.synchronize(self.device)
+        bounds = split_token_bounds(splits, meta, prob.seqlens_host) if bucket.fp8 else []
+        ref_out, ref_lse = self._reference(bucket, prob, bounds)
+        m_out, m_lse = compare(out, ref_out), compare(lse, ref_lse)
+        if bucket.fp8:
+            ok = m_out.rel_l2 <= EMUL_GATE and m_lse.max_abs < LSE_GATE
+            detail = f"rel_l2 {m_out.rel_l2:.2e} vs emulation, lse max err {m_lse.max_abs:.1e}"
+        else:
+            ok = m_out.cos_diff <= BF16_COS_GATE and m_lse.max_abs < LSE_GATE
+            detail = f"cos_diff {m_out.cos_diff:.2e} vs float64, lse max err {m_lse.max_abs:.1e}"
+        return CheckResult(bool(ok), detail if ok else "wrong result: " + detail)
+
+    # timing ----------------------------------------------------------------------------------
+    def prepare(self, bucket: Bucket) -> None:
+        if self._inputs is not None and self._inputs.bucket == bucket:
+            return
+        self.release()
+        self._inputs = self._guard(lambda: self._make_inputs(bucket))
+
+    def release(self) -> None:
+        self._inputs = None
+        torch.cuda.empty_cache()
+
+    def _make_inputs(self, bucket: Bucket) -> _TimingInputs:
+        from ..numerics.quant import quantize_rows
+
+        dev = self.device
+        batch, ctx = bucket.timed_batch, bucket.timed_context
+        pages = -(-ctx // PAGE)
+        set_blocks = batch * pages
+        token_bytes = FP8_TOKEN_BYTES if bucket.fp8 else BF16_TOKEN_BYTES
+        set_bytes = set_blocks * PAGE * token_bytes
+        copies = min(MAX_COPIES, max(1, math.ceil(L2_FACTOR * self.l2_bytes / set_bytes)))
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget = int(free * 0.85) - (1 << 30)  # room for the split buffers and temporaries
+        if set_bytes > budget:
+            raise SnapmlaError(
+                f"bucket {bucket.label()}: the timed cache needs {set_bytes / 2**30:.1f} GiB, "
+                f"only {free / 2**30:.1f} GiB of GPU memory is free (use a smaller --batch/--ctx)")
+        copies = max(1, min(copies, budget // set_bytes))
+        gen = torch.Generator(device=dev).manual_seed(self.seed + 1)
+        total = copies * set_blocks
+        if bucket.fp8:
+            cache = torch.empty(total, PAGE, FP8_TOKEN_BYTES, dtype=torch.uint8, device=dev)
+            for a in range(0, total, CHUNK_BLOCKS):
+                z = min(total, a + CHUNK_BLOCKS)
+                view = cache[a:z]
+                # E4M3 bytes 0x00..0x7E (0x7F is NaN), sane scales, small pre-scaled RoPE
+                view[..., :512] = torch.randint(0, 0x7F, (z - a, PAGE, 512), generator=gen,
+                                                device=dev, dtype=torch.uint8)
+                scale = torch.rand(z - a, PAGE, 1, generator=gen, device=dev) * 1e-3 + 1e-3
+                view[..., 512:516] = scale.view(torch.uint8)
+                view[..., 516:528] = 0
+                rope = (torch.randn(z - a, PAGE, 64, generator=gen, device=dev) * 0.1).to(
+                    torch.bfloat16)
+                view[..., 528:] = rope.view(torch.uint8)
+        else:
+            cache = torch.empty(total, PAGE, 1, 576, dtype=torch.bfloat16, device=dev)
+            for a in range(0, total, CHUNK_BLOCKS):
+                z = min(total, a + CHUNK_BLOCKS)
+                cache[a:z] = (torch.randn(z - a, PAGE, 1, 576, generator=gen, device=dev)
+                              * 0.5).to(torch.bfloat16)
+        tables = []
+        for j in range(copies):
+            perm = torch.randperm(set_blocks, generator=gen, device=dev) + j * set_blocks
+            tables.append(perm.to(torch.int32).view(batch, pages).contiguous())
+        q = (torch.randn(batch, bucket.s_q, bucket.h_q, 576, generator=gen, device=dev) * 0.5).to(
+            torch.bfloat16)
+        seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        out = torch.empty(batch, bucket.s_q, bucket.h_q, 512, dtype=torch.bfloat16, device=dev)
+        lse = torch.empty(batch, bucket.h_q, bucket.s_q, dtype=torch.float32, device=dev)
+        torch.cuda.synchronize(dev)
+        return _TimingInputs(bucket, quantize_rows(q) if bucket.fp8 else q, cache, tables,
+                             seqlens, out, lse)
+
+    def time(self, bucket: Bucket, cfg: DecodeConfig) -> float:
+        self.prepare(bucket)
+        return self._guard(lambda: self._time(bucket, cfg))
+
+    def _time(self, bucket: Bucket, cfg: DecodeConfig) -> float:
+        from ..ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+
+        inp = self._inputs
+        assert inp is not None
+        meta, splits = get_mla_metadata(inp.seqlens, bucket.rows, 1, fp8=bucket.fp8, config=cfg)
+        decode = decode_fp8 if bucket.fp8 else decode_bf16
+        tables = inp.tables
+        state = [0]
+
+        def one() -> None:
+            i = state[0]
+            state[0] = (i + 1) % len(tables)
+            decode(inp.q, inp.cache, tables[i], inp.seqlens, meta, splits, None, bucket.causal,
+                   config=cfg, out=inp.out, lse=inp.lse)
+
+        one()
+        torch.cuda.synchronize(self.device)
+        t1 = time_cuda(one, reps=3, warmup=1)
+        inner = int(min(64, max(2, math.ceil(3e-3 / max(t1, 1e-7)))))
+        reps = int(min(30, max(5, round(self.target_s / (inner * t1)))))
+
+        def many() -> None:
+            for _ in range(inner):
+                one()
+
+        return time_cuda(many, reps=reps, warmup=1) / inner

@@ -1,0 +1,380 @@
+"""The tuner's search space: shape buckets, the budget, and the candidate kernel configurations
+of one bucket, pruned by what the kernels accept (shared memory, warps per SM, rows).
+
+A *bucket* is one line of the tuning database (SPEC section 9): ``h_q``, ``s_q``, a batch range,
+a context range and the cache format. It is timed at one representative point (the geometric
+middle of its ranges, so ``--batch 64`` is timed at 64 and ``--batch 16-128`` at 45).
+
+A *candidate* is a full :class:`DecodeConfig`: the compile-time kernel parameters (row groups,
+token groups, pipeline stages, BF16 tile width, CTAs per SM for ``__launch_bounds__``) plus the
+split-KV policy. Candidates whose split policy yields exactly the same work list as an earlier
+candidate's for the bucket's representative shape are dropped (they would time the same launch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, replace
+from itertools import product
+
+from ..errors import SnapmlaError
+from ..ops import decode_config as dc
+from ..ops.decode_config import DecodeConfig, heuristic_config
+from ..ops.schedule import SplitPolicy, plan_splits
+from ..sizes import format_size, parse_size
+
+FORMATS = ("fp8", "bf16")
+
+# Values each kernel parameter may take (the tuner's axes; issue 5).
+ROW_GROUPS = (1, 2, 4)
+KV_SPLITS = (1, 2, 4)  # FP8 kernel only, when DecodeConfig has the field
+STAGES = (2, 3, 4)
+BLOCK_NS = (32, 64)  # BF16 kernel only; the FP8 kernel always works on the 64-token page
+MIN_CTAS = (1, 2)
+SPLIT_CTAS = (1, 2)
+SPLIT_WAVES = (1, 2)
+MIN_BLOCKS_PER_SPLIT = (2, 4, 8, 16)
+
+SMEM_PER_SM = 233472  # 228 KB of shared memory per SM on sm_90
+SMEM_RESERVED_PER_CTA = 1024  # the driver reserves 1 KB per resident CTA
+DEFAULT_NUM_SMS = SplitPolicy().num_sms  # used by --dry-run on a machine without a GPU
+
+
+def has_field(name: str) -> bool:
+    return any(f.name == name for f in dataclasses.fields(DecodeConfig))
+
+
+# ---------------------------------------------------------------------------------------------
+# buckets
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One shape bucket: ``batch`` and ``context`` are inclusive ``(lo, hi)`` ranges."""
+
+    h_q: int
+    s_q: int
+    batch: tuple[int, int]
+    context: tuple[int, int]
+    format: str  # "fp8" or "bf16"
+
+    @property
+    def rows(self) -> int:
+        return self.h_q * self.s_q
+
+    @property
+    def fp8(self) -> bool:
+        return self.format == "fp8"
+
+    @property
+    def causal(self) -> bool:
+        """MTP engines decode with a causal mask; plain decode (s_q = 1) is the same either way."""
+        return self.s_q > 1
+
+    @property
+    def timed_batch(self) -> int:
+        return _geo_mid(self.batch)
+
+    @property
+    def timed_context(self) -> int:
+        return _geo_mid(self.context)
+
+    @property
+    def id(self) -> str:
+        """Stable text key, e.g. ``h64-s2-b64-c16384-fp8`` or ``h64-s2-b16_128-c16384-fp8``."""
+        return (f"h{self.h_q}-s{self.s_q}-b{_range_id(self.batch)}-c{_range_id(self.context)}"
+                f"-{self.format}")
+
+    def label(self) -> str:
+        return (f"h_q {self.h_q} s_q {self.s_q} batch {_range_text(self.batch)} "
+                f"ctx {_range_text(self.context, sizes=True)} {self.format}")
+
+    def as_dict(self) -> dict[str, object]:
+        return {"h_q": self.h_q, "s_q": self.s_q, "batch": list(self.batch),
+                "context": list(self.context), "format": self.format}
+
+    @classmethod
+    def from_dict(cls, data: object) -> Bucket:
+        if not isinstance(data, dict):
+            raise ValueError("bucket: expected a mapping")
+        bucket = cls(h_q=_int(data, "h_q"), s_q=_int(data, "s_q"), batch=_pair(data, "batch"),
+                     context=_pair(data, "context"), format=str(data.get("format", "")))
+        if bucket.format not in FORMATS:
+            raise ValueError(f"bucket: format {bucket.format!r} is not fp8 or bf16")
+        if bucket.h_q < 1 or bucket.s_q < 1:
+            raise ValueError("bucket: h_q and s_q must be >= 1")
+        return bucket
+
+
+def _geo_mid(r: tuple[int, int]) -> int:
+    return r[0] if r[0] == r[1] else max(r[0], min(r[1], round(math.sqrt(r[0] * r[1]))))
+
+
+def _range_id(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}_{r[1]}"
+
+
+def _range_text(r: tuple[int, int], sizes: bool = False) -> str:
+    f = format_size if sizes else str
+    return f(r[0]) if r[0] == r[1] else f"{f(r[0])}-{f(r[1])}"
+
+
+def _int(data: dict, key: str) -> int:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    return value
+
+
+def _pair(data: dict, key: str) -> tuple[int, int]:
+    value = data.get(key)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value, value]
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or not 1 <= value[0] <= value[1]):
+        raise ValueError(f"{key}: expected [lo, hi] with 1 <= lo <= hi, got {value!r}")
+    return (value[0], value[1])
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """``"64"`` or ``"16,64,128"`` -> positive ints, duplicates removed, order kept."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
+        if int(part) not in out:
+            out.append(int(part))
+    if not out:
+        raise SnapmlaError(f"{what}: {text!r} is empty")
+    return out
+
+
+_RANGE = re.compile(r"^\s*([^-\s]+)\s*-\s*([^-\s]+)\s*$")
+
+
+def parse_ranges(text: str, what: str) -> list[tuple[int, int]]:
+    """``"64"``, ``"1,8,64"``, ``"16-128"``, ``"16k,32k-64k"``: each comma item is one bucket
+    range, a single value ``N`` meaning ``N-N``. Sizes take k/m suffixes (``32k`` = 32768)."""
+    out: list[tuple[int, int]] = []
+    for part in str(text).split(","):
+        if not part.strip():
+            continue
+        m = _RANGE.match(part)
+        lo, hi = (parse_size(m.group(1), what), parse_size(m.group(2), what)) if m else (
+            parse_size(part, what),) * 2
+        if lo > hi:
+            raise SnapmlaError(f"{what}: range {part.strip()!r} runs backwards")
+        if (lo, hi) not in out:
+            out.append((lo, hi))
+    if not out:
+        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. 64, 1,8,64 or 16-128)")
+    return out
+
+
+def parse_formats(text: str) -> list[str]:
+    value = str(text).strip().lower()
+    if value == "both":
+        return list(FORMATS)
+    if value in FORMATS:
+        return [value]
+    raise SnapmlaError(f"--format: expected fp8, bf16 or both, got {text!r}")
+
+
+def make_buckets(heads: list[int], mtp: list[int], batches: list[tuple[int, int]],
+                 contexts: list[tuple[int, int]], formats: list[str]) -> list[Bucket]:
+    return [Bucket(h, s, b, c, f) for f in formats for h in heads for s in mtp
+            for b in batches for c in contexts]
+
+
+# ---------------------------------------------------------------------------------------------
+# budget
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per bucket: stop starting new candidates after ``seconds`` of tuning, or after ``count``
+    candidates besides the heuristic default (which is always measured)."""
+
+    seconds: float | None = None
+    count: int | None = None
+
+    def __str__(self) -> str:
+        if self.seconds is not None:
+            return f"{self.seconds:g}s per bucket"
+        return f"{self.count} candidates per bucket"
+
+
+_BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min)?\s*$", re.IGNORECASE)
+
+
+def parse_budget(text: str) -> Budget:
+    """``"120s"`` / ``"2m"`` -> seconds per bucket; ``"40"`` -> candidates per bucket."""
+    m = _BUDGET.match(str(text))
+    if m is None:
+        raise SnapmlaError(f"--budget: {text!r} is neither seconds (120s, 2m) nor a count (40)")
+    number, unit = m.group(1), (m.group(2) or "").lower()
+    if not unit:
+        if "." in number or int(number) < 1:
+            raise SnapmlaError(f"--budget: a candidate count must be a whole number >= 1, got {text!r}")
+        return Budget(count=int(number))
+    seconds = float(number) * (60.0 if unit.startswith("m") else 1.0)
+    if seconds <= 0:
+        raise SnapmlaError(f"--budget: {text!r} must be more than 0 seconds")
+    return Budget(seconds=seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# candidates
+
+
+def max_row_groups(rows: int) -> int:
+    """The most 16-row groups worth launching for ``rows``: more would only add empty groups."""
+    return max(g for g in ROW_GROUPS if g <= max(1, -(-rows // 16)))
+
+
+def smem_bytes(cfg: DecodeConfig, fmt: str) -> int:
+    return dc.fp8_smem_bytes(cfg) if fmt == "fp8" else dc.bf16_smem_bytes(cfg)
+
+
+def config_problem(cfg: DecodeConfig, fmt: str, rows: int | None = None) -> str | None:
+    """Why the kernel would refuse ``cfg`` (None: it compiles and launches)."""
+    if cfg.row_groups not in ROW_GROUPS:
+        return f"row_groups {cfg.row_groups} not in {ROW_GROUPS}"
+    if rows is not None and cfg.row_groups > max_row_groups(rows):
+        return f"row_groups {cfg.row_groups} x 16 rows > {rows} rows"
+    if cfg.min_ctas_per_sm < 1 or cfg.stages < 2:
+        return "min_ctas_per_sm >= 1 and stages >= 2 required"
+    if fmt == "bf16" and (cfg.block_n % 16 or 64 % cfg.block_n or cfg.block_n < 16):
+        return f"block_n {cfg.block_n} must be 16, 32 or 64"
+    smem = smem_bytes(cfg, fmt)
+    if smem > dc.MAX_SMEM_PER_CTA:
+        return f"shared memory {smem} B > {dc.MAX_SMEM_PER_CTA} B per CTA"
+    if cfg.min_ctas_per_sm * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
+        return f"{cfg.min_ctas_per_sm} CTAs x {smem} B do not fit {SMEM_PER_SM} B per SM"
+    valid = getattr(dc, "fp8_config_valid", None) if fmt == "fp8" else None
+    if valid is not None and not valid(cfg):
+        return "kernel constraint (fp8_config_valid: warps per SM, token-group scratch)"
+    return None
+
+
+def kernel_key(cfg: DecodeConfig, fmt: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """What must be compiled for ``cfg``: the source and its sorted defines."""
+    defines = dc.fp8_defines(cfg) if fmt == "fp8" else dc.bf16_defines(cfg)
+    return ("decode_fp8.cu" if fmt == "fp8" else "decode_bf16.cu", tuple(sorted(defines.items())))
+
+
+def config_id(cfg: DecodeConfig, fmt: str) -> str:
+    """Short stable name, e.g. ``rg4-kv1-st2-c1/x1-mb4`` (split: target CTAs per SM x waves,
+    minimum blocks per split)."""
+    parts = [f"rg{cfg.row_groups}"]
+    if fmt == "fp8" and has_field("kv_split"):
+        parts.append(f"kv{cfg.kv_split}")  # type: ignore[attr-defined]
+    parts.append(f"st{cfg.stages}")
+    if fmt == "bf16":
+        parts.append(f"bn{cfg.block_n}")
+    parts.append(f"c{cfg.min_ctas_per_sm}")
+    s = cfg.split
+    split = f"{s.ctas_per_sm}x{s.waves}-mb{s.min_blocks_per_split}"
+    if s.max_splits_per_request != SplitPolicy().max_splits_per_request:
+        split += f"-ms{s.max_splits_per_request}"
+    return "-".join(parts) + "/" + split
+
+
+def default_config(bucket: Bucket, num_sms: int) -> DecodeConfig:
+    """What runs without a database entry: the built-in heuristic."""
+    return heuristic_config(bucket.rows, bucket.fp8).with_sms(num_sms)
+
+
+def kernel_variants(rows: int, fmt: str) -> tuple[list[DecodeConfig], list[tuple[DecodeConfig, str]]]:
+    """Every kernel-parameter combination of the axes: (valid, [(pruned, reason)]). The split
+    policy of each is left at the dataclass default."""
+    axes: dict[str, tuple[int, ...]] = {"row_groups": ROW_GROUPS, "stages": STAGES,
+                                        "min_ctas_per_sm": MIN_CTAS}
+    if fmt == "fp8" and has_field("kv_split"):
+        axes["kv_split"] = KV_SPLITS
+    if fmt == "bf16":
+        axes["block_n"] = BLOCK_NS
+    valid: list[DecodeConfig] = []
+    pruned: list[tuple[DecodeConfig, str]] = []
+    for values in product(*axes.values()):
+        cfg = DecodeConfig(**dict(zip(axes, values)))
+        if fmt == "fp8":
+            cfg = replace(cfg, block_n=64)
+        why = config_problem(cfg, fmt, rows)
+        (pruned.append((cfg, why)) if why else valid.append(cfg))
+    return valid, pruned
+
+
+def split_policies(kernel: DecodeConfig, default: SplitPolicy) -> list[SplitPolicy]:
+    """Split policies to try with ``kernel``: the default's first (target CTAs per SM = the
+    kernel's own ``min_ctas_per_sm``), then the others. Only ``ctas_per_sm * waves`` matters to
+    the scheduler, so one representative per product is kept."""
+    pairs = [(kernel.min_ctas_per_sm, default.waves)]
+    pairs += [(c, w) for c in SPLIT_CTAS for w in SPLIT_WAVES]
+    blocks = [default.min_blocks_per_split]
+    blocks += [b for b in MIN_BLOCKS_PER_SPLIT if b != default.min_blocks_per_split]
+    seen: set[int] = set()
+    out: list[SplitPolicy] = []
+    for c, w in pairs:
+        if c * w in seen:
+            continue
+        seen.add(c * w)
+        out += [replace(default, ctas_per_sm=c, waves=w, min_blocks_per_split=b) for b in blocks]
+    return out
+
+
+@dataclass
+class SearchSpace:
+    """The candidates of one bucket, the heuristic default first."""
+
+    bucket: Bucket
+    num_sms: int
+    default: DecodeConfig
+    candidates: list[DecodeConfig]
+    kernels: list[DecodeConfig]  # distinct kernel variants among the candidates, default's first
+    pruned: list[tuple[DecodeConfig, str]]  # kernel variants the kernels would refuse
+    aliases: int  # candidates dropped: same work list as an earlier one at the timed shape
+
+    def ids(self) -> list[str]:
+        return [config_id(c, self.bucket.format) for c in self.candidates]
+
+
+def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[int, ...]:
+    """Split counts per request at the bucket's timed shape (all requests equally long)."""
+    plans = plan_splits([bucket.timed_context] * bucket.timed_batch, bucket.rows, cfg.block_m,
+                        cfg.split)
+    return tuple(max(len(b) - 1, 0) for b in plans)
+
+
+def search_space(bucket: Bucket, num_sms: int = DEFAULT_NUM_SMS) -> SearchSpace:
+    """All candidates of ``bucket`` for a GPU with ``num_sms`` SMs (the split plans depend on it)."""
+    fmt = bucket.format
+    default = default_config(bucket, num_sms)
+    valid, pruned = kernel_variants(bucket.rows, fmt)
+    default_kernel = replace(default, split=SplitPolicy())
+    kernels = [default_kernel] + [k for k in valid if k != default_kernel]
+    candidates: list[DecodeConfig] = [default]
+    seen = {(kernel_key(default, fmt), _plan_signature(default, bucket))}
+    aliases = 0
+    for kernel in kernels:
+        for policy in split_policies(kernel, default.split):
+            cfg = replace(kernel, split=policy)
+            if cfg == default:
+                continue
+            sig = (kernel_key(cfg, fmt), _plan_signature(cfg, bucket))
+            if sig in seen:
+                aliases += 1
+                continue
+            seen.add(sig)
+            candidates.append(cfg)
+    return SearchSpace(bucket, num_sms, default, candidates, kernels, pruned, aliases)
+
+
+def same_kernel(a: DecodeConfig, b: DecodeConfig) -> bool:
+    return replace(a, split=SplitPolicy()) == replace(b, split=SplitPolicy())

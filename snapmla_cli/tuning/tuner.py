@@ -1,0 +1,367 @@
+"""The search loop of ``snapmla tune``, independent of the GPU.
+
+Correctness and timing come from a :class:`Measurer` (the GPU one is
+:class:`snapmla_cli.tuning.measure.GpuMeasurer`; tests inject fakes), the clock is injectable,
+and the partial results of an interrupted run live in a JSON file (:class:`PartialStore`), so
+that the selection, budget and resume logic is tested on the CPU.
+
+Order per bucket: the heuristic default first (always measured), then every kernel variant
+with its own default split policy, then the remaining split policies, kernels in the order of
+their first-phase times (the most promising kernel's policies first), so a budget cut keeps the
+most useful measurements. A candidate must pass the correctness gate before it is timed; one
+that fails is never stored. At the end the best few and the default are timed again,
+interleaved, and those confirmation medians decide and are stored (no winner's curse from one
+lucky measurement).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..cache.atomic import write_text_atomic
+from ..ops.decode_config import DecodeConfig
+from .db import Entry, GpuKey, db_filename, strip_sms
+from .space import Bucket, Budget, SearchSpace, config_id, same_kernel
+
+PARTIAL_FORMAT = "snapmla-tune-partial"
+PARTIAL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    detail: str = ""
+
+
+class FatalMeasureError(RuntimeError):
+    """The GPU is unusable after a candidate (a sticky CUDA error): stop the run."""
+
+
+class Measurer(Protocol):
+    def prepare(self, bucket: Bucket) -> None: ...
+    def check(self, bucket: Bucket, cfg: DecodeConfig) -> CheckResult: ...
+    def time(self, bucket: Bucket, cfg: DecodeConfig) -> float: ...  # seconds per call
+    def release(self) -> None: ...
+
+
+@dataclass
+class Measurement:
+    cid: str
+    config: DecodeConfig
+    ok: bool
+    time_s: float | None = None
+    detail: str = ""
+    reused: bool = False  # taken from the partial-results file
+
+    def as_json(self) -> dict[str, Any]:
+        return {"status": "ok" if self.ok else "failed", "time_s": self.time_s,
+                "detail": self.detail}
+
+
+@dataclass
+class BucketResult:
+    bucket: Bucket
+    default: Measurement | None
+    best: Measurement | None  # None: nothing passed the gate
+    measured: list[Measurement]
+    default_time_s: float | None = None  # confirmed
+    best_time_s: float | None = None  # confirmed
+    skipped: str = ""  # why nothing was measured (e.g. already in the database)
+    entry: Entry | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> float | None:
+        if self.default_time_s and self.best_time_s:
+            return self.default_time_s / self.best_time_s
+        return None
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for m in self.measured if not m.ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# partial results (resume)
+
+
+def partial_path(folder: Path, gpu: GpuKey) -> Path:
+    return folder / (db_filename(gpu.name)[: -len(".yaml")] + ".partial.json")
+
+
+class PartialStore:
+    """``<db dir>/<GPU>.partial.json``: per bucket, every candidate measured so far (or started
+    and never finished: a crash), and the tuning seconds spent. Keyed by the GPU key and the hash
+    of the kernel sources; a file for another GPU or other kernels is ignored and replaced.
+    Written atomically after every candidate; a bucket is dropped once its entry is saved."""
+
+    def __init__(self, path: Path, gpu: GpuKey, kernels: str, resume: bool = True) -> None:
+        self.path, self.gpu, self.kernels = path, gpu, kernels
+        self.note = ""
+        self.buckets: dict[str, dict[str, Any]] = {}
+        if resume and path.exists():
+            self._load()
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            self.note = f"partial results {self.path} unreadable ({type(exc).__name__}); starting over"
+            return
+        if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
+            self.note = f"partial results {self.path}: not a partial-results file; starting over"
+            return
+        if data.get("gpu") != self.gpu.as_dict() or data.get("kernels") != self.kernels:
+            self.note = (f"partial results {self.path} are for another GPU or other kernel "
+                         "sources; starting over")
+            return
+        buckets = data.get("buckets")
+        self.buckets = buckets if isinstance(buckets, dict) else {}
+
+    def bucket(self, bucket_id: str) -> dict[str, Any]:
+        state = self.buckets.setdefault(bucket_id, {"elapsed_s": 0.0, "results": {}})
+        state.setdefault("results", {})
+        state.setdefault("elapsed_s", 0.0)
+        return state
+
+    def results(self, bucket_id: str) -> dict[str, dict[str, Any]]:
+        return self.bucket(bucket_id)["results"]
+
+    def elapsed(self, bucket_id: str) -> float:
+        value = self.bucket(bucket_id).get("elapsed_s", 0.0)
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    def started(self, bucket_id: str, cid: str, elapsed: float) -> None:
+        self.results(bucket_id)[cid] = {"status": "started"}
+        self.bucket(bucket_id)["elapsed_s"] = elapsed
+        self._write()
+
+    def record(self, bucket_id: str, m: Measurement, elapsed: float) -> None:
+        self.results(bucket_id)[m.cid] = m.as_json()
+        self.bucket(bucket_id)["elapsed_s"] = elapsed
+        self._write()
+
+    def forget(self, bucket_id: str, cid: str) -> None:
+        """Undo :meth:`started` (the user interrupted; not the candidate's fault)."""
+        self.results(bucket_id).pop(cid, None)
+        self._write()
+
+    def finish(self, bucket_id: str) -> None:
+        self.buckets.pop(bucket_id, None)
+        if self.buckets:
+            self._write()
+        elif self.path.exists():
+            self.path.unlink()
+
+    def _write(self) -> None:
+        payload = {"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION,
+                   "gpu": self.gpu.as_dict(), "kernels": self.kernels, "buckets": self.buckets}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path, json.dumps(payload, indent=1, allow_nan=True) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop
+
+
+ProgressFn = Callable[[str, int, int], None]  # (description, done, total)
+
+
+@dataclass
+class EntryInfo:
+    """Provenance written into each database entry."""
+
+    snapmla_version: str
+    command: str
+    kernels: str = ""
+    today: str = field(default_factory=lambda: date.today().isoformat())
+
+
+class Tuner:
+    def __init__(self, measurer: Measurer, budget: Budget, info: EntryInfo, *,
+                 partial: PartialStore | None = None, clock: Callable[[], float] = time.monotonic,
+                 confirm_top: int = 3, confirm_rounds: int = 3,
+                 progress: ProgressFn | None = None) -> None:
+        self.measurer, self.budget, self.info = measurer, budget, info
+        self.partial, self.clock = partial, clock
+        self.confirm_top, self.confirm_rounds = confirm_top, confirm_rounds
+        self.progress = progress or (lambda desc, done, total: None)
+
+    def planned(self, space: SearchSpace) -> int:
+        """Candidates the budget allows (default included), for the progress bar."""
+        n = len(space.candidates)
+        return n if self.budget.count is None else min(n, self.budget.count + 1)
+
+    # ordering ------------------------------------------------------------------------------
+    def _order(self, space: SearchSpace, done: dict[str, Measurement]) -> Iterator[DecodeConfig]:
+        firsts: list[DecodeConfig] = []
+        rest: list[DecodeConfig] = []
+        for cfg in space.candidates[1:]:
+            (rest if any(same_kernel(cfg, f) for f in firsts) or same_kernel(cfg, space.default)
+             else firsts).append(cfg)
+        yield space.default
+        yield from firsts
+
+        def kernel_rank(cfg: DecodeConfig) -> float:
+            times = [m.time_s for m in done.values()
+                     if m.ok and m.time_s is not None and same_kernel(m.config, cfg)]
+            return min(times) if times else math.inf
+
+        # the phase-1 times are all known once the generator resumes here
+        order = sorted(range(len(rest)), key=lambda i: (kernel_rank(rest[i]), i))
+        for i in order:
+            yield rest[i]
+
+    # one candidate -------------------------------------------------------------------------
+    def _measure(self, bucket: Bucket, cfg: DecodeConfig, elapsed: Callable[[], float],
+                 is_default: bool) -> Measurement:
+        cid = config_id(cfg, bucket.format)
+        prior = self.partial.results(bucket.id).get(cid) if self.partial else None
+        if isinstance(prior, dict):
+            status = prior.get("status")
+            if status in ("ok", "failed"):
+                t = prior.get("time_s")
+                return Measurement(cid, cfg, status == "ok",
+                                   float(t) if isinstance(t, (int, float)) else None,
+                                   str(prior.get("detail", "")), reused=True)
+            if status == "started" and not is_default:
+                m = Measurement(cid, cfg, False, None,
+                                "did not finish in an earlier run (crash?); skipped")
+                if self.partial:
+                    self.partial.record(bucket.id, m, elapsed())
+                return m
+        if self.partial:
+            self.partial.started(bucket.id, cid, elapsed())
+        try:
+            m = self._run(bucket, cfg, cid, is_default)
+        except FatalMeasureError as exc:
+            if self.partial:
+                self.partial.record(bucket.id, Measurement(cid, cfg, False, None, str(exc)),
+                                    elapsed())
+            raise
+        except BaseException:
+            if self.partial:
+                self.partial.forget(bucket.id, cid)
+            raise
+        if self.partial:
+            self.partial.record(bucket.id, m, elapsed())
+        return m
+
+    def _run(self, bucket: Bucket, cfg: DecodeConfig, cid: str, is_default: bool) -> Measurement:
+        try:
+            check = self.measurer.check(bucket, cfg)
+        except FatalMeasureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a broken candidate is a failed candidate
+            check = CheckResult(False, f"check raised {type(exc).__name__}: {_first(exc)}")
+        if not check.ok and not is_default:
+            return Measurement(cid, cfg, False, None, check.detail)
+        try:
+            t = float(self.measurer.time(bucket, cfg))
+        except FatalMeasureError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return Measurement(cid, cfg, False, None, f"timing raised {type(exc).__name__}: "
+                                                      f"{_first(exc)}")
+        if not math.isfinite(t) or t <= 0:
+            return Measurement(cid, cfg, False, None, f"timing returned {t!r}")
+        # the default is timed even when it fails the gate (it is the baseline), never stored
+        return Measurement(cid, cfg, check.ok, t, check.detail)
+
+    # one bucket ----------------------------------------------------------------------------
+    def tune(self, space: SearchSpace) -> BucketResult:
+        bucket = space.bucket
+        before = self.partial.elapsed(bucket.id) if self.partial else 0.0
+        start = self.clock()
+
+        def elapsed() -> float:
+            return before + (self.clock() - start)
+
+        done: dict[str, Measurement] = {}
+        measured: list[Measurement] = []
+        total = self.planned(space)
+        self.measurer.prepare(bucket)
+        try:
+            default_m: Measurement | None = None
+            counted = 0
+            for cfg in self._order(space, done):
+                is_default = cfg == space.default
+                if not is_default and self._exhausted(counted, elapsed()):
+                    break
+                self.progress(f"{bucket.label()}: {config_id(cfg, bucket.format)}",
+                              len(measured), total)
+                m = self._measure(bucket, cfg, elapsed, is_default)
+                measured.append(m)
+                done[m.cid] = m
+                if is_default:
+                    default_m = m
+                else:
+                    counted += 1
+            self.progress(bucket.label(), len(measured), total)
+            result = BucketResult(bucket, default_m, None, measured)
+            if default_m is not None and not default_m.ok:
+                result.notes.append(f"the heuristic default failed the correctness gate: "
+                                    f"{default_m.detail}")
+            self._confirm(space, result)
+        finally:
+            self.measurer.release()
+        if result.best is not None and result.best_time_s and result.default_time_s:
+            result.entry = Entry(
+                bucket=bucket, config=strip_sms(result.best.config),
+                time_us=result.best_time_s * 1e6, default_time_us=result.default_time_s * 1e6,
+                date=self.info.today, snapmla_version=self.info.snapmla_version,
+                command=self.info.command, default_config=strip_sms(space.default),
+                kernels=self.info.kernels,
+                timed_at={"batch": bucket.timed_batch, "context": bucket.timed_context},
+                candidates=len(measured))
+        return result
+
+    def _exhausted(self, counted: int, elapsed: float) -> bool:
+        if self.budget.count is not None:
+            return counted >= self.budget.count
+        return self.budget.seconds is not None and elapsed >= self.budget.seconds
+
+    def _confirm(self, space: SearchSpace, result: BucketResult) -> None:
+        """Re-time the best few and the default, interleaved; the medians decide."""
+        ok = sorted((m for m in result.measured if m.ok and m.time_s is not None),
+                    key=lambda m: m.time_s)  # type: ignore[arg-type, return-value]
+        default = result.default
+        if not ok or default is None or default.time_s is None:
+            result.best = ok[0] if ok else None
+            if ok:
+                result.notes.append("no default timing to compare with; nothing stored")
+            return
+        top = ok[: self.confirm_top]
+        contenders = top + ([default] if default not in top else [])
+        samples: dict[str, list[float]] = {m.cid: [m.time_s] for m in contenders}  # type: ignore
+        bucket = space.bucket
+        for _ in range(self.confirm_rounds):
+            for m in contenders:
+                try:
+                    samples[m.cid].append(float(self.measurer.time(bucket, m.config)))
+                except FatalMeasureError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    result.notes.append(f"confirmation of {m.cid} failed: {_first(exc)}")
+        if self.confirm_rounds > 0:  # the confirmation samples alone, taken back to back
+            for cid in samples:
+                if len(samples[cid]) > 1:
+                    samples[cid] = samples[cid][1:]
+        medians = {cid: statistics.median(v) for cid, v in samples.items()}
+        best = min(top, key=lambda m: (medians[m.cid], m.cid))
+        result.best = best
+        result.best_time_s = medians[best.cid]
+        result.default_time_s = medians[default.cid]
+
+
+def _first(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
