@@ -91,7 +91,8 @@ def test_ranking_on_the_synthetic_dump(report: FidelityReport) -> None:
     assert all(0 < v < 0.2 for v in mean.values()), mean
     others = [mean[c] for c in report.configs if c != "A"]
     assert mean["A"] > 2 * max(others), mean  # A clearly worst
-    # snap ranks with the best: E4M3 is floating point, so B/C/D/G differ from snap only
+    # snap ranks with the best: E4M3 is floating point, so B/C/D/G differ from snap mainly
     # through rounding realisations and snap's extra bf16 rounding of the pre-scaled RoPE
-    # (docs/DATA.md); all five stay within 30 % of each other here.
-    assert mean["snap"] < 1.3 * min(others), mean
+    # (docs/DATA.md): within 10 % of the paper's B, C, D, within 25 % of G (4 scales per token).
+    assert mean["snap"] < 1.10 * min(mean["B"], mean["C"], mean["D"]), mean
+    assert mean["snap"] < 1.25 * mean["G"], mean

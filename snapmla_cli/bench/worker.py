@@ -68,9 +68,10 @@ class LocalComm:
         return [obj]
 
 
-def rank_seed(plan: BenchPlan, dp_index: int, tp_index: int) -> int:
-    """Different data on every rank; the same page layout within a TP group (same requests)."""
-    return plan.seed * 1_000_003 + dp_index * 1009 + tp_index
+def rank_seed(plan: BenchPlan, dp_index: int) -> int:
+    """Different requests (page layout, data) in every DP group; the same within a TP group,
+    whose ranks decode the same requests."""
+    return plan.seed * 1_000_003 + dp_index
 
 
 def run_rank(
@@ -89,7 +90,7 @@ def run_rank(
         for ctx in plan.contexts:
             for case in plan.batches(ctx).cases():
                 spec = StepSpec(case.impl, case.batch, plan.s_q, where.heads, ctx, plan.layers,
-                                rank_seed(plan, where.dp_index, where.tp_index))
+                                rank_seed(plan, where.dp_index))
                 comm.barrier()
                 t = runner.run(spec)
                 m = Measurement(

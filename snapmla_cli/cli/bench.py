@@ -138,6 +138,7 @@ def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps,
     report = run_benchmark(plan, spec, progress=print_progress if progress else None)
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return
+    report.meta["argv"] = ["snapmla", *sys.argv[1:]]
     out = console()
     render_report(out, report)
     if json_path is not None:

@@ -242,11 +242,11 @@ class GpuMeasurer:
         return _TimingInputs(bucket, quantize_rows(q) if bucket.fp8 else q, cache, tables,
                              seqlens, out, lse)
 
-    def time(self, bucket: Bucket, cfg: DecodeConfig) -> float:
+    def time(self, bucket: Bucket, cfg: DecodeConfig, cutoff: float | None = None) -> float:
         self.prepare(bucket)
-        return self._guard(lambda: self._time(bucket, cfg))
+        return self._guard(lambda: self._time(bucket, cfg, cutoff))
 
-    def _time(self, bucket: Bucket, cfg: DecodeConfig) -> float:
+    def _time(self, bucket: Bucket, cfg: DecodeConfig, cutoff: float | None) -> float:
         from ..ops.decode import decode_bf16, decode_fp8, get_mla_metadata
 
         inp = self._inputs
@@ -265,6 +265,8 @@ class GpuMeasurer:
         one()
         torch.cuda.synchronize(self.device)
         t1 = time_cuda(one, reps=3, warmup=1)
+        if cutoff is not None and t1 > cutoff:
+            return t1  # clearly slower than the best so far: the estimate is enough
         inner = int(min(64, max(2, math.ceil(3e-3 / max(t1, 1e-7)))))
         reps = int(min(30, max(5, round(self.target_s / (inner * t1)))))
 

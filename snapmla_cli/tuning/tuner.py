@@ -33,6 +33,7 @@ from .space import Bucket, Budget, SearchSpace, config_id, same_kernel
 
 PARTIAL_FORMAT = "snapmla-tune-partial"
 PARTIAL_VERSION = 1
+EARLY_OUT = 1.5  # a candidate this many times slower than the best so far gets a rough time
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,10 @@ class FatalMeasureError(RuntimeError):
 class Measurer(Protocol):
     def prepare(self, bucket: Bucket) -> None: ...
     def check(self, bucket: Bucket, cfg: DecodeConfig) -> CheckResult: ...
-    def time(self, bucket: Bucket, cfg: DecodeConfig) -> float: ...  # seconds per call
+    def time(self, bucket: Bucket, cfg: DecodeConfig, cutoff: float | None = None) -> float:
+        """Seconds per call. Past ``cutoff`` seconds a rough estimate is enough (the candidate
+        has lost already)."""
+        ...
     def release(self) -> None: ...
 
 
@@ -194,6 +198,7 @@ class Tuner:
         self.partial, self.clock = partial, clock
         self.confirm_top, self.confirm_rounds = confirm_top, confirm_rounds
         self.progress = progress or (lambda desc, done, total: None)
+        self._best: float | None = None
 
     def planned(self, space: SearchSpace) -> int:
         """Candidates the budget allows (default included), for the progress bar."""
@@ -264,8 +269,9 @@ class Tuner:
             check = CheckResult(False, f"check raised {type(exc).__name__}: {_first(exc)}")
         if not check.ok and not is_default:
             return Measurement(cid, cfg, False, None, check.detail)
+        cutoff = None if is_default or self._best is None else EARLY_OUT * self._best
         try:
-            t = float(self.measurer.time(bucket, cfg))
+            t = float(self.measurer.time(bucket, cfg, cutoff=cutoff))
         except FatalMeasureError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -273,6 +279,8 @@ class Tuner:
                                                       f"{_first(exc)}")
         if not math.isfinite(t) or t <= 0:
             return Measurement(cid, cfg, False, None, f"timing returned {t!r}")
+        if check.ok:
+            self._best = t if self._best is None else min(self._best, t)
         # the default is timed even when it fails the gate (it is the baseline), never stored
         return Measurement(cid, cfg, check.ok, t, check.detail)
 
@@ -287,6 +295,7 @@ class Tuner:
 
         done: dict[str, Measurement] = {}
         measured: list[Measurement] = []
+        self._best = None
         total = self.planned(space)
         self.measurer.prepare(bucket)
         try:
@@ -301,6 +310,8 @@ class Tuner:
                 m = self._measure(bucket, cfg, elapsed, is_default)
                 measured.append(m)
                 done[m.cid] = m
+                if m.ok and m.time_s is not None and m.reused:
+                    self._best = m.time_s if self._best is None else min(self._best, m.time_s)
                 if is_default:
                     default_m = m
                 else:

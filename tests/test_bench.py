@@ -1,0 +1,387 @@
+"""``snapmla bench`` without a GPU: the arithmetic (sharding, KV-budget batches, aggregation), the
+launch checks, a real 2-rank torch.distributed run (gloo, spawned processes) of the orchestration
+with the CPU fake workload, the rendering, and the command through a typer app of its own."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from rich.console import Console
+from typer.testing import CliRunner
+
+from snapmla_cli.bench.launch import (
+    MULTICAST_OFF,
+    RunnerSpec,
+    _first_failure,
+    preflight,
+    run_benchmark,
+    torchrun_env,
+)
+from snapmla_cli.bench.plan import (
+    BF16,
+    DEFAULT_KV_MEM,
+    FP8,
+    LAYOUT_PRESETS,
+    PRESETS,
+    Batches,
+    Case,
+    Layout,
+    budget_batch,
+    cache_tokens,
+    distinct_caches,
+    heads_per_rank,
+    make_plan,
+    parse_bytes,
+    parse_layouts,
+    place,
+)
+from snapmla_cli.bench.render import plot_report, render_report
+from snapmla_cli.bench.results import Measurement, aggregate, compare
+from snapmla_cli.cli.bench import bench_command
+from snapmla_cli.errors import NoGpuError, SnapmlaError
+
+GiB = 2**30
+
+
+# ---------------------------------------------------------------- presets, layouts, sharding
+
+
+def test_model_presets_match_the_published_configs() -> None:
+    assert (PRESETS["deepseek-v3"].heads, PRESETS["deepseek-v3"].layers) == (128, 61)
+    assert (PRESETS["longcat-flash"].heads, PRESETS["longcat-flash"].layers) == (64, 56)
+
+
+def test_layout_presets_are_the_papers_figure_1() -> None:
+    assert LAYOUT_PRESETS == {"dp1tp8": Layout(1, 8), "dp4tp2": Layout(4, 2), "dp8tp1": Layout(8, 1)}
+    assert parse_layouts("dp1tp8,DP4/TP2,dp8tp1") == (Layout(1, 8), Layout(4, 2), Layout(8, 1))
+    assert parse_layouts("dp2tp1,dp2tp1") == (Layout(2, 1),)
+    assert Layout(4, 2).world == 8 and Layout(4, 2).label == "DP4/TP2"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("dp2tp1,dp1tp1", "same number of GPUs"),
+    ("tp8", "not a layout"),
+    ("dp0tp1", "at least 1"),
+    (",", "empty"),
+])
+def test_bad_layouts(text: str, needle: str) -> None:
+    with pytest.raises(SnapmlaError, match=needle):
+        parse_layouts(text)
+
+
+def test_tp_splits_heads_and_groups_contiguous_ranks() -> None:
+    assert [heads_per_rank(128, tp) for tp in (1, 2, 8)] == [128, 64, 16]
+    assert heads_per_rank(64, 8) == 8  # LongCat-Flash on DP1/TP8
+    with pytest.raises(SnapmlaError, match="--tp 3: 128 heads do not split evenly"):
+        heads_per_rank(128, 3)
+    places = [place(r, Layout(4, 2), 128) for r in range(8)]
+    assert [(p.dp_index, p.tp_index) for p in places] == [(r // 2, r % 2) for r in range(8)]
+    assert {p.heads for p in places} == {64}
+    with pytest.raises(SnapmlaError, match="outside"):
+        place(8, Layout(4, 2), 128)
+
+
+# ---------------------------------------------------------------- memory budget and batches
+
+
+@pytest.mark.parametrize("text, value", [
+    ("60GiB", 60 * GiB), ("60G", 60 * GiB), ("60g", 60 * GiB), ("60 GiB", 60 * GiB),
+    ("60GB", 60 * 10**9), ("512MiB", 512 * 2**20), ("1.5GiB", int(1.5 * GiB)), ("4096", 4096),
+])
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "60XB", "-1G", "0"])
+def test_parse_bytes_rejects(text: str) -> None:
+    with pytest.raises(SnapmlaError, match="--kv-mem"):
+        parse_bytes(text)
+
+
+def test_budget_batch_for_deepseek_v3_at_60_gib() -> None:
+    # batch = budget / (layers * ctx * bytes per token), 656 (FP8) vs 1152 (BF16) bytes
+    assert budget_batch(60 * GiB, 16384, 61, FP8) == 60 * GiB // (61 * 16384 * 656) == 98
+    assert budget_batch(60 * GiB, 16384, 61, BF16) == 55
+    assert budget_batch(60 * GiB, 131072, 61, FP8) == 12
+    assert budget_batch(60 * GiB, 131072, 61, BF16) == 6
+    assert budget_batch(GiB, 131072, 61, BF16) == 0
+    # FP8 holds 1152 / 656 = 1.76x the tokens
+    ctx = 4096
+    ratio = budget_batch(10**15, ctx, 1, FP8) / budget_batch(10**15, ctx, 1, BF16)
+    assert math.isclose(ratio, 1152 / 656, rel_tol=1e-6)
+
+
+def test_budget_counts_whole_pages() -> None:
+    assert cache_tokens(1) == 64 and cache_tokens(64) == 64 and cache_tokens(100) == 128
+    assert budget_batch(128 * 656, 100, 1, FP8) == 1
+    assert budget_batch(128 * 656 - 1, 100, 1, FP8) == 0
+
+
+def test_plan_batches_equal_batch_and_equal_memory() -> None:
+    plan = make_plan(contexts=[16384, 131072])
+    assert plan.kv_mem == DEFAULT_KV_MEM and plan.batch is None
+    b = plan.batches(16384)
+    assert (b.equal, b.fp8_mem, b.bf16_mem) == (55, 98, 55)
+    # the BF16 same-batch and same-memory cases are one run
+    assert b.cases() == [Case(FP8, 55), Case(BF16, 55), Case(FP8, 98)]
+    # --batch alone: no budget, no equal-memory comparison
+    plan = make_plan(batch=32, contexts=[16384])
+    assert plan.kv_mem is None and plan.batches(16384) == Batches(32)
+    assert plan.batches(16384).cases() == [Case(FP8, 32), Case(BF16, 32)]
+    # --batch and --kv-mem: both comparisons
+    plan = make_plan(batch=32, kv_mem=60 * GiB, contexts=[16384])
+    assert plan.batches(16384).cases() == [Case(FP8, 32), Case(BF16, 32), Case(FP8, 98), Case(BF16, 55)]
+
+
+def test_batch_does_not_depend_on_tp() -> None:
+    """MLA's one latent KV head is not split by TP: every rank holds its group's whole cache."""
+    a = make_plan(layouts=(Layout(8, 1),), contexts=[32768])
+    b = make_plan(layouts=(Layout(1, 8),), contexts=[32768])
+    assert a.batches(32768) == b.batches(32768)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"model": "gpt"}, "--model"),
+    ({"mtp": 5}, "--mtp"),
+    ({"mtp": 0}, "--mtp"),
+    ({"heads": 0}, "--heads"),
+    ({"layers": 0}, "--layers"),
+    ({"batch": 0}, "--batch"),
+    ({"contexts": [1], "mtp": 2}, "shorter than --mtp"),
+    ({"layouts": (Layout(1, 3),)}, "--tp 3"),
+    ({"kv_mem": GiB, "contexts": [131072]}, "holds no BF16 request of context 128k"),
+])
+def test_make_plan_rejects(kwargs: dict, needle: str) -> None:
+    with pytest.raises(SnapmlaError, match=needle):
+        make_plan(**kwargs)
+
+
+def test_distinct_caches_keep_small_caches_out_of_l2() -> None:
+    assert distinct_caches(GiB, 61) == 1
+    n = distinct_caches(10 * 2**20, 61)
+    assert (n - 1) * 10 * 2**20 >= 256 * 2**20 and n <= 61
+    assert distinct_caches(1, 61) == 61
+    assert distinct_caches(10 * 2**20, 3) == 3
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def _m(rank: int, layout: Layout, step_s: float, batch: int = 8, s_q: int = 1) -> Measurement:
+    return Measurement(rank=rank, layout=layout.name, dp_index=rank // layout.tp,
+                       tp_index=rank % layout.tp, context=4096, impl=FP8, batch=batch, s_q=s_q,
+                       heads=128 // layout.tp, layers=61, step_s=step_s, kernel="k", graphed=True)
+
+
+def test_aggregate_sums_dp_groups_at_the_pace_of_the_slowest_tp_rank() -> None:
+    layout = Layout(2, 2)
+    rows = [_m(0, layout, 0.010, s_q=2), _m(1, layout, 0.020, s_q=2),
+            _m(2, layout, 0.004, s_q=2), _m(3, layout, 0.005, s_q=2)]
+    case = aggregate(layout, rows)
+    assert case.group_step_s == (0.020, 0.005)
+    assert math.isclose(case.aggregate_tokens_per_s, 8 * 2 / 0.020 + 8 * 2 / 0.005)
+    assert math.isclose(case.per_gpu_tokens_per_s, case.aggregate_tokens_per_s / 4)
+    assert math.isclose(case.tflops, sum(m.tflops for m in rows))
+    # pure DP: the aggregate is the sum of the ranks
+    dp = Layout(3, 1)
+    rows = [_m(r, dp, 0.01 * (r + 1)) for r in range(3)]
+    assert math.isclose(aggregate(dp, rows).aggregate_tokens_per_s, sum(m.tokens_per_s for m in rows))
+
+
+def test_aggregate_needs_every_rank() -> None:
+    layout = Layout(2, 1)
+    with pytest.raises(SnapmlaError, match="ranks 0..1"):
+        aggregate(layout, [_m(0, layout, 0.01)])
+
+
+def test_measurement_work_accounting_follows_spec_section_7() -> None:
+    m = _m(0, Layout(1, 1), 0.1)
+    flops_per_layer = 2 * 8 * 1 * 128 * 4096 * (576 + 512)
+    assert math.isclose(m.tflops, 61 * flops_per_layer / 0.1 / 1e12)
+    kv, q, out = 8 * 4096 * 656, 8 * 128 * 576 * 2, 8 * 128 * 512 * 2
+    assert math.isclose(m.gbs, 61 * (kv + q + out) / 0.1 / 1e9)
+    assert math.isclose(m.us_per_layer, 1e5 / 61)
+    assert Measurement.from_dict(m.to_dict()) == m
+
+
+# ---------------------------------------------------------------- launch checks
+
+
+def test_torchrun_env() -> None:
+    assert torchrun_env({}) is None
+    assert torchrun_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}).local_rank == 1
+    assert torchrun_env({"RANK": "2", "WORLD_SIZE": "4"}).local_rank == 2
+    with pytest.raises(SnapmlaError, match="not integers"):
+        torchrun_env({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(SnapmlaError, match="do not fit"):
+        torchrun_env({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+def test_preflight() -> None:
+    gpu = RunnerSpec()
+    plan = make_plan(layouts=(Layout(4, 2),), contexts=[16384])
+    with pytest.raises(NoGpuError, match="needs CUDA GPUs"):
+        preflight(plan, gpu, None, cuda_available=False)
+    with pytest.raises(NoGpuError, match="CuPy"):
+        preflight(plan, gpu, None, cuda_available=True, have_cupy=False)
+    with pytest.raises(SnapmlaError, match="dp4tp2 runs 8 ranks, one per GPU, but this machine has 1 GPU"):
+        preflight(plan, gpu, None, cuda_available=True, have_cupy=True, device_count=1)
+    preflight(plan, gpu, None, cuda_available=True, have_cupy=True, device_count=8)
+    # torchrun: the world must match; each node only needs its local ranks' GPUs
+    env = torchrun_env({"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"})
+    with pytest.raises(SnapmlaError, match="torchrun started 16 processes but dp4tp2 needs 8"):
+        preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=8)
+    env = torchrun_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
+    preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=4)
+    # the CPU fake needs no GPU
+    preflight(plan, RunnerSpec(kind="cpu-fake"), None, cuda_available=False, device_count=0)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"steps": 0}, "--steps"), ({"warmup": -1}, "--warmup"), ({"bf16_impl": "x"}, "--bf16-impl"),
+    ({"kind": "tpu"}, "runner"),
+])
+def test_runner_spec_rejects(kwargs: dict, needle: str) -> None:
+    with pytest.raises(SnapmlaError, match=needle):
+        RunnerSpec(**kwargs)
+
+
+def test_first_failure_is_the_earliest_rank_error(tmp_path: Path) -> None:
+    (tmp_path / "error-0.txt").write_text("20.0\nRuntimeError: Connection closed by peer")
+    (tmp_path / "error-1.txt").write_text("10.0\nOutOfMemoryError: CUDA out of memory")
+    assert _first_failure(tmp_path, RuntimeError("x")) == "rank 1: OutOfMemoryError: CUDA out of memory"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "died" in _first_failure(empty, RuntimeError("exit code 1"))
+
+
+# ---------------------------------------------------------------- orchestration
+
+
+def _check_aggregates(report) -> None:
+    for comparison in report.comparisons:
+        for case in (comparison.fp8, comparison.bf16, comparison.fp8_mem, comparison.bf16_mem):
+            if case is None:
+                continue
+            rows = [m for m in report.measurements if (m.layout, m.context, m.impl, m.batch)
+                    == (case.layout.name, case.context, case.impl, case.batch)]
+            assert sorted(m.rank for m in rows) == list(range(case.layout.world))
+            if case.layout.tp == 1:
+                assert math.isclose(case.aggregate_tokens_per_s, sum(m.tokens_per_s for m in rows))
+
+
+def test_two_rank_gloo_run_of_the_orchestration() -> None:
+    """Real torch.distributed: two spawned processes, gloo, a free port, the fake workload."""
+    plan = make_plan(heads=8, layers=2, contexts=[1024], layouts=(Layout(2, 1),), batch=3,
+                     kv_mem=GiB)
+    report = run_benchmark(plan, RunnerSpec(kind="cpu-fake", steps=2, warmup=1), environ={})
+    assert report.meta["launcher"] == "spawn" and report.meta["backend"] == "gloo"
+    assert report.meta["world"] == 2 and [r["rank"] for r in report.meta["ranks"]] == [0, 1]
+    assert report.meta["env"] == MULTICAST_OFF  # set in every rank before the process group
+    cases = plan.batches(1024).cases()
+    assert len(cases) == 4 and len(report.measurements) == 2 * len(cases)
+    assert {m.heads for m in report.measurements} == {8}
+    _check_aggregates(report)
+    (comparison,) = report.comparisons
+    assert comparison.fp8.batch == 3 and comparison.fp8_mem.batch == budget_batch(GiB, 1024, 2, FP8)
+    assert comparison.speedup_equal_memory is not None
+
+
+@pytest.fixture(scope="module")
+def inline_report():
+    plan = make_plan(heads=8, layers=2, contexts=[1024, 4096], kv_mem=GiB)
+    return run_benchmark(plan, RunnerSpec(kind="cpu-fake", steps=2, warmup=0), environ={})
+
+
+def test_inline_run_and_rendering(inline_report, tmp_path: Path) -> None:
+    report = inline_report
+    assert report.meta["launcher"] == "inline" and report.meta["world"] == 1
+    _check_aggregates(report)
+    assert len(compare(report.plan, report.measurements)) == 2
+    out = Console(record=True, width=240)
+    render_report(out, report)
+    text = out.export_text()
+    assert "DP1/TP1" in text and "x same mem" in text and "cpu-fake" in text
+    path = tmp_path / "fig1.png"
+    plot_report(report, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = report.to_dict()
+    json.dumps(doc)
+    assert doc["format"] == "snapmla-bench" and doc["plan"]["layouts"] == ["dp1tp1"]
+
+
+# ---------------------------------------------------------------- the command
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("bench")(bench_command)
+    app.command("other")(lambda: None)  # two commands: "bench" stays a subcommand
+    return app
+
+
+runner = CliRunner()
+
+
+def invoke(*args: object):
+    return runner.invoke(_app(), ["bench", *map(str, args)])
+
+
+def assert_one_line_error(result, *needles: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "3"], "--tp 3: 128 heads do not split evenly over 3 ranks"),
+    (["--model", "longcat-flash", "--tp", "128"], "64 heads do not split evenly"),
+    (["--layout", "dp1tp8,dp2tp1"], "same number of GPUs"),
+    (["--layout", "dp2tp1", "--dp", "2"], "--layout and --dp/--tp"),
+    (["--dp", "0"], "--dp"),
+    (["--ctx", "32q"], "--ctx"),
+    (["--kv-mem", "1MiB"], "holds no BF16 request"),
+    (["--kv-mem", "lots"], "--kv-mem"),
+    (["--mtp", "5"], "--mtp"),
+    (["--steps", "0"], "--steps"),
+])
+def test_cli_argument_errors(args: list[str], needle: str) -> None:
+    assert_one_line_error(invoke(*args), needle)
+
+
+def test_cli_without_gpu_fails_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert_one_line_error(invoke("--ctx", "16k"), "needs CUDA GPUs")
+    assert_one_line_error(invoke("--dp", "2", "--tp", "4"), "needs CUDA GPUs")
+
+
+def test_cli_refuses_to_overwrite(tmp_path: Path) -> None:
+    existing = tmp_path / "r.json"
+    existing.write_text("{}")
+    assert_one_line_error(invoke("--cpu-fake", "--json", existing), "exists", "--force")
+    assert_one_line_error(invoke("--cpu-fake", "--plot", tmp_path / "p.txt"), "--plot")
+
+
+def test_cli_runs_the_fake_workload_and_writes_json_and_plot(tmp_path: Path) -> None:
+    report, plot = tmp_path / "r.json", tmp_path / "p.png"
+    result = invoke("--cpu-fake", "--quiet", "--heads", 8, "--layers", 2, "--ctx", "1k,2k",
+                    "--kv-mem", "1GiB", "--steps", 2, "--json", report, "--plot", plot)
+    assert result.exit_code == 0, result.output
+    assert "x same batch" in result.stdout and f"wrote {report}" in result.stdout
+    doc = json.loads(report.read_text())
+    assert [c["context"] for c in doc["comparisons"]] == [1024, 2048]
+    assert doc["comparisons"][0]["equal_memory"]["fp8"]["batch"] == budget_batch(GiB, 1024, 2, FP8)
+    assert doc["meta"]["argv"][:2] == ["snapmla", "bench"] or doc["meta"]["argv"][0] == "snapmla"
+    assert plot.exists()
+    again = invoke("--cpu-fake", "--quiet", "--heads", 8, "--layers", 2, "--ctx", "1k",
+                   "--batch", 2, "--steps", 1, "--json", report, "--force")
+    assert again.exit_code == 0, again.output
+    assert json.loads(report.read_text())["comparisons"][0]["equal_memory"] is None

@@ -1,0 +1,565 @@
+"""Tuning: search space, budget, YAML database (round trip, merge, atomic writes, bad files),
+nearest-bucket lookup, the search loop with injected timing/correctness, resume, and
+``snapmla tune --dry-run``. CPU only and fast; one GPU-marked end-to-end run at the end."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from snapmla_cli.cli.tune import tune_command
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.ops import decode_config as dc
+from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
+from snapmla_cli.tuning import db as tdb
+from snapmla_cli.tuning import lookup
+from snapmla_cli.tuning.db import Entry, GpuKey, load_file, normalise_gpu_name, save_entries
+from snapmla_cli.tuning.space import (
+    SMEM_PER_SM,
+    SMEM_RESERVED_PER_CTA,
+    Bucket,
+    Budget,
+    config_id,
+    config_problem,
+    kernel_variants,
+    parse_budget,
+    parse_formats,
+    parse_int_list,
+    parse_ranges,
+    search_space,
+    smem_bytes,
+)
+from snapmla_cli.tuning.tuner import (
+    CheckResult,
+    EntryInfo,
+    PartialStore,
+    Tuner,
+    partial_path,
+)
+
+GPU = GpuKey("Test GPU X100", 132, (9, 0), 13)
+CTX = [(16384, 16384), (65536, 65536), (131072, 131072)]
+
+
+@pytest.fixture(autouse=True)
+def isolated_db(tmp_path, monkeypatch):
+    """User folder and shipped folder both under tmp_path; fresh lookup state."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(user))
+    monkeypatch.setattr(tdb, "shipped_dir", lambda: shipped)
+    monkeypatch.setattr(lookup, "_device_key_hook", lambda index: GPU)
+    lookup.clear_cache(reset_warnings=True)
+    yield user, shipped
+    lookup.clear_cache(reset_warnings=True)
+
+
+def entry(h_q=64, s_q=2, batch=(64, 64), context=(16384, 16384), fmt="fp8", t=100.0,
+          cfg: DecodeConfig | None = None, default_t=120.0) -> Entry:
+    rows = h_q * s_q
+    cfg = cfg or heuristic_config(rows, fmt == "fp8")
+    return Entry(bucket=Bucket(h_q, s_q, batch, context, fmt), config=cfg, time_us=t,
+                 default_time_us=default_t, date="2026-12-01", snapmla_version="0.1.0",
+                 command="snapmla tune --heads 64 --mtp 2", default_config=heuristic_config(rows),
+                 kernels="abc123", timed_at={"batch": batch[0], "context": context[0]},
+                 candidates=7)
+
+
+def alt_config(stages: int = 3) -> DecodeConfig:
+    cfg = replace(heuristic_config(128), stages=stages)
+    assert config_problem(cfg, "fp8") is None
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# names, parsing, budget
+
+
+@pytest.mark.parametrize("name,stem", [
+    ("NVIDIA H200", "NVIDIA_H200"),
+    ("  NVIDIA   H100 80GB HBM3 ", "NVIDIA_H100_80GB_HBM3"),
+    ("NVIDIA GeForce RTX 4090 (laptop)", "NVIDIA_GeForce_RTX_4090_laptop"),
+    ("a/b\\..c-d_e", "abc-d_e"),
+    ("", "unknown_gpu"),
+])
+def test_gpu_name_normalisation(name, stem):
+    assert normalise_gpu_name(name) == stem
+    assert tdb.db_filename(name) == stem + ".yaml"
+
+
+def test_budget_parsing():
+    assert parse_budget("120s") == Budget(seconds=120.0)
+    assert parse_budget("2m") == Budget(seconds=120.0)
+    assert parse_budget("1.5min") == Budget(seconds=90.0)
+    assert parse_budget(" 40 ") == Budget(count=40)
+    for bad in ("", "abc", "0", "0s", "1.5", "-3s", "10h"):
+        with pytest.raises(SnapmlaError, match="--budget"):
+            parse_budget(bad)
+
+
+def test_range_and_list_parsing():
+    assert parse_ranges("64", "--batch") == [(64, 64)]
+    assert parse_ranges("1,8,64", "--batch") == [(1, 1), (8, 8), (64, 64)]
+    assert parse_ranges("16-128", "--batch") == [(16, 128)]
+    assert parse_ranges("16k,32k-64k", "--ctx") == [(16384, 16384), (32768, 65536)]
+    assert parse_int_list("16,64,16", "--heads") == [16, 64]
+    assert parse_formats("both") == ["fp8", "bf16"] and parse_formats("BF16") == ["bf16"]
+    for bad in ("128-16", "", "x", "0"):
+        with pytest.raises(SnapmlaError):
+            parse_ranges(bad, "--batch")
+    with pytest.raises(SnapmlaError):
+        parse_formats("fp4")
+    b = Bucket(64, 2, (16, 128), (16384, 16384), "fp8")
+    assert b.timed_batch == 45 and b.timed_context == 16384 and b.rows == 128
+    assert b.id == "h64-s2-b16_128-c16384-fp8"
+
+
+# ---------------------------------------------------------------------------------------------
+# search space
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+@pytest.mark.parametrize("rows", [16, 20, 128])
+def test_search_space_pruned_by_shared_memory(fmt, rows):
+    valid, pruned = kernel_variants(rows, fmt)
+    assert valid and pruned
+    for cfg in valid:
+        smem = smem_bytes(cfg, fmt)
+        assert smem <= dc.MAX_SMEM_PER_CTA
+        assert cfg.min_ctas_per_sm * (smem + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM
+        assert cfg.row_groups * 16 <= max(16, -(-rows // 16) * 16)
+    over = [cfg for cfg, _ in pruned if smem_bytes(cfg, fmt) > dc.MAX_SMEM_PER_CTA]
+    assert over, "some combination must exceed the per-CTA limit"
+    assert all(cfg not in valid for cfg in over)
+    if rows == 16:
+        assert {c.row_groups for c in valid} == {1}
+    space = search_space(Bucket(rows // 2 or 1, 2, (64, 64), (32768, 32768), fmt), 132)
+    assert space.candidates[0] == space.default == heuristic_config(space.bucket.rows, fmt == "fp8").with_sms(132)
+    ids = space.ids()
+    assert len(ids) == len(set(ids))
+    assert all(config_problem(c, fmt) is None for c in space.candidates[1:])
+
+
+def test_search_space_drops_split_aliases():
+    big = search_space(Bucket(64, 2, (64, 64), (131072, 131072), "fp8"), 132)
+    small = search_space(Bucket(64, 2, (1, 1), (4096, 4096), "fp8"), 132)
+    assert big.aliases > 0
+    # a single short request is where min_blocks_per_split matters: more distinct plans
+    assert len(small.candidates) > len(big.candidates)
+
+
+# ---------------------------------------------------------------------------------------------
+# database file
+
+
+def test_db_round_trip(isolated_db):
+    user, _ = isolated_db
+    entries = [entry(), entry(context=(65536, 65536), t=250.5, cfg=alt_config()),
+               entry(h_q=16, s_q=1, fmt="bf16", t=33.25)]
+    path, outcomes = save_entries(user, GPU, entries)
+    assert path == user / "Test_GPU_X100.yaml"
+    assert [o.action for o in outcomes] == ["added"] * 3
+    loaded = load_file(path)
+    assert not loaded.problems
+    assert len(loaded.sections) == 1 and loaded.sections[0].gpu == GPU
+    assert sorted(loaded.sections[0].entries, key=lambda e: e.bucket.id) == sorted(
+        entries, key=lambda e: e.bucket.id)
+    text = path.read_text()
+    assert "name: Test GPU X100" in text and "speedup" in text and "command" in text
+
+
+def test_merge_keeps_faster_and_other_buckets(isolated_db):
+    user, _ = isolated_db
+    other = entry(context=(65536, 65536), t=400.0)
+    save_entries(user, GPU, [entry(t=100.0), other])
+    _, [o] = save_entries(user, GPU, [entry(t=90.0, cfg=alt_config())])
+    assert o.action == "replaced" and o.previous.time_us == 100.0
+    _, [o] = save_entries(user, GPU, [entry(t=120.0)])
+    assert o.action == "kept_old"
+    stored = {e.bucket.context: e for e in load_file(user / "Test_GPU_X100.yaml").sections[0].entries}
+    assert stored[(16384, 16384)].time_us == 90.0 and stored[(16384, 16384)].config == alt_config()
+    assert stored[(65536, 65536)] == other
+    _, [o] = save_entries(user, GPU, [entry(t=150.0)], force=True)
+    assert o.action == "replaced"
+    # another driver major is another section of the same file; both are kept
+    save_entries(user, replace(GPU, cuda_driver_major=12), [entry(t=80.0)])
+    sections = load_file(user / "Test_GPU_X100.yaml").sections
+    assert len(sections) == 2 and sum(len(s.entries) for s in sections) == 3
+
+
+def test_atomic_write_survives_interrupted_write(isolated_db, monkeypatch):
+    user, _ = isolated_db
+    path, _ = save_entries(user, GPU, [entry(t=100.0)])
+    before = path.read_bytes()
+    real_write_text = pathlib.Path.write_text
+
+    def half_then_fail(self, text, *args, **kwargs):
+        real_write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", half_then_fail)
+    with pytest.raises(OSError):
+        save_entries(user, GPU, [entry(t=50.0, cfg=alt_config())])
+    monkeypatch.setattr(pathlib.Path, "write_text", real_write_text)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in user.iterdir()) == ["Test_GPU_X100.yaml"]  # no temp left
+    assert load_file(path).sections[0].entries[0].time_us == 100.0
+
+
+def test_corrupt_file_is_not_overwritten_without_force(isolated_db):
+    user, _ = isolated_db
+    path = user / "Test_GPU_X100.yaml"
+    path.write_text("format: [unclosed\n")
+    with pytest.raises(SnapmlaError, match="not overwriting"):
+        save_entries(user, GPU, [entry()])
+    assert path.read_text() == "format: [unclosed\n"
+    save_entries(user, GPU, [entry()], force=True)
+    assert len(load_file(path).sections[0].entries) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# lookup
+
+
+def cuda0():
+    return torch.device("cuda", 0)  # never touched: the device key comes from the hook
+
+
+@pytest.mark.parametrize("content", [
+    "format: [unclosed\n",  # not YAML
+    "format: something-else\nversion: 1\n",  # YAML, not ours
+    "format: snapmla-tuning\nversion: 99\ndevices: []\n",  # from the future
+    "\x00\x01\x02 binary",
+])
+def test_corrupt_and_unknown_files_warn_once(isolated_db, content):
+    user, shipped = isolated_db
+    (user / "Test_GPU_X100.yaml").write_text(content)
+    save_entries(shipped, GPU, [entry(t=100.0)])
+    with pytest.warns(RuntimeWarning, match="Test_GPU_X100.yaml") as record:
+        cfg = lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0())
+    assert len([w for w in record if "tuning" in str(w.message)]) == 1
+    assert cfg == heuristic_config(128)  # the shipped entry still answers
+    lookup.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second load of the same file: no second warning
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == cfg
+
+
+def test_bad_entry_is_skipped_with_a_warning(isolated_db):
+    user, _ = isolated_db
+    path, _ = save_entries(user, GPU, [entry(t=100.0, cfg=alt_config())])
+    text = path.read_text().replace("entries:\n", "entries:\n  - {bucket: nonsense}\n", 1)
+    path.write_text(text)
+    with pytest.warns(RuntimeWarning, match="bad entry"):
+        cfg = lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0())
+    assert cfg == alt_config()
+
+
+def test_unknown_gpu_and_cpu_device_give_none(isolated_db, monkeypatch):
+    user, _ = isolated_db
+    save_entries(user, GPU, [entry()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=torch.device("cpu")) is None
+        monkeypatch.setattr(lookup, "_device_key_hook",
+                            lambda index: GpuKey("Test GPU X100", 108, (8, 0), 13))
+        lookup.clear_cache()
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is None
+
+
+def test_lookup_never_raises(isolated_db, monkeypatch):
+    def boom(index):
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(lookup, "_device_key_hook", boom)
+    with pytest.warns(RuntimeWarning, match="driver exploded"):
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is None
+
+
+def test_nearest_bucket(isolated_db):
+    user, _ = isolated_db
+    c16, c64, c128 = alt_config(2), alt_config(3), replace(heuristic_config(128), kv_split=2)
+    assert config_problem(c128, "fp8") is None
+    save_entries(user, GPU, [entry(context=CTX[0], cfg=c16), entry(context=CTX[1], cfg=c64),
+                             entry(context=CTX[2], cfg=c128),
+                             entry(h_q=128, s_q=1, context=CTX[2], cfg=c128),
+                             entry(fmt="bf16", t=5.0)])
+
+    def get(rows=128, fp8=True, **kw):
+        return lookup.lookup_decode_config(rows=rows, fp8=fp8, device=cuda0(), **kw)
+
+    assert get(context=16384) == c16
+    assert get(context=20000) == c16  # log2 distance 0.29 to 16k, 1.71 to 64k
+    assert get(context=100000) == c128  # 0.36 to 128k, 0.61 to 64k
+    assert get(context=10**6) == c128
+    assert get(context=40000, batch=64) == c64
+    assert get(batch=64) == c128  # context unknown: four tied entries, c128 has two votes
+    assert get(rows=64, context=16384) == c16  # nearest rows within 2x
+    assert get(rows=16) is None  # 8x fewer rows: too far
+    assert get(fp8=False) == heuristic_config(128, False)
+    # row groups narrowed to the query: 20 rows need at most 2 groups
+    save_entries(user, GPU, [entry(h_q=40, s_q=1, cfg=heuristic_config(40))])
+    lookup.clear_cache()
+    narrowed = get(rows=20, context=16384)
+    assert narrowed is not None and narrowed.row_groups == 2
+
+
+def test_user_dir_wins_and_env_override(isolated_db, monkeypatch, tmp_path):
+    user, shipped = isolated_db
+    save_entries(shipped, GPU, [entry(cfg=alt_config(2))])
+    save_entries(user, GPU, [entry(cfg=alt_config(3))])
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(3)
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(other))  # new folder: the shipped entry answers
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(2)
+    monkeypatch.delenv(tdb.TUNING_DIR_ENV)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert tdb.user_dir() == tmp_path / "home" / ".config" / "snapmla" / "tuning"
+
+
+def test_lookup_is_cached_no_io_on_hot_path(isolated_db, monkeypatch):
+    user, _ = isolated_db
+    path, _ = save_entries(user, GPU, [entry(cfg=alt_config())])
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config()
+
+    def no_io(*a, **k):
+        raise AssertionError("file read on the hot path")
+
+    monkeypatch.setattr(tdb, "load_file", no_io)
+    monkeypatch.setattr(lookup, "load_file", no_io)
+    path.unlink()
+    for ctx in (1000, 16384, 50000):
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=ctx) == alt_config()
+
+
+def test_matching_entries_and_describe(isolated_db):
+    user, shipped = isolated_db
+    save_entries(user, GPU, [entry()])
+    save_entries(shipped, replace(GPU, cuda_driver_major=12), [entry(context=CTX[1])])
+    assert len(lookup.matching_entries("Test GPU X100")) == 2
+    assert [m.origin for m in lookup.matching_entries(GPU)] == ["user", "shipped"]
+    from snapmla_cli.runtime.gpu_facts import GpuFacts
+    from snapmla_cli.tuning import describe_database, matching_entries
+
+    facts = GpuFacts(0, "Test GPU X100", "GPU-1", 132, (9, 0), 80 << 30, 1980, 2619, "580", "13.0")
+    assert len(matching_entries(facts)) == 2
+    lines = describe_database([facts])
+    assert any("2 (" in line for line in lines) and any("1.20x" in line for line in lines)
+    assert any("none" in line for line in describe_database([replace(facts, name="Other")]))
+
+
+# ---------------------------------------------------------------------------------------------
+# the search loop with injected measurements
+
+
+class FakeMeasurer:
+    """Deterministic times per candidate; ``wrong`` candidates fail the gate; ``interrupt_after``
+    raises KeyboardInterrupt on that many-th timing call (simulating Ctrl-C)."""
+
+    def __init__(self, space, fastest_wrong=True, interrupt_after=None):
+        self.fmt = space.bucket.format
+        self.times = {}
+        for i, cfg in enumerate(space.candidates):
+            self.times[config_id(cfg, self.fmt)] = 1e-3 * (1.0 + ((i * 7919) % 23) / 10)
+        self.ids = space.ids()
+        self.wrong = {self.ids[3]} if fastest_wrong else set()
+        if fastest_wrong:
+            self.times[self.ids[3]] = 1e-6  # fastest of all, but wrong
+        self.checked, self.timed, self.prepared = [], [], 0
+        self.interrupt_after = interrupt_after
+
+    def prepare(self, bucket):
+        self.prepared += 1
+
+    def release(self):
+        pass
+
+    def check(self, bucket, cfg):
+        cid = config_id(cfg, self.fmt)
+        self.checked.append(cid)
+        return CheckResult(cid not in self.wrong, "fake")
+
+    def time(self, bucket, cfg, cutoff=None):
+        cid = config_id(cfg, self.fmt)
+        if self.interrupt_after is not None and len(self.timed) >= self.interrupt_after:
+            raise KeyboardInterrupt
+        self.timed.append(cid)
+        return self.times[cid]
+
+
+def small_space():
+    space = search_space(Bucket(64, 2, (1, 1), (4096, 4096), "fp8"), 132)
+    assert len(space.candidates) > 30
+    return space
+
+
+INFO = EntryInfo("0.1.0", "snapmla tune --heads 64 --mtp 2", "k1", today="2026-12-01")
+
+
+def test_tuner_selects_fastest_correct_candidate():
+    space = small_space()
+    fake = FakeMeasurer(space)
+    result = Tuner(fake, Budget(count=1000), INFO).tune(space)
+    wrong = fake.ids[3]
+    assert wrong in fake.checked and wrong not in fake.timed  # gated before timing
+    assert result.best.cid != wrong
+    valid = {k: v for k, v in fake.times.items() if k != wrong}
+    assert result.best.cid == min(valid, key=valid.get)
+    assert result.default.cid == fake.ids[0] and fake.timed[0] == fake.ids[0]
+    e = result.entry
+    assert e.config == tdb.strip_sms(result.best.config)
+    assert e.time_us == pytest.approx(valid[result.best.cid] * 1e6)
+    assert e.default_time_us == pytest.approx(fake.times[fake.ids[0]] * 1e6)
+    assert e.kernels == "k1" and e.date == "2026-12-01" and e.candidates == len(space.candidates)
+    assert result.failed == 1
+
+
+def test_tuner_count_budget_and_phase_order():
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    result = Tuner(fake, Budget(count=5), INFO, confirm_rounds=0).tune(space)
+    assert len(result.measured) == 6  # the default + 5
+    kernels = [m.config for m in result.measured[1:]]
+    # phase 1: distinct kernel variants first, each with its own default split policy
+    assert len({config_id(k, "fp8").split("/")[0] for k in kernels}) == 5
+
+
+def test_tuner_time_budget_with_fake_clock():
+    space = small_space()
+    now = [0.0]
+
+    class Slow(FakeMeasurer):
+        def time(self, bucket, cfg, cutoff=None):
+            now[0] += 10.0
+            return super().time(bucket, cfg, cutoff)
+
+    fake = Slow(space, fastest_wrong=False)
+    result = Tuner(fake, Budget(seconds=35.0), INFO, clock=lambda: now[0], confirm_rounds=0).tune(space)
+    assert len(result.measured) == 4  # starts at 0, 10, 20, 30 s; none at 40 s
+
+
+def test_tuner_confirmation_medians_decide():
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    lucky = fake.ids[5]
+    fake.times[lucky] = 1e-5
+    calls = {"n": 0}
+    orig = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        t = orig(bucket, cfg, cutoff)
+        if config_id(cfg, "fp8") == lucky:
+            calls["n"] += 1
+            return t if calls["n"] == 1 else 1.0  # one lucky sample, then slow
+        return t
+
+    fake.time = time
+    result = Tuner(fake, Budget(count=1000), INFO).tune(space)
+    assert result.best.cid != lucky
+
+
+def test_resume_after_interrupt(tmp_path):
+    space = small_space()
+    path = partial_path(tmp_path, GPU)
+    assert path.name == "Test_GPU_X100.partial.json"
+    first = FakeMeasurer(space, interrupt_after=6)
+    with pytest.raises(KeyboardInterrupt):
+        Tuner(first, Budget(count=1000), INFO, partial=PartialStore(path, GPU, "k1")).tune(space)
+    data = json.loads(path.read_text())
+    results = data["buckets"][space.bucket.id]["results"]
+    assert len([r for r in results.values() if r["status"] == "ok"]) == 6
+    assert all(r["status"] != "started" for r in results.values())  # Ctrl-C: nothing blamed
+
+    second = FakeMeasurer(space)
+    store = PartialStore(path, GPU, "k1")
+    result = Tuner(second, Budget(count=1000), INFO, partial=store).tune(space)
+    assert not set(first.timed) & set(second.timed[: -12])  # nothing re-timed before confirm
+    assert sum(m.reused for m in result.measured) == 7  # 6 timed + the gated wrong one
+    reference = Tuner(FakeMeasurer(space), Budget(count=1000), INFO).tune(space)
+    assert result.best.cid == reference.best.cid
+    store.finish(space.bucket.id)
+    assert not path.exists()
+
+
+def test_resume_skips_a_candidate_that_crashed(tmp_path):
+    space = small_space()
+    path = partial_path(tmp_path, GPU)
+    store = PartialStore(path, GPU, "k1")
+    crashed = space.ids()[2]
+    store.started(space.bucket.id, crashed, 1.0)  # as if the process died during it
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    result = Tuner(fake, Budget(count=1000), INFO, partial=PartialStore(path, GPU, "k1")).tune(space)
+    assert crashed not in fake.timed and crashed not in fake.checked
+    assert any(m.cid == crashed and not m.ok and "earlier run" in m.detail for m in result.measured)
+
+
+def test_partial_file_for_other_gpu_or_kernels_is_ignored(tmp_path):
+    space = small_space()
+    path = partial_path(tmp_path, GPU)
+    store = PartialStore(path, GPU, "k1")
+    store.started(space.bucket.id, space.ids()[1], 1.0)
+    assert PartialStore(path, GPU, "k2").buckets == {}
+    assert "another GPU" in PartialStore(path, replace(GPU, sm_count=114), "k1").note
+    assert PartialStore(path, GPU, "k1", resume=False).buckets == {}
+    path.write_text("{not json")
+    assert "unreadable" in PartialStore(path, GPU, "k1").note
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def tiny_app():
+    app = typer.Typer(add_completion=False)
+    app.command()(tune_command)
+    return app
+
+
+def test_tune_dry_run_lists_search_space(isolated_db):
+    result = CliRunner().invoke(tiny_app(), ["--heads", "64", "--mtp", "2", "--batch", "1,64",
+                                             "--ctx", "16k,128k", "--format", "both",
+                                             "--budget", "40", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "fp8 kernel variants for 128 rows" in out and "bf16 kernel variants" in out
+    assert "h_q 64 s_q 2 batch 64 ctx 128k fp8" in out and "8 buckets" in out
+    assert "40 candidates per bucket" in out and "pruned" in out
+
+
+def test_tune_errors_are_one_line(isolated_db):
+    runner = CliRunner()
+    bad = runner.invoke(tiny_app(), ["--budget", "lots", "--dry-run"])
+    assert bad.exit_code == 2 and bad.stderr.strip().startswith("error: --budget")
+    if not torch.cuda.is_available():
+        nogpu = runner.invoke(tiny_app(), ["--heads", "16", "--ctx", "1k"])
+        assert nogpu.exit_code == 2, nogpu.output
+        lines = nogpu.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "GPU" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a tiny real run
+
+
+@pytest.mark.gpu
+def test_tune_on_gpu_end_to_end(isolated_db):
+    user, _ = isolated_db
+    lookup.clear_cache()
+    monkey_key = lookup.device_gpu_key(torch.cuda.current_device())
+    result = CliRunner().invoke(tiny_app(), ["--heads", "16", "--mtp", "1", "--batch", "4",
+                                             "--ctx", "2k", "--budget", "3", "--db-dir", str(user)])
+    assert result.exit_code == 0, result.output + result.stderr
+    path = user / tdb.db_filename(monkey_key.name)
+    [section] = load_file(path).sections
+    [stored] = section.entries
+    assert stored.time_us > 0 and stored.default_time_us > 0 and stored.candidates >= 2
+    assert not list(user.glob("*.partial.json"))
