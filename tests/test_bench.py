@@ -379,7 +379,7 @@ def test_cli_runs_the_fake_workload_and_writes_json_and_plot(tmp_path: Path) -> 
     doc = json.loads(report.read_text())
     assert [c["context"] for c in doc["comparisons"]] == [1024, 2048]
     assert doc["comparisons"][0]["equal_memory"]["fp8"]["batch"] == budget_batch(GiB, 1024, 2, FP8)
-    assert doc["meta"]["argv"][:2] == ["snapmla", "bench"] or doc["meta"]["argv"][0] == "snapmla"
+    assert doc["meta"]["argv"][0] == "snapmla" and doc["meta"]["launcher"] == "inline"
     assert plot.exists()
     again = invoke("--cpu-fake", "--quiet", "--heads", 8, "--layers", 2, "--ctx", "1k",
                    "--batch", 2, "--steps", 1, "--json", report, "--force")

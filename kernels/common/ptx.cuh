@@ -20,6 +20,16 @@ __device__ __forceinline__ uint4 ldg_nc_v4(const void* ptr) {
     return v;
 }
 
+// 16 bytes through L1 (allocating): for lane maps where two consecutive instructions read the two
+// halves of the same 32-byte sectors, so the second one hits the line the first one brought in.
+__device__ __forceinline__ uint4 ldg_nc_v4_l1(const void* ptr) {
+    uint4 v;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(ptr));
+    return v;
+}
+
 __device__ __forceinline__ uint2 ldg_nc_v2(const void* ptr) {
     uint2 v;
     asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
@@ -36,6 +46,12 @@ __device__ __forceinline__ u32 ldg_nc_u32(const void* ptr) {
 
 __device__ __forceinline__ i32 ldg_nc_i32(const void* ptr) {
     return static_cast<i32>(ldg_nc_u32(ptr));
+}
+
+__device__ __forceinline__ i64 ldg_nc_i64(const void* ptr) {
+    i64 v;
+    asm("ld.global.nc.s64 %0, [%1];" : "=l"(v) : "l"(ptr));
+    return v;
 }
 
 // ---- global stores ----

@@ -36,7 +36,8 @@ from .results import BenchReport, Measurement
 from .worker import Comm, LocalComm, Progress, StepRunner, run_rank
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-PG_TIMEOUT = timedelta(minutes=10)
+PG_TIMEOUT = timedelta(minutes=10)  # GPU ranks: compiles, cache fills and long steps
+FAKE_PG_TIMEOUT = timedelta(seconds=60)  # CPU fake: a hang fails CI in a minute
 RUNNER_KINDS = ("gpu", "cpu-fake")
 BF16_IMPLS = ("auto", "snapmla", "flashmla")
 
@@ -154,8 +155,9 @@ class DistComm:
         os.environ.update(MULTICAST_OFF)
         if device_index is not None:
             torch.cuda.set_device(device_index)
+        timeout = PG_TIMEOUT if backend == "nccl" else FAKE_PG_TIMEOUT
         dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                world_size=world, timeout=PG_TIMEOUT)
+                                world_size=world, timeout=timeout)
         return cls(rank, world, device_index)
 
     def barrier(self) -> None:
