@@ -169,6 +169,23 @@ def test_distinct_caches_keep_small_caches_out_of_l2() -> None:
     assert distinct_caches(10 * 2**20, 3) == 3
 
 
+def test_gpu_step_inputs_write_the_new_tokens_at_the_end_of_each_request() -> None:
+    """The slots the real step appends to (checked on the CPU with the BF16 index copy)."""
+    from snapmla_cli.bench.gpu_step import _bf16_cache, _inputs
+    from snapmla_cli.bench.worker import StepSpec
+    from snapmla_cli.cache.layout import gather_from_pages
+
+    spec = StepSpec(BF16, batch=3, s_q=2, heads=4, context=130, layers=2, seed=5)
+    x = _inputs(spec, torch.device("cpu"))
+    assert x.q.shape == (2, 3, 2, 4, 576) and x.kv_new.shape == (2, 6, 576)
+    assert x.seqlens.tolist() == [130] * 3 and x.num_blocks == 3 * 3
+    cache = _bf16_cache(x.num_blocks, torch.device("cpu"), torch.Generator().manual_seed(0))
+    cache.view(-1, 576).index_copy_(0, x.slots.long(), x.kv_new[1])
+    for i in range(3):
+        rows = gather_from_pages(cache.squeeze(2), x.block_table[i], 130)
+        assert torch.equal(rows[-2:], x.kv_new[1, 2 * i : 2 * i + 2])
+
+
 # ---------------------------------------------------------------- aggregation
 
 

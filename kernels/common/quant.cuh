@@ -1,13 +1,19 @@
 // Warp-per-row RoPE-aware per-token quantization (SPEC section 3), shared by the Q-quant and
 // K-append kernels (and by any later kernel that quantizes rows on the fly).
 //
-// Lane map of one 576-wide bf16 row (every warp-wide access is fully coalesced):
-//   content: lane l owns elements [8l, 8l+8) and [256+8l, 256+8l+8): two 16-byte loads,
-//            and after quantization two 8-byte E4M3 stores at the same element offsets;
-//   rope:    lanes 0..15 own elements [512+4l, 512+4l+4): one 8-byte load / 8-byte store
-//            (spreading the 64 RoPE divisions over 16 lanes instead of 8 halves their latency).
+// Lane map of one 576-wide bf16 row, chosen so that each lane's output is one contiguous 16-byte
+// chunk of E4M3 bytes (one 16-byte store per lane writes the 512 content bytes of a row):
+//   content: lane l owns elements [16l, 16l+16): two 16-byte loads at byte offsets 32l and
+//            32l+16. Each of the two load instructions touches half of each of 32 sectors; the
+//            loads go through L1 (allocating), so the second one hits the sectors the first one
+//            brought in and DRAM/L2 traffic stays one pass over the row;
+//   rope:    lane l owns elements [512+2l, 512+2l+2): one 4-byte load (128 contiguous bytes per
+//            warp); the 64 RoPE divisions are spread over all 32 lanes (2 per lane), which is the
+//            fewest warp instructions for them.
 // Numerics, bit for bit as snapmla_cli.numerics.quant.quantize_rows:
 //   s = max(amax / 448, 2^-32) (IEEE division), c_q = e4m3_rn_sat(c / s), r' = bf16_rn(r / s).
+// (amax is a max, exact in any order; every quotient is computed by the same per-element
+// function whatever lane holds it, so the lane map does not change a single bit.)
 //
 // Division by s: every quotient must be the correctly rounded float32 c / s. A plain
 // __fdiv_rn per element costs a MUFU.RCP, an FCHK and ~8 other instructions, which is a large
@@ -29,37 +35,31 @@
 
 namespace snapmla {
 
-constexpr int QROW_ELEMS_PER_CHUNK = 8;                                // bf16 per 16-byte load
-constexpr int QROW_HALF = D_CONTENT / 2;                               // 256: second chunk offset
-constexpr int QROW_CONTENT_PER_LANE = 2 * QROW_ELEMS_PER_CHUNK;        // 16
-constexpr int QROW_ROPE_PER_LANE = 4;                                  // bf16 per 8-byte load
-constexpr int QROW_ROPE_LANES = D_ROPE / QROW_ROPE_PER_LANE;           // 16
-static_assert(QROW_HALF == WARP_SIZE * QROW_ELEMS_PER_CHUNK, "32 lanes x 8 cover half a row");
-static_assert(QROW_ROPE_LANES <= WARP_SIZE, "rope fits one warp");
+constexpr int QROW_CONTENT_PER_LANE = D_CONTENT / WARP_SIZE;           // 16 elements
+constexpr int QROW_CONTENT_HALF = QROW_CONTENT_PER_LANE / 2;           // 8 bf16 per 16-byte load
+constexpr int QROW_ROPE_PER_LANE = D_ROPE / WARP_SIZE;                 // 2 elements (4 bytes)
+static_assert(QROW_CONTENT_PER_LANE == 16, "one 16-byte E4M3 chunk per lane");
+static_assert(QROW_ROPE_PER_LANE == 2, "one bf16x2 word of RoPE per lane");
 
 // Raw bf16 bits of one row as one lane holds them.
 struct RowBf16 {
-    uint4 c0;  // content elements [8l, 8l+8)
-    uint4 c1;  // content elements [256+8l, 256+8l+8)
-    uint2 r;   // rope elements [4l, 4l+4) (lanes < 16; zero elsewhere)
+    uint4 c0;  // content elements [16l, 16l+8)
+    uint4 c1;  // content elements [16l+8, 16l+16)
+    u32 r;     // rope elements [2l, 2l+2)
 };
 
 // One lane's share of a quantized row.
 struct RowFp8 {
-    uint2 c0;     // E4M3 of content [8l, 8l+8)
-    uint2 c1;     // E4M3 of content [256+8l, 256+8l+8)
-    uint2 r;      // pre-scaled bf16 rope [4l, 4l+4) (lanes < 16)
+    uint4 c;      // E4M3 of content [16l, 16l+16), element 16l in the lowest byte
+    u32 r;        // pre-scaled bf16 rope [2l, 2l+2), element 2l in the low half
     float scale;  // the row's dequant scale s (same in every lane)
 };
 
 __device__ __forceinline__ RowBf16 load_row_bf16(const __nv_bfloat16* row, int lane) {
     RowBf16 v;
-    v.c0 = ldg_nc_v4(row + QROW_ELEMS_PER_CHUNK * lane);
-    v.c1 = ldg_nc_v4(row + QROW_HALF + QROW_ELEMS_PER_CHUNK * lane);
-    v.r = make_uint2(0u, 0u);
-    if (lane < QROW_ROPE_LANES) {
-        v.r = ldg_nc_v2(row + D_CONTENT + QROW_ROPE_PER_LANE * lane);
-    }
+    v.c0 = ldg_nc_v4_l1(row + QROW_CONTENT_PER_LANE * lane);
+    v.c1 = ldg_nc_v4_l1(row + QROW_CONTENT_PER_LANE * lane + QROW_CONTENT_HALF);
+    v.r = ldg_nc_u32(row + D_CONTENT + QROW_ROPE_PER_LANE * lane);
     return v;
 }
 
@@ -101,15 +101,22 @@ __device__ __forceinline__ float div_rope(float r, const RowDivisor& d) {
     return q;
 }
 
-// Eight content floats divided by s -> eight E4M3 bytes. kFast: |c| <= amax and s finite, so
-// the fast quotient is exact (or E4M3-zero); otherwise IEEE division.
+// Sixteen content floats (lo = elements 0..7, hi = 8..15) divided by s -> sixteen E4M3 bytes,
+// element 0 in the lowest byte. kFast: |c| <= amax and s finite, so the fast quotient is exact
+// (or E4M3-zero); otherwise IEEE division.
 template <bool kFast>
-__device__ __forceinline__ uint2 quantize8_e4m3(const float (&x)[8], const RowDivisor& d) {
-    float q[8];
+__device__ __forceinline__ uint4 quantize16_e4m3(const float (&lo)[8], const float (&hi)[8],
+                                                 const RowDivisor& d) {
+    float q[16];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = kFast ? div_markstein(x[i], d.s, d.y) : __fdiv_rn(x[i], d.s);
-    return make_uint2(f32x4_to_e4m3x4(q[0], q[1], q[2], q[3]),
-                      f32x4_to_e4m3x4(q[4], q[5], q[6], q[7]));
+    for (int i = 0; i < 8; ++i) {
+        q[i] = kFast ? div_markstein(lo[i], d.s, d.y) : __fdiv_rn(lo[i], d.s);
+        q[8 + i] = kFast ? div_markstein(hi[i], d.s, d.y) : __fdiv_rn(hi[i], d.s);
+    }
+    return make_uint4(f32x4_to_e4m3x4(q[0], q[1], q[2], q[3]),
+                      f32x4_to_e4m3x4(q[4], q[5], q[6], q[7]),
+                      f32x4_to_e4m3x4(q[8], q[9], q[10], q[11]),
+                      f32x4_to_e4m3x4(q[12], q[13], q[14], q[15]));
 }
 
 // Must be called by all 32 lanes of the warp (it reduces the amax with shuffles).
@@ -126,16 +133,13 @@ __device__ __forceinline__ RowFp8 quantize_row(const RowBf16& in) {
     RowFp8 out;
     out.scale = d.s;
     if (d.fast) {  // warp-uniform: s is the same in every lane
-        out.c0 = quantize8_e4m3<true>(c0, d);
-        out.c1 = quantize8_e4m3<true>(c1, d);
+        out.c = quantize16_e4m3<true>(c0, c1, d);
     } else {
-        out.c0 = quantize8_e4m3<false>(c0, d);
-        out.c1 = quantize8_e4m3<false>(c1, d);
+        out.c = quantize16_e4m3<false>(c0, c1, d);
     }
-    float r[4];
-    bf16x4_to_f32(in.r, r);
-    out.r = make_uint2(f32x2_to_bf16x2_rn(div_rope(r[0], d), div_rope(r[1], d)),
-                       f32x2_to_bf16x2_rn(div_rope(r[2], d), div_rope(r[3], d)));
+    const float r0 = __uint_as_float(in.r << 16);
+    const float r1 = __uint_as_float(in.r & 0xffff0000u);
+    out.r = f32x2_to_bf16x2_rn(div_rope(r0, d), div_rope(r1, d));
     return out;
 }
 

@@ -65,10 +65,58 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
+def run_fp8_kernel(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """snapmla's FP8 kernel through the FlashMLA-compatible entry point (fused Q-quant, split-KV
+    decode, combine), on the problem's CUDA device."""
+    from ..ops.decode import flash_mla_with_kvcache, get_mla_metadata
+
+    layout = problem.layout
+    b, s_q, h_q, _ = problem.q.shape
+    meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, fp8=True)
+    return flash_mla_with_kvcache(problem.q, problem.fp8_cache(), layout.block_table,
+                                  layout.cache_seqlens, 512, meta, splits,
+                                  problem.softmax_scale, problem.causal)
+
+
+def run_bf16_kernel(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """snapmla's BF16 baseline kernel on the bf16 cache."""
+    from ..ops.decode import flash_mla_with_kvcache, get_mla_metadata
+
+    layout = problem.layout
+    b, s_q, h_q, _ = problem.q.shape
+    meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, fp8=False)
+    return flash_mla_with_kvcache(problem.q, problem.bf16_cache(), layout.block_table,
+                                  layout.cache_seqlens, 512, meta, splits,
+                                  problem.softmax_scale, problem.causal)
+
+
+def run_flash_mla(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's own BF16 kernel, when the ``flash_mla`` package is importable."""
+    import flash_mla  # type: ignore[import-not-found]
+
+    layout = problem.layout
+    b, s_q, h_q, _ = problem.q.shape
+    meta, splits = flash_mla.get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1)
+    return flash_mla.flash_mla_with_kvcache(problem.q, problem.bf16_cache(), layout.block_table,
+                                            layout.cache_seqlens, 512, meta, splits,
+                                            softmax_scale=problem.softmax_scale,
+                                            causal=problem.causal)
+
+
 def default_implementations(device: torch.device) -> list[Implementation]:
-    """What ``verify`` checks on ``device``: the emulation always; the FP8 and BF16 kernels are
-    added here when the device is a CUDA GPU (``snapmla_cli.ops.decode``)."""
-    return [Implementation(EMULATION, "fp8", run_emulation)]
+    """What ``verify`` checks on ``device``: the emulation always; on a CUDA GPU also snapmla's
+    FP8 and BF16 kernels, and FlashMLA when it is installed."""
+    impls = [Implementation(EMULATION, "fp8", run_emulation)]
+    if device.type == "cuda":
+        impls.append(Implementation("fp8-kernel", "fp8", run_fp8_kernel))
+        impls.append(Implementation("bf16-kernel", "bf16", run_bf16_kernel))
+        try:
+            import flash_mla  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            impls.append(Implementation("flashmla-bf16", "bf16", run_flash_mla))
+    return impls
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -30,7 +31,7 @@ class CpuFakeRunner:
         torch.set_num_threads(1)  # ranks share the CPU
         return {"device": self.device_name, "fake": True}
 
-    def run(self, spec: StepSpec) -> StepTiming:
+    def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         gen = torch.Generator().manual_seed(spec.seed)
         b = min(spec.batch, self.MAX_BATCH)
         n = min(spec.context, self.MAX_TOKENS)
@@ -47,6 +48,7 @@ class CpuFakeRunner:
 
         for _ in range(self.warmup):
             step()
+        ready()
         times = []
         for _ in range(self.steps):
             start = time.perf_counter()

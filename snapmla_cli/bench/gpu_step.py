@@ -192,7 +192,8 @@ class GpuStepRunner:
 
     # ------------------------------------------------------------------ timing
 
-    def _time(self, step: Callable[[], None]) -> tuple[float, bool, str]:
+    def _time(self, step: Callable[[], None], ready: Callable[[], None]) -> tuple[float, bool, str]:
+        """Median seconds per step, graph replay or eager; ``ready()`` once, right before."""
         step()  # compiles and loads the kernels outside any capture
         torch.cuda.synchronize(self.device)
         note = ""
@@ -204,19 +205,21 @@ class GpuStepRunner:
                 note = f"CUDA graph capture failed ({_one_line(exc)}); timed eager launches"
             else:
                 try:
+                    ready()
                     return time_cuda(graph.replay, reps=self.steps, warmup=self.warmup), True, ""
                 finally:
                     del graph
+        ready()
         return time_cuda(step, reps=self.steps, warmup=self.warmup), False, note
 
-    def run(self, spec: StepSpec) -> StepTiming:
+    def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         try:
-            return self._run(spec)
+            return self._run(spec, ready)
         finally:  # the case's tensors (and graph pool) are unreachable now: give them back
             gc.collect()
             torch.cuda.empty_cache()
 
-    def _run(self, spec: StepSpec) -> StepTiming:
+    def _run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         fp8 = spec.impl == FP8
         x = _inputs(spec, self.device)
         gen = torch.Generator(device=self.device).manual_seed(spec.seed + 1)
@@ -240,7 +243,7 @@ class GpuStepRunner:
                     self.flashmla, step = None, None
             if step is None:
                 step, kernel = self._bf16_step(spec, x, caches)
-        seconds, graphed, time_note = self._time(step)
+        seconds, graphed, time_note = self._time(step, ready)
         notes.append(time_note)
         t_min = None
         if self.ceilings is not None:

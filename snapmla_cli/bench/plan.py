@@ -190,7 +190,10 @@ def distinct_caches(cache_bytes: int, layers: int, flush_bytes: int = L2_FLUSH_B
     that a small cache is never re-read from L2 by the next layer. Never more than ``layers``."""
     if cache_bytes < 1 or layers < 1:
         raise SnapmlaError(f"distinct_caches: need positive sizes, got {cache_bytes} bytes, {layers} layers")
-    return max(1, min(layers, 1 + -(-flush_bytes // cache_bytes) if cache_bytes < flush_bytes else 1))
+    if cache_bytes >= flush_bytes:
+        return 1
+    others = -(-flush_bytes // cache_bytes)  # caches read between two uses of one
+    return min(layers, 1 + others)
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,9 @@ class StepRunner(Protocol):
     def setup(self) -> dict[str, Any]:
         """Prepare the device; return facts about it for the report (name, ceilings...)."""
 
-    def run(self, spec: StepSpec) -> StepTiming:
-        """Build the step's tensors, time the step, free them."""
+    def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
+        """Build the step's tensors, call ``ready()`` exactly once right before the timed
+        steps (a barrier: all ranks time together), time the step, free the tensors."""
 
     def close(self) -> None: ...
 
@@ -81,8 +82,9 @@ def run_rank(
     comm: Comm,
     progress: Progress | None = None,
 ) -> list[Measurement]:
-    """Time every case of the plan on this rank, in the same order on every rank; a barrier
-    before each case makes the ranks run it at the same time (as they would in a server)."""
+    """Time every case of the plan on this rank, in the same order on every rank. Barriers
+    before each case and right before its timed steps make the ranks time it together (as
+    they would run in a server), whatever their set-up times."""
     device = runner.device_name
     out: list[Measurement] = []
     for layout in plan.layouts:
@@ -92,7 +94,7 @@ def run_rank(
                 spec = StepSpec(case.impl, case.batch, plan.s_q, where.heads, ctx, plan.layers,
                                 rank_seed(plan, where.dp_index))
                 comm.barrier()
-                t = runner.run(spec)
+                t = runner.run(spec, comm.barrier)
                 m = Measurement(
                     rank=rank, layout=layout.name, dp_index=where.dp_index,
                     tp_index=where.tp_index, context=ctx, impl=case.impl, batch=case.batch,

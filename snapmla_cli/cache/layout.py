@@ -119,13 +119,14 @@ def scatter_to_pages(
     rows are ``fill`` (broadcast to ``[W]``: NaN bytes in tests, zeros in files)."""
     width = fill.shape[-1]
     dtype = fill.dtype
-    cache = fill.to(dtype).expand(layout.num_blocks, PAGE_SIZE, width).clone()
+    device = tokens[0].device if tokens else fill.device
+    cache = fill.to(device=device, dtype=dtype).expand(layout.num_blocks, PAGE_SIZE, width).clone()
     for i, rows in enumerate(tokens):
         n = rows.shape[0]
         if n == 0:
             continue
-        pages = layout.block_table[i, : pages_needed(n)].long()
-        pos = torch.arange(n)
+        pages = layout.block_table[i, : pages_needed(n)].long().to(device)
+        pos = torch.arange(n, device=device)
         cache[pages[pos // PAGE_SIZE], pos % PAGE_SIZE] = rows.to(dtype)
     return cache
 

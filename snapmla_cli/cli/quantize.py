@@ -96,7 +96,7 @@ def _render(out, report: FidelityReport) -> None:
         per_layer.add_row(str(layer.layer), str(layer.tokens),
                           *(fmt(layer.metrics["output"][c].rel_l2) for c in report.configs))
     out.print(per_layer)
-    mean = Table(title=f"mean over {len(rows)} layers ({rows[0].query_rows} probe rows/layer, {rows[0].probes})")
+    mean = Table(title=f"mean over {len(rows)} layers ({rows[0].query_rows} probe rows/layer, {rows[0].probes} queries)")
     for column in ("config", "out rmse", "out cos_diff", "out rel_l2", "kv rel_l2", "content rel_l2", "RoPE rel_l2"):
         mean.add_column(column, justify="right")
     best = min(report.configs, key=lambda c: report.mean("output", c, "rel_l2"))

@@ -80,19 +80,19 @@ def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry
 
 def _gpu_for_dry_run():
     """(GpuKey, SM count) of the current GPU, or (None, default SM count) without one."""
+    import torch
+
     from ..tuning.space import DEFAULT_NUM_SMS
 
+    if not torch.cuda.is_available():
+        return None, DEFAULT_NUM_SMS
+    from ..tuning.lookup import device_gpu_key
+
     try:
-        import torch
-
-        if torch.cuda.is_available():
-            from ..tuning.lookup import device_gpu_key
-
-            key = device_gpu_key(torch.cuda.current_device())
-            return key, key.sm_count or DEFAULT_NUM_SMS
+        key = device_gpu_key(torch.cuda.current_device())
     except Exception:  # noqa: BLE001 - a dry run never needs the GPU
-        pass
-    return None, DEFAULT_NUM_SMS
+        return None, DEFAULT_NUM_SMS
+    return key, key.sm_count or DEFAULT_NUM_SMS
 
 
 def _dry_run(buckets, limit, folder: Path) -> None:
@@ -193,16 +193,30 @@ def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) 
             offset += n
             bar.update(task, completed=offset)
             if result.entry is not None:
-                path, outcomes = save_entries(folder, gpu, [result.entry], force)
+                _, outcomes = save_entries(folder, gpu, [result.entry], force)
                 if outcomes[0].action == "kept_old":
                     result.notes.append(f"kept the stored entry ({outcomes[0].previous.time_us:.1f}"
                                         " us), faster than this run's; --force to replace it")
                     result.entry = outcomes[0].previous
             partial.finish(space.bucket.id)
             results.append(result)
+            bar.console.print(_line(result))
     clear_cache()
     torch.cuda.empty_cache()
+    order = {b: i for i, b in enumerate(buckets)}
+    results.sort(key=lambda r: order[r.bucket])
     _render(out, results, gpu, folder, time.monotonic() - t0)
+
+
+def _line(r) -> str:
+    """One log line per finished bucket (the table comes at the end)."""
+    from ..tuning.space import config_id
+
+    if r.entry is None:
+        return f"{r.bucket.label()}: nothing stored ({len(r.measured)} measured, {r.failed} failed)"
+    return (f"{r.bucket.label()}: default {_us(r.default_time_s)} us, tuned {_us(r.best_time_s)}"
+            f" us ({r.speedup:.3f}x) {config_id(r.entry.config, r.bucket.format)}; "
+            f"{len(r.measured)} measured, {r.failed} failed")
 
 
 def _us(seconds: float | None) -> str:

@@ -18,7 +18,7 @@ from ..cache.layout import (
     random_paged_layout,
     scatter_to_pages,
 )
-from .formats import D_QK, default_softmax_scale
+from .formats import D_QK, FP8_TOKEN_BYTES, default_softmax_scale
 from .quant import QuantizedRows, quantize_rows
 
 
@@ -43,7 +43,7 @@ class DecodeProblem:
 
     def fp8_cache(self) -> torch.Tensor:
         """``[num_blocks, 64, 656]`` uint8 SnapMLA cache, 0xFF (NaN) bytes in unused rows."""
-        packed = [pack_tokens(quantize_rows(t)) if t.shape[0] else t.new_zeros((0, 656), dtype=torch.uint8)
+        packed = [pack_tokens(quantize_rows(t)) if t.shape[0] else t.new_zeros((0, FP8_TOKEN_BYTES), dtype=torch.uint8)
                   for t in self.tokens]
         return scatter_to_pages(packed, self.layout, nan_token_bytes())
 

@@ -39,6 +39,25 @@ def _worker(args: tuple[Job, str]) -> str | None:
     return compile_one(*args)
 
 
+def _compile_in_workers(jobs: list[Job], arch: str, workers: int,
+                        report: Callable[[int, int], None]) -> dict[Job, str | None] | None:
+    """Fill the disk cache from spawned worker processes: job -> error, or None if the
+    processes could not run at all."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    errors: dict[Job, str | None] = {}
+    try:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            results = pool.map(_worker, [(j, arch) for j in jobs])
+            for done, (job, error) in enumerate(zip(jobs, results), 1):
+                errors[job] = error
+                report(done, len(jobs))
+    except Exception:  # noqa: BLE001 - no processes here: the caller compiles in-process
+        return None
+    return errors
+
+
 def compile_jobs(jobs: Sequence[Job], arch: str, workers: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> dict[Job, str | None]:
     """Compile every distinct job for ``arch``; returns job -> error (None: compiled)."""
@@ -46,20 +65,15 @@ def compile_jobs(jobs: Sequence[Job], arch: str, workers: int | None = None,
     report = progress or (lambda done, total: None)
     if workers is None:
         workers = min(len(unique), os.cpu_count() or 1, 16)
+    failed: dict[Job, str | None] = {}
     if workers > 1 and len(unique) > 1:
-        try:
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
-
-            with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-                for done, _ in enumerate(pool.map(_worker, [(j, arch) for j in unique]), 1):
-                    report(done, len(unique))
-        except Exception:  # noqa: BLE001 - no processes here: compile in-process below
-            pass
-    # In-process pass: disk-cache hits after the workers, the real compiles otherwise; this
-    # also leaves every module in this process's memory cache for the timing.
+        failed = {j: e for j, e in (_compile_in_workers(unique, arch, workers, report) or {}).items()
+                  if e is not None}
+    # In-process pass: disk-cache hits after the workers (or the real compiles when processes
+    # could not run); it leaves every module in this process's memory cache for the timing.
+    # A variant that failed in a worker is not compiled again.
     errors: dict[Job, str | None] = {}
     for done, job in enumerate(unique, 1):
-        errors[job] = compile_one(job, arch)
+        errors[job] = failed[job] if job in failed else compile_one(job, arch)
         report(done, len(unique))
     return errors

@@ -75,7 +75,7 @@ class GpuKey:
     @classmethod
     def from_dict(cls, data: object) -> GpuKey:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            raise ValueError("gpu: expected a mapping with a name")
+            raise TypeError("gpu: expected a mapping with a name")
         cc = data.get("compute_capability")
         if (not isinstance(cc, (list, tuple)) or len(cc) != 2
                 or not all(isinstance(v, int) for v in cc)):
@@ -159,10 +159,10 @@ def config_from_dict(data: object) -> DecodeConfig:
     """Inverse of :func:`config_to_dict`; missing fields take their defaults, unknown ones are
     an error (a parameter this version of the kernels does not have)."""
     if not isinstance(data, dict):
-        raise ValueError("config: expected a mapping")
+        raise TypeError("config: expected a mapping")
     split_data = data.get("split", {})
     if not isinstance(split_data, dict):
-        raise ValueError("config.split: expected a mapping")
+        raise TypeError("config.split: expected a mapping")
     unknown = sorted(set(data) - set(_CONFIG_FIELDS) - {"split"})
     unknown += sorted(f"split.{k}" for k in set(split_data) - set(_SPLIT_FIELDS))
     if unknown:
@@ -215,7 +215,7 @@ class Entry:
     @classmethod
     def from_dict(cls, data: object) -> Entry:
         if not isinstance(data, dict):
-            raise ValueError("entry: expected a mapping")
+            raise TypeError("entry: expected a mapping")
         bucket = Bucket.from_dict(data.get("bucket"))
         config = config_from_dict(data.get("config"))
         why = config_problem(config, bucket.format)
@@ -283,7 +283,7 @@ def parse_text(text: str, path: Path) -> LoadedFile:
     for i, dev in enumerate(devices):
         try:
             gpu = GpuKey.from_dict(dev.get("gpu") if isinstance(dev, dict) else None)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             problems.append(f"devices[{i}]: {exc}")
             continue
         entries: list[Entry] = []

@@ -3,7 +3,8 @@ caller falls back to the built-in heuristic).
 
 Hot path: :func:`lookup_decode_config` is called by ``choose_config`` on every decode call that
 gets no explicit config, so it never does I/O after the first call per device: the matching
-entries are parsed once per (device, ``$SNAPMLA_TUNING_DIR``) and kept in memory, and each
+entries are parsed once per device (``$SNAPMLA_TUNING_DIR`` is read then; :func:`clear_cache`
+re-reads) and kept in memory, and each
 ``(rows, fp8, batch, context)`` answer is memoised. It never raises: an unreadable or corrupt
 file gives one ``warnings.warn`` naming it (once per process) and is ignored.
 
@@ -24,7 +25,6 @@ A config whose row groups exceed what the query's rows need is narrowed to fit.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -33,7 +33,6 @@ from typing import Any
 
 from ..ops.decode_config import DecodeConfig
 from .db import (
-    TUNING_DIR_ENV,
     DbError,
     Entry,
     GpuKey,
@@ -69,13 +68,16 @@ class _DeviceState:
     memo: dict[tuple[Any, ...], DecodeConfig | None]
 
 
-_STATE: dict[tuple[int, str | None], _DeviceState] = {}
+_STATE: dict[int, _DeviceState] = {}  # by CUDA device index
+_FAST: dict[Any, _DeviceState] = {}  # by the caller's torch.device (explicit index only)
 _WARNED: set[str] = set()
 
 
 def clear_cache(reset_warnings: bool = False) -> None:
-    """Forget parsed databases (after ``snapmla tune`` wrote one; tests)."""
+    """Forget parsed databases: after ``snapmla tune`` wrote one, or after changing
+    ``$SNAPMLA_TUNING_DIR`` inside a running process (the folders are read once per device)."""
     _STATE.clear()
+    _FAST.clear()
     if reset_warnings:
         _WARNED.clear()
 
@@ -146,15 +148,16 @@ def device_gpu_key(index: int) -> GpuKey:
     props = torch.cuda.get_device_properties(index)
     name, driver = str(props.name), None
     uuid = getattr(props, "uuid", None)
-    try:
-        from ..runtime.gpu_facts import list_gpus
+    from ..runtime.gpu_facts import list_gpus
 
-        for facts in list_gpus().gpus:
-            if uuid is not None and facts.uuid == f"GPU-{uuid}":
-                name, driver = facts.name, facts.cuda_driver_major
-                break
+    try:
+        listing = list_gpus().gpus
     except Exception:  # noqa: BLE001 - NVML trouble only loses the driver preference
-        pass
+        listing = []
+    for facts in listing:
+        if uuid is not None and facts.uuid == f"GPU-{uuid}":
+            name, driver = facts.name, facts.cuda_driver_major
+            break
     if driver is None:
         try:
             driver = int(torch._C._cuda_getDriverVersion()) // 1000
@@ -165,15 +168,19 @@ def device_gpu_key(index: int) -> GpuKey:
 
 
 def _state_for(device: Any) -> _DeviceState | None:
+    state = _FAST.get(device)  # hot path: one dict lookup
+    if state is not None:
+        return state
     index = _device_index(device)
     if index is None:
         return None
-    key = (index, os.environ.get(TUNING_DIR_ENV))
-    state = _STATE.get(key)
+    state = _STATE.get(index)
     if state is None:
         gpu = _device_key_hook(index)
         state = _DeviceState(gpu, load_located(gpu) if gpu is not None else [], {})
-        _STATE[key] = state
+        _STATE[index] = state
+    if getattr(device, "index", None) is not None:
+        _FAST[device] = state
     return state
 
 

@@ -9,8 +9,9 @@ numerics, time it with CUDA events.
 - **Timing**: the bucket's timed shape (all requests at the timed context), KV pages in a random
   order; when one input set fits in twice the L2 cache, several copies of the cache are made and
   the calls rotate through them, so every call reads from HBM. Each candidate: one untimed call
-  (loads the kernel), a 3-call estimate, then the median over repeats of ``inner`` back-to-back
-  calls (so the host's per-call overhead overlaps the GPU work), ~0.1 s per candidate.
+  (loads the kernel), one timed call (a candidate already 1.5x slower than the best so far stops
+  here), then the median over 3-30 repeats of ``inner`` back-to-back calls (so the host's
+  per-call overhead overlaps the GPU work), about 0.1 s of GPU time per candidate.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class _TimingInputs:
     lse: torch.Tensor
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
 class GpuMeasurer:
     """Implements :class:`snapmla_cli.tuning.tuner.Measurer` on the current CUDA device."""
 
@@ -102,7 +108,9 @@ class GpuMeasurer:
             try:
                 torch.cuda.synchronize(self.device)
             except Exception as sticky:  # noqa: BLE001 - the context is gone
-                raise FatalMeasureError(f"CUDA context unusable: {sticky}") from exc
+                raise FatalMeasureError(
+                    f"CUDA context unusable after a candidate ({_first_line(sticky)}); run the "
+                    "same command again to resume without it") from exc
             raise
 
     # correctness -----------------------------------------------------------------------------
@@ -262,13 +270,13 @@ class GpuMeasurer:
             decode(inp.q, inp.cache, tables[i], inp.seqlens, meta, splits, None, bucket.causal,
                    config=cfg, out=inp.out, lse=inp.lse)
 
-        one()
+        one()  # loads the kernel
         torch.cuda.synchronize(self.device)
-        t1 = time_cuda(one, reps=3, warmup=1)
+        t1 = time_cuda(one, reps=1, warmup=0)
         if cutoff is not None and t1 > cutoff:
-            return t1  # clearly slower than the best so far: the estimate is enough
+            return t1  # clearly slower than the best so far: one call tells enough
         inner = int(min(64, max(2, math.ceil(3e-3 / max(t1, 1e-7)))))
-        reps = int(min(30, max(5, round(self.target_s / (inner * t1)))))
+        reps = int(min(30, max(3, round(self.target_s / (inner * t1)))))
 
         def many() -> None:
             for _ in range(inner):

@@ -98,7 +98,7 @@ class Bucket:
     @classmethod
     def from_dict(cls, data: object) -> Bucket:
         if not isinstance(data, dict):
-            raise ValueError("bucket: expected a mapping")
+            raise TypeError("bucket: expected a mapping")
         bucket = cls(h_q=_int(data, "h_q"), s_q=_int(data, "s_q"), batch=_pair(data, "batch"),
                      context=_pair(data, "context"), format=str(data.get("format", "")))
         if bucket.format not in FORMATS:
@@ -124,7 +124,7 @@ def _range_text(r: tuple[int, int], sizes: bool = False) -> str:
 def _int(data: dict, key: str) -> int:
     value = data.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key}: expected an integer, got {value!r}")
+        raise TypeError(f"{key}: expected an integer, got {value!r}")
     return value
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..cache.atomic import write_text_atomic
+from ..errors import SnapmlaError
 from ..ops.decode_config import DecodeConfig
 from .db import Entry, GpuKey, db_filename, strip_sms
 from .space import Bucket, Budget, SearchSpace, config_id, same_kernel
@@ -42,8 +43,10 @@ class CheckResult:
     detail: str = ""
 
 
-class FatalMeasureError(RuntimeError):
-    """The GPU is unusable after a candidate (a sticky CUDA error): stop the run."""
+class FatalMeasureError(SnapmlaError):
+    """The GPU is unusable after a candidate (a sticky CUDA error): stop the run. The candidate
+    is recorded as failed in the partial results, so running the command again resumes
+    without it."""
 
 
 class Measurer(Protocol):
@@ -363,9 +366,7 @@ class Tuner:
                 except Exception as exc:  # noqa: BLE001
                     result.notes.append(f"confirmation of {m.cid} failed: {_first(exc)}")
         if self.confirm_rounds > 0:  # the confirmation samples alone, taken back to back
-            for cid in samples:
-                if len(samples[cid]) > 1:
-                    samples[cid] = samples[cid][1:]
+            samples = {cid: v[1:] if len(v) > 1 else v for cid, v in samples.items()}
         medians = {cid: statistics.median(v) for cid, v in samples.items()}
         best = min(top, key=lambda m: (medians[m.cid], m.cid))
         result.best = best
