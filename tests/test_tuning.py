@@ -436,6 +436,9 @@ def test_tuner_count_budget_and_phase_order():
     kernels = [m.config for m in result.measured[1:]]
     # phase 1: distinct kernel variants first, each with its own default split policy
     assert len({config_id(k, "fp8").split("/")[0] for k in kernels}) == 5
+    likely = Tuner(fake, Budget(count=5), INFO).likely_candidates(space)
+    assert [config_id(c, "fp8") for c in likely] == [m.cid for m in result.measured]
+    assert len(Tuner(fake, Budget(seconds=5), INFO).likely_candidates(space)) == len(space.candidates)
 
 
 def test_tuner_time_budget_with_fake_clock():

@@ -179,7 +179,7 @@ def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) 
     tuner = Tuner(measurer, limit, EntryInfo(__version__, command, kernels), partial=partial)
     t0 = time.monotonic()
     with progress(err) as bar:
-        items = [(s.bucket.format, c) for s in todo for c in s.candidates]
+        items = [(s.bucket.format, c) for s in todo for c in tuner.likely_candidates(s)]
         task = bar.add_task("compiling kernel variants", total=None)
         measurer.precompile(items, lambda done, total: bar.update(task, completed=done, total=total))
         bar.remove_task(task)

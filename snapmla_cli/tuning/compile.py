@@ -67,8 +67,8 @@ def compile_jobs(jobs: Sequence[Job], arch: str, workers: int | None = None,
         workers = min(len(unique), os.cpu_count() or 1, 16)
     failed: dict[Job, str | None] = {}
     if workers > 1 and len(unique) > 1:
-        failed = {j: e for j, e in (_compile_in_workers(unique, arch, workers, report) or {}).items()
-                  if e is not None}
+        outcome = _compile_in_workers(unique, arch, workers, report) or {}
+        failed = {j: e for j, e in outcome.items() if e is not None}
     # In-process pass: disk-cache hits after the workers (or the real compiles when processes
     # could not run); it leaves every module in this process's memory cache for the timing.
     # A variant that failed in a worker is not compiled again.

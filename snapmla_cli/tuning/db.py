@@ -339,7 +339,8 @@ class MergeOutcome:
     previous: Entry | None = None
 
 
-def merge_entry(entries: list[Entry], new: Entry, force: bool = False) -> tuple[list[Entry], MergeOutcome]:
+def merge_entry(entries: list[Entry], new: Entry, force: bool = False
+                ) -> tuple[list[Entry], MergeOutcome]:
     """``entries`` with ``new`` merged in: per bucket the faster entry stays (``force``: the new
     one); entries of other buckets are kept untouched."""
     out = [e for e in entries if e.bucket != new.bucket]
@@ -380,7 +381,8 @@ def save_entries(folder: Path, gpu: GpuKey, new_entries: list[Entry], force: boo
 
 
 def find_entry(folder: Path, gpu: GpuKey, bucket: Bucket) -> Entry | None:
-    """The stored entry of ``bucket`` for exactly ``gpu`` in ``folder`` (None if none/unreadable)."""
+    """The stored entry of ``bucket`` for exactly ``gpu`` in ``folder`` (None: none, or the file
+    is unreadable)."""
     path = folder / db_filename(gpu.name)
     if not path.exists():
         return None

@@ -80,7 +80,9 @@ class GpuMeasurer:
         from ..runtime.launch import device_arch, require_gpu
 
         require_gpu()
-        index = torch.cuda.current_device() if device is None or device.index is None else device.index
+        index = device.index if device is not None else None
+        if index is None:
+            index = torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         props = torch.cuda.get_device_properties(self.device)
         self.sm_count = int(props.multi_processor_count)
@@ -95,7 +97,8 @@ class GpuMeasurer:
         self._inputs: _TimingInputs | None = None
 
     # compile ---------------------------------------------------------------------------------
-    def precompile(self, items: list[tuple[str, DecodeConfig]], progress=None) -> dict[Job, str | None]:
+    def precompile(self, items: list[tuple[str, DecodeConfig]], progress=None
+                   ) -> dict[Job, str | None]:
         jobs = [kernel_key(cfg, fmt) for fmt, cfg in items]
         self.compile_errors.update(compile_jobs(jobs, self.arch, self.compile_workers, progress))
         return self.compile_errors

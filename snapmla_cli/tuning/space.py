@@ -221,7 +221,8 @@ def parse_budget(text: str) -> Budget:
     number, unit = m.group(1), (m.group(2) or "").lower()
     if not unit:
         if "." in number or int(number) < 1:
-            raise SnapmlaError(f"--budget: a candidate count must be a whole number >= 1, got {text!r}")
+            raise SnapmlaError(
+                f"--budget: a candidate count must be a whole number >= 1, got {text!r}")
         return Budget(count=int(number))
     seconds = float(number) * (60.0 if unit.startswith("m") else 1.0)
     if seconds <= 0:
@@ -291,7 +292,8 @@ def default_config(bucket: Bucket, num_sms: int) -> DecodeConfig:
     return heuristic_config(bucket.rows, bucket.fp8).with_sms(num_sms)
 
 
-def kernel_variants(rows: int, fmt: str) -> tuple[list[DecodeConfig], list[tuple[DecodeConfig, str]]]:
+def kernel_variants(rows: int, fmt: str
+                    ) -> tuple[list[DecodeConfig], list[tuple[DecodeConfig, str]]]:
     """Every kernel-parameter combination of the axes: (valid, [(pruned, reason)]). The split
     policy of each is left at the dataclass default."""
     axes: dict[str, tuple[int, ...]] = {"row_groups": ROW_GROUPS, "stages": STAGES,
@@ -353,7 +355,7 @@ def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[int, ...]:
 
 
 def search_space(bucket: Bucket, num_sms: int = DEFAULT_NUM_SMS) -> SearchSpace:
-    """All candidates of ``bucket`` for a GPU with ``num_sms`` SMs (the split plans depend on it)."""
+    """All candidates of ``bucket`` for a GPU with ``num_sms`` SMs (split plans depend on it)."""
     fmt = bucket.format
     default = default_config(bucket, num_sms)
     valid, pruned = kernel_variants(bucket.rows, fmt)

@@ -121,7 +121,8 @@ class PartialStore:
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError) as exc:
-            self.note = f"partial results {self.path} unreadable ({type(exc).__name__}); starting over"
+            self.note = (f"partial results {self.path} unreadable ({type(exc).__name__}); "
+                         "starting over")
             return
         if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
             self.note = f"partial results {self.path}: not a partial-results file; starting over"
@@ -207,6 +208,14 @@ class Tuner:
         """Candidates the budget allows (default included), for the progress bar."""
         n = len(space.candidates)
         return n if self.budget.count is None else min(n, self.budget.count + 1)
+
+    def likely_candidates(self, space: SearchSpace) -> list[DecodeConfig]:
+        """The candidates worth compiling ahead: with a count budget the first ones in the
+        static part of the order, else all (others still compile on first use)."""
+        if self.budget.count is None:
+            return list(space.candidates)
+        order = list(self._order(space, {}))
+        return order[: self.budget.count + 1]
 
     # ordering ------------------------------------------------------------------------------
     def _order(self, space: SearchSpace, done: dict[str, Measurement]) -> Iterator[DecodeConfig]:
