@@ -34,7 +34,6 @@ def run_case(w: DecodeWork, ceilings, device) -> dict:
     meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True)
     qq = quantize_q(q)
     t8 = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta, splits, None, True))
-    del cache8
     cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
     meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
     t16 = time_cuda(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True))
@@ -71,7 +70,7 @@ def sweep_fp8(w: DecodeWork, specs: str, device) -> None:
         if not fp8_config_valid(cfg):
             continue
         meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=cfg)
-        t = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta, splits, None, True, config=cfg))
+        t = time_cuda(lambda m=meta, sp=splits, c=cfg: decode_fp8(qq, cache8, table, lens, m, sp, None, True, config=c))
         print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} rg{rg} kv{kv} st{st} cta{ctas} work{meta.shape[0]}: "
               f"{t*1e6:9.1f}us {w.bytes(True)/t/1e9:6.0f}GB/s {w.flops/t/1e12:6.1f}TF", flush=True)
 
@@ -92,7 +91,7 @@ def main() -> None:
                 sweep_fp8(DecodeWork(args.batch, 1, h, ctx), args.sweep, device)
         return
     c = measure_ceilings(device)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     print(f"GPU {torch.cuda.get_device_name()} commit {commit}: bf16 {c.p16/1e12:.0f} TFLOP/s, "
           f"fp8 {c.p8/1e12:.0f} TFLOP/s, copy {c.bandwidth/1e12:.2f} TB/s", flush=True)
     rows = []

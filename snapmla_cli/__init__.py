@@ -24,7 +24,17 @@ _LAZY = {
     "fetch_dequant_soa": "snapmla_cli.ops.prep",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "append_kv",
+    "decode_bf16",
+    "decode_fp8",
+    "fetch_dequant",
+    "fetch_dequant_slots",
+    "fetch_dequant_soa",
+    "flash_mla_with_kvcache",
+    "get_mla_metadata",
+    "quantize_q",
+]
 
 
 def __getattr__(name: str) -> Any:

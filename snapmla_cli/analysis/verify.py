@@ -65,29 +65,25 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device(device)
 
 
-def run_fp8_kernel(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    """snapmla's FP8 kernel through the FlashMLA-compatible entry point (fused Q-quant, split-KV
-    decode, combine), on the problem's CUDA device."""
+def _run_kernel(problem: DecodeProblem, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """snapmla's kernel through the FlashMLA-compatible entry point: the FP8 cache takes the
+    fused Q-quant + FP8 decode, the bf16 cache the BF16 baseline; on the problem's device."""
     from ..ops.decode import flash_mla_with_kvcache, get_mla_metadata
 
     layout = problem.layout
-    b, s_q, h_q, _ = problem.q.shape
-    meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, fp8=True)
-    return flash_mla_with_kvcache(problem.q, problem.fp8_cache(), layout.block_table,
-                                  layout.cache_seqlens, 512, meta, splits,
-                                  problem.softmax_scale, problem.causal)
+    _b, s_q, h_q, _ = problem.q.shape
+    meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, fp8=fp8)
+    cache = problem.fp8_cache() if fp8 else problem.bf16_cache()
+    return flash_mla_with_kvcache(problem.q, cache, layout.block_table, layout.cache_seqlens, 512,
+                                  meta, splits, problem.softmax_scale, problem.causal)
+
+
+def run_fp8_kernel(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_kernel(problem, fp8=True)
 
 
 def run_bf16_kernel(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-    """snapmla's BF16 baseline kernel on the bf16 cache."""
-    from ..ops.decode import flash_mla_with_kvcache, get_mla_metadata
-
-    layout = problem.layout
-    b, s_q, h_q, _ = problem.q.shape
-    meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, fp8=False)
-    return flash_mla_with_kvcache(problem.q, problem.bf16_cache(), layout.block_table,
-                                  layout.cache_seqlens, 512, meta, splits,
-                                  problem.softmax_scale, problem.causal)
+    return _run_kernel(problem, fp8=False)
 
 
 def run_flash_mla(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,7 +91,7 @@ def run_flash_mla(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     import flash_mla  # type: ignore[import-not-found]
 
     layout = problem.layout
-    b, s_q, h_q, _ = problem.q.shape
+    _b, s_q, h_q, _ = problem.q.shape
     meta, splits = flash_mla.get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1)
     return flash_mla.flash_mla_with_kvcache(problem.q, problem.bf16_cache(), layout.block_table,
                                             layout.cache_seqlens, 512, meta, splits,

@@ -10,6 +10,7 @@ instead of as a Python loop, while meaning exactly the same thing.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -130,7 +131,7 @@ def emulate_fp8_decode(
             parts = [
                 _split_rows(q_c[r0:r1], q_s[r0:r1], q_r[r0:r1], k_c[a:z], k_s[a:z], k_r[a:z],
                             visible[r0:r1], a, softmax_scale)
-                for a, z in zip(bounds[:-1], bounds[1:])
+                for a, z in itertools.pairwise(bounds)
             ]
             o, l = combine_partials(parts)
             row_out.append(o)
@@ -142,7 +143,7 @@ def emulate_fp8_decode(
 
 def _check_bounds(bounds: list[int], n: int) -> None:
     ok = bounds[0] == 0 and bounds[-1] == n and all(
-        a < z and a % BLOCK_N == 0 for a, z in zip(bounds[:-1], bounds[1:])
+        a < z and a % BLOCK_N == 0 for a, z in itertools.pairwise(bounds)
     )
     if not ok:
         raise ValueError(f"split_bounds {bounds} must run from 0 to {n} in increasing multiples of {BLOCK_N}")

@@ -50,7 +50,7 @@ class DecodeProblem:
     def q_quantized(self) -> QuantizedRows:
         return quantize_rows(self.q)
 
-    def to(self, device: torch.device | str) -> "DecodeProblem":
+    def to(self, device: torch.device | str) -> DecodeProblem:
         layout = PagedLayout(self.layout.block_table.to(device), self.layout.cache_seqlens.to(device),
                              self.layout.num_blocks)
         return DecodeProblem(self.q.to(device), [t.to(device) for t in self.tokens], layout,

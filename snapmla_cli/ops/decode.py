@@ -150,6 +150,49 @@ def _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q: int
               (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q)))
 
 
+def _split_kv_decode(
+    fp8: bool,
+    operands: tuple[torch.Tensor, ...],
+    shape: tuple[int, int, int],
+    device: torch.device,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: float | None,
+    causal: bool,
+    config: DecodeConfig | None,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both decode kernels share: block-table and metadata checks, the configuration,
+    the output and split buffers, the decode launch over (row tiles x work items), the combine.
+    ``operands`` are the kernel's leading pointer arguments (Q parts and the cache)."""
+    b, s_q, h_q = shape
+    _check_table(block_table, cache_seqlens, b, device)
+    _check_metadata(tile_scheduler_metadata, num_splits, b, device)
+    rows = s_q * h_q
+    cfg = config or choose_config(rows, fp8, device)
+    scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
+    num_work = tile_scheduler_metadata.shape[0]
+    out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
+    rt = _runtime()
+    if num_work > 0:
+        if fp8:
+            kernel = rt.get_kernel("decode_fp8.cu", "snapmla_decode_fp8", fp8_defines(cfg))
+            smem = fp8_smem_bytes(cfg)
+        else:
+            kernel = rt.get_kernel("decode_bf16.cu", "snapmla_decode_bf16", bf16_defines(cfg))
+            smem = bf16_smem_bytes(cfg)
+        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads(fp8), 1, 1),
+                  (*operands, block_table, cache_seqlens, tile_scheduler_metadata, out, lse,
+                   partial_out, partial_lse, np.int32(block_table.stride(0)),
+                   np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal))),
+                  shared_mem=smem)
+    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q)
+    return out, lse
+
+
 def decode_fp8(
     q: QuantizedRows,
     k_cache: torch.Tensor,
@@ -167,7 +210,6 @@ def decode_fp8(
     if q.scale.dim() != 3:
         raise SnapmlaError(f"q.scale: expected [b, s_q, h_q], got {list(q.scale.shape)}")
     b, s_q, h_q = q.scale.shape
-    device = q.scale.device
     content = q.content.view(torch.uint8) if q.content.dtype == FP8_DTYPE else q.content
     _check(content, "q.content", torch.uint8, (b, s_q, h_q, 512), None)
     device = content.device
@@ -175,24 +217,9 @@ def decode_fp8(
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
     cache = _fp8_cache_rows(k_cache)
     _require_cuda(cache, "k_cache", device)
-    _check_table(block_table, cache_seqlens, b, device)
-    _check_metadata(tile_scheduler_metadata, num_splits, b, device)
-    rows = s_q * h_q
-    cfg = config or choose_config(rows, True, device)
-    scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
-    num_work = tile_scheduler_metadata.shape[0]
-    out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
-    rt = _runtime()
-    if num_work > 0:
-        kernel = rt.get_kernel("decode_fp8.cu", "snapmla_decode_fp8", fp8_defines(cfg))
-        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads(fp8=True), 1, 1),
-                  (content, q.scale, q.rope, cache, block_table, cache_seqlens,
-                   tile_scheduler_metadata, out, lse, partial_out, partial_lse,
-                   np.int32(block_table.stride(0)), np.float32(scale * LOG2E), np.int32(h_q),
-                   np.int32(s_q), np.int32(int(causal))),
-                  shared_mem=fp8_smem_bytes(cfg))
-    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q)
-    return out, lse
+    return _split_kv_decode(True, (content, q.scale, q.rope, cache), (b, s_q, h_q), device,
+                            block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                            softmax_scale, causal, config, out, lse)
 
 
 def decode_bf16(
@@ -217,23 +244,9 @@ def decode_bf16(
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
-    _check_table(block_table, cache_seqlens, b, device)
-    _check_metadata(tile_scheduler_metadata, num_splits, b, device)
-    rows = s_q * h_q
-    cfg = config or choose_config(rows, False, device)
-    scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
-    num_work = tile_scheduler_metadata.shape[0]
-    out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
-    rt = _runtime()
-    if num_work > 0:
-        kernel = rt.get_kernel("decode_bf16.cu", "snapmla_decode_bf16", bf16_defines(cfg))
-        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads(fp8=False), 1, 1),
-                  (q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, out, lse,
-                   partial_out, partial_lse, np.int32(block_table.stride(0)),
-                   np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal))),
-                  shared_mem=bf16_smem_bytes(cfg))
-    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q)
-    return out, lse
+    return _split_kv_decode(False, (q, k_cache), (b, s_q, h_q), device, block_table,
+                            cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
+                            causal, config, out, lse)
 
 
 def flash_mla_with_kvcache(

@@ -363,7 +363,7 @@ class Tuner:
                 result.notes.append("no default timing to compare with; nothing stored")
             return
         top = ok[: self.confirm_top]
-        contenders = top + ([default] if default not in top else [])
+        contenders = top + ([default] if default.cid not in {m.cid for m in top} else [])
         samples: dict[str, list[float]] = {m.cid: [m.time_s] for m in contenders}  # type: ignore
         bucket = space.bucket
         for _ in range(self.confirm_rounds):

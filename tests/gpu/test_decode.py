@@ -65,7 +65,7 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal):
     bounds = split_token_bounds(splits, meta, seqlens)
     emul_out, emul_lse = emulate_fp8_decode(q_rows, cache, table, seqlens_t, prob.softmax_scale,
                                             causal, split_bounds=bounds)
-    ref_out, ref_lse = decode_reference(prob.q.to(device), prob.bf16_cache().squeeze(2).to(device),
+    ref_out, _ref_lse = decode_reference(prob.q.to(device), prob.bf16_cache().squeeze(2).to(device),
                                         table, seqlens_t, prob.softmax_scale, causal)
     floor_out, _ = decode_reference(q_rows.dequantize(), dequantize_cache(cache), table, seqlens_t,
                                     prob.softmax_scale, causal)
@@ -83,8 +83,9 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal):
 
 
 def test_fp8_decode_bitwise_deterministic_and_split_invariant():
-    from snapmla_cli.ops.decode_config import heuristic_config
     from dataclasses import replace
+
+    from snapmla_cli.ops.decode_config import heuristic_config
 
     device = torch.device("cuda")
     prob = random_problem([9000, 70, 0, 4097], 2, 64, causal=True, seed=7)
