@@ -44,7 +44,7 @@ def _runtime():
     return launch
 
 
-def choose_config(rows: int, fp8: bool, device: torch.device) -> DecodeConfig:
+def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None) -> DecodeConfig:
     """Tuning-database entry for this GPU and shape if any, else the heuristic; with this
     GPU's SM count filled in. Cached lookups, no I/O on the hot path."""
     cfg = heuristic_config(rows, fp8)
@@ -53,7 +53,7 @@ def choose_config(rows: int, fp8: bool, device: torch.device) -> DecodeConfig:
     except ImportError:
         lookup_decode_config = None
     if lookup_decode_config is not None:
-        tuned = lookup_decode_config(rows=rows, fp8=fp8, device=device)
+        tuned = lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch)
         if tuned is not None:
             cfg = tuned
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else cfg.split.num_sms
@@ -76,7 +76,7 @@ def get_mla_metadata(
         raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
     if num_heads_per_head_k < 1:
         raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
-    cfg = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device)
+    cfg = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, cache_seqlens.shape[0])
     return build_metadata(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split)
 
 
@@ -172,7 +172,7 @@ def _split_kv_decode(
     _check_table(block_table, cache_seqlens, b, device)
     _check_metadata(tile_scheduler_metadata, num_splits, b, device)
     rows = s_q * h_q
-    cfg = config or choose_config(rows, fp8, device)
+    cfg = config or choose_config(rows, fp8, device, b)
     scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
     num_work = tile_scheduler_metadata.shape[0]
     out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)

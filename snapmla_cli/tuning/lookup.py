@@ -19,7 +19,9 @@ The smallest (rows distance, shape distance) wins; on a tie the user's database 
 shipped one, then a section with the same CUDA driver major beats another, then the
 configuration shared by most tied entries wins (e.g. a context-agnostic query over four
 context buckets takes the config most of them chose), then the first bucket in sort order.
-A config whose row groups exceed what the query's rows need is narrowed to fit.
+A config whose row groups exceed what the query's rows need is narrowed to fit. Batch and
+context are rounded to 1/16 of an octave (~4%) first, so that the answer is memoised even while
+the context grows by one token per decode step.
 """
 
 from __future__ import annotations
@@ -227,6 +229,8 @@ def select_entry(located: list[Located], rows: int, fmt: str, batch: float | Non
         return None
     best = min(s[:4] for s in scored)
     tied = [s[4] for s in scored if s[:4] == best]
+    if len(tied) == 1:
+        return tied[0]
     tied.sort(key=lambda loc: loc.entry.bucket.id)
     votes = Counter(loc.entry.config for loc in tied)
     top = max(votes.values())
@@ -241,6 +245,15 @@ def adapt_config(cfg: DecodeConfig, rows: int, fmt: str) -> DecodeConfig | None:
     return None if config_problem(cfg, fmt, rows) else cfg
 
 
+def _memo_value(x: float | None) -> int | None:
+    """A batch or context in 1/16-octave steps (the memo key, and what is looked up)."""
+    return None if x is None else round(math.log2(max(float(x), 1.0)) * 16)
+
+
+def _from_memo(k: int | None) -> float | None:
+    return None if k is None else 2.0 ** (k / 16)
+
+
 def lookup_decode_config(rows: int, fp8: bool, device: Any, batch: int | None = None,
                          context: float | None = None) -> DecodeConfig | None:
     """The tuned configuration for ``rows = s_q * h_q`` on ``device`` (nearest bucket of this
@@ -251,12 +264,13 @@ def lookup_decode_config(rows: int, fp8: bool, device: Any, batch: int | None = 
         state = _state_for(device)
         if state is None or not state.located:
             return None
-        key = (rows, bool(fp8), batch, context)
+        kb, kc = _memo_value(batch), _memo_value(context)
+        key = (rows, bool(fp8), kb, kc)
         hit = state.memo.get(key, _MISS)
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
         fmt = "fp8" if fp8 else "bf16"
-        loc = select_entry(state.located, rows, fmt, batch, context, state.gpu)
+        loc = select_entry(state.located, rows, fmt, _from_memo(kb), _from_memo(kc), state.gpu)
         cfg = None if loc is None else adapt_config(loc.entry.config, rows, fmt)
         if len(state.memo) >= _MEMO_LIMIT:
             state.memo.clear()
