@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, then the benchmarks; a short table prints last.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [quick]
+# One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|verify|tune|bench|prep|decode ...]
+# With no argument everything runs. Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PWD}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-/tmp/snapmla_out}"; mkdir -p "$OUT"
+steps="${*:-tests verify tune bench prep decode}"
+snap() { python3 -m snapmla_cli.cli.app "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-echo "== GPU tests"
-python3 -m pytest -q -m gpu tests/gpu -x --timeout=900 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-echo "== prep benchmark"
-[ -f scripts/bench_prep.py ] && python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -20
-echo "== decode benchmark"
-if [ "${1:-}" = quick ]; then
-  python3 scripts/bench_decode.py --heads 16,128 --mtp 1 --ctx 32768 --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log"
-else
-  python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log"
-fi
+for step in $steps; do
+  echo "== $step"
+  case "$step" in
+    tests)  python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+    verify) snap verify --ctx 32k --json "$OUT/verify.json" 2>&1 | tee "$OUT/verify.log" | tail -16 ;;
+    tune)   snap tune --heads 16,64,128 --mtp 1,2 --batch 64 --ctx 16k,128k --format fp8 --budget 10s \
+              --db-dir tuning_db 2>&1 | tee "$OUT/tune.log" | tail -20; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
+    bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
+    prep)   python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -14 ;;
+    decode) python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" | tail -34 ;;
+  esac
+done
