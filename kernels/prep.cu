@@ -175,7 +175,7 @@ __device__ __forceinline__ int find_request(i64 t, const i32* cu_seqlens, int ba
         const bool le = idx < hi && static_cast<i64>(ldg_nc_i32(cu_seqlens + idx)) <= t;
         const int k = __popc(__ballot_sync(FULL_MASK, le));
         lo += k * step;
-        hi = min(hi, lo + step + 1);
+        hi = min(hi, lo + step);
     }
     return lo;
 }

@@ -21,7 +21,7 @@ from snapmla_cli.cache.layout import (
 )
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
-from snapmla_cli.numerics.quant import quantize_rows
+from snapmla_cli.numerics.quant import QuantizedRows, quantize_rows
 from snapmla_cli.ops.prep import (
     append_kv,
     fetch_dequant,
@@ -258,3 +258,144 @@ def test_prep_imports_and_runs_without_cupy() -> None:
         check=True,
         cwd=str(__import__("pathlib").Path(__file__).parents[1]),
     )
+
+
+# ---------------------------------------------------------------- quantize_q(out=)
+
+
+def test_quantize_q_cpu_out_is_filled_and_returned() -> None:
+    q = _kv(2 * 5).view(2, 5, D_QK)
+    ref = quantize_rows(q)
+    out = QuantizedRows(
+        content=torch.empty(2, 5, 512, dtype=FP8_DTYPE),
+        scale=torch.empty(2, 5),
+        rope=torch.empty(2, 5, 64, dtype=torch.bfloat16),
+    )
+    got = quantize_q(q, out=out)
+    assert got is out
+    assert torch.equal(out.content.view(torch.uint8), ref.content.view(torch.uint8))
+    assert torch.equal(out.scale, ref.scale) and _same_bits(out.rope, ref.rope)
+
+
+@pytest.mark.parametrize(
+    "field,bad,match",
+    [
+        ("content", torch.empty(2, 5, 512, dtype=torch.uint8), "out.content: expected dtype"),
+        ("scale", torch.empty(2, 4), r"out.scale: expected shape \[2, 5\]"),
+        (
+            "rope",
+            torch.empty(2, 5, 128, dtype=torch.bfloat16)[..., ::2],
+            "out.rope: expected a contiguous",
+        ),
+    ],
+)
+def test_quantize_q_out_rejects(field: str, bad: torch.Tensor, match: str) -> None:
+    tensors = {
+        "content": torch.empty(2, 5, 512, dtype=FP8_DTYPE),
+        "scale": torch.empty(2, 5),
+        "rope": torch.empty(2, 5, 64, dtype=torch.bfloat16),
+    }
+    tensors[field] = bad
+    with pytest.raises(SnapmlaError, match=match):
+        quantize_q(_kv(10).view(2, 5, D_QK), out=QuantizedRows(**tensors))
+    with pytest.raises(SnapmlaError, match="out: expected QuantizedRows"):
+        quantize_q(_kv(10).view(2, 5, D_QK), out=(1, 2, 3))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the CUDA paths' host side
+#
+# The CUDA branches run here on CPU tensors with the kernel launch recorded instead of run:
+# what reaches the launch (kernel, grid, raw arguments), the per-shape plan cache, and the
+# per-call checks that stay after the first call (contiguity, alignment).
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
+    from snapmla_cli.runtime.launch import KernelHandle
+
+    calls: list[tuple] = []
+
+    def record(self, index, grid, block, args):
+        calls.append((self.name, index, grid, block, tuple(args)))
+
+    monkeypatch.setattr(KernelHandle, "launch", record)
+    return calls
+
+
+def _aligned_bf16(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.bfloat16)  # fresh CPU tensors are 64-byte aligned
+
+
+def test_cuda_path_quantize_q_launch_args(launches: list[tuple]) -> None:
+    import numpy as np
+
+    from snapmla_cli.ops import prep
+
+    q = _aligned_bf16(3, 7, D_QK)
+    res = prep._quantize_q_cuda(q)
+    res2 = prep._quantize_q_cuda(q)  # cached plan, fresh outputs
+    assert res.content.dtype == FP8_DTYPE and res.content.shape == (3, 7, 512)
+    assert res.scale.shape == (3, 7) and res.rope.shape == (3, 7, 64)
+    assert res2.content.data_ptr() != res.content.data_ptr()
+    name, index, grid, block, args = launches[0]
+    rows_per_cta = prep._WARPS_PER_CTA * prep._ROWS_PER_WARP
+    assert name == "snapmla_quantize_q" and index == -1
+    assert grid == (-(-21 // rows_per_cta), 1, 1) and block == (prep._THREADS, 1, 1)
+    assert args[:4] == (
+        q.data_ptr(),
+        res.content.data_ptr(),
+        res.scale.data_ptr(),
+        res.rope.data_ptr(),
+    )
+    assert isinstance(args[4], np.int64) and int(args[4]) == 21
+    out = prep._quantize_q_cuda(q, QuantizedRows(res.content, res.scale, res.rope))
+    assert out.content is res.content and launches[-1][4][1] == res.content.data_ptr()
+    assert len(launches) == 3
+    prep._quantize_q_cuda(_aligned_bf16(0, 4, D_QK))  # no rows: no launch
+    assert len(launches) == 3
+
+
+def test_cuda_path_quantize_q_per_call_checks(launches: list[tuple]) -> None:
+    from snapmla_cli.ops import prep
+
+    q = _aligned_bf16(4, D_QK)
+    prep._quantize_q_cuda(q)  # caches the plan for this shape
+    with pytest.raises(SnapmlaError, match="q: expected a contiguous"):
+        prep._quantize_q_cuda(_aligned_bf16(D_QK, 4).T)
+    flat = _aligned_bf16(4 * D_QK + 1)
+    with pytest.raises(SnapmlaError, match="16-byte boundary"):
+        prep._quantize_q_cuda(flat[1:].view(4, D_QK))
+    with pytest.raises(SnapmlaError, match="q: expected dtype bfloat16"):
+        prep._quantize_q_cuda(torch.zeros(4, D_QK))
+    good = prep._quantize_q_cuda(q)
+    bad = QuantizedRows(good.content, good.scale[:3], good.rope)
+    with pytest.raises(SnapmlaError, match=r"out.scale: expected shape \[4\]"):
+        prep._quantize_q_cuda(q, bad)
+    scale_buf = torch.empty(5)
+    with pytest.raises(SnapmlaError, match="out.scale: data must start on a 4-byte"):
+        shifted = scale_buf.view(torch.uint8)[2:18].view(torch.float32)
+        prep._quantize_q_cuda(q, QuantizedRows(good.content, shifted, good.rope))
+
+
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_cuda_path_append_kv_launch_args(launches: list[tuple], slot_dtype: torch.dtype) -> None:
+    from snapmla_cli.ops import prep
+
+    kv = _aligned_bf16(5, D_QK)
+    slots = torch.tensor([3, -1, 70, 2, 9], dtype=slot_dtype)
+    cache = torch.zeros(2, PAGE_SIZE, 1, FP8_TOKEN_BYTES, dtype=torch.uint8).view(FP8_DTYPE)
+    for _ in range(2):
+        assert prep._append_kv_cuda(kv, slots, cache) is cache
+    name, index, grid, _, args = launches[-1]
+    assert name == ("snapmla_append_kv" if slot_dtype == torch.int32 else "snapmla_append_kv_i64")
+    assert index == -1 and grid == (1, 1, 1)
+    assert (args[0], args[1], args[3]) == (kv.data_ptr(), slots.data_ptr(), cache.data_ptr())
+    assert int(args[2]) == 5 and int(args[4]) == 2 * PAGE_SIZE and len(launches) == 2
+    prep._append_kv_cuda(kv[:0], slots[:0], cache)  # nothing to write: no launch
+    assert len(launches) == 2
+    with pytest.raises(SnapmlaError, match="slots: expected a contiguous"):
+        prep._append_kv_cuda(kv, torch.zeros(5, 2, dtype=slot_dtype)[:, 0], cache)
+    with pytest.raises(SnapmlaError, match="kv: expected dtype bfloat16"):
+        prep._append_kv_cuda(kv.float(), slots, cache)
+    with pytest.raises(SnapmlaError, match="k_cache: expected a tensor on cpu"):
+        prep._append_kv_cuda(kv, slots, cache.to("meta"))

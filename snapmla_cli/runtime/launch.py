@@ -9,6 +9,7 @@ is rejected rather than silently passed as 64 bits to an ``int`` parameter)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,12 +81,15 @@ def require_gpu() -> None:
 
 _KERNELS: dict[tuple[object, ...], Kernel] = {}
 _MODULES: dict[tuple[str, int], Any] = {}
+_HANDLES: weakref.WeakSet[KernelHandle] = weakref.WeakSet()
 
 
 def clear_loaded_kernels() -> None:
     """Forget loaded kernels (tests; a changed SNAPMLA_KERNEL_DIR)."""
     _KERNELS.clear()
     _MODULES.clear()
+    for handle in list(_HANDLES):
+        handle.forget()
 
 
 def get_kernel(
@@ -162,6 +166,75 @@ def _set_dynamic_smem(kernel: Kernel, nbytes: int) -> None:
     kernel.max_dynamic_smem = nbytes
 
 
+# ---- the per-call fast path (ops called every decode step) ----
+#
+# torch's private getters return plain ints without building Python objects (torch.compile's
+# generated code uses the same two); a CPU-only torch build lacks them, hence the fallbacks.
+_raw_stream_getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_device_getter = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_raw_stream(index: int) -> int:
+    """torch's current ``cudaStream_t`` on device ``index``, as an int."""
+    if _raw_stream_getter is not None:
+        return _raw_stream_getter(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def current_device_index() -> int:
+    """The current CUDA device of this thread (no lazy-init check: a CUDA tensor exists)."""
+    if _device_getter is not None:
+        return _device_getter()
+    return torch.cuda.current_device()
+
+
+class KernelHandle:
+    """One kernel of one compiled variant, resolved once per device and then launched with no
+    lookup beyond a dict ``get``: ops keep one handle per kernel at module level.
+
+    ``launch`` takes *raw* arguments, already in the C types CuPy passes on: Python ints for
+    pointers (``tensor.data_ptr()``) and NumPy scalars (:func:`i32` / :func:`i64` / :func:`f32`)
+    for values. It runs on torch's current stream of device ``index``, switching the current
+    device only when it differs (the CuPy function belongs to that device's context)."""
+
+    __slots__ = ("__weakref__", "_functions", "defines", "name", "source")
+
+    def __init__(self, source: str, name: str, defines: Mapping[str, int | str] | None = None):
+        self.source = source
+        self.name = name
+        self.defines = dict(defines) if defines else {}
+        self._functions: dict[int, Any] = {}
+        _HANDLES.add(self)
+
+    def forget(self) -> None:
+        self._functions.clear()
+
+    def function(self, index: int) -> Any:
+        """The CuPy function for device ``index`` (compiled / loaded on first use)."""
+        fn = self._functions.get(index)
+        if fn is None:
+            fn = get_kernel(self.source, self.name, self.defines, device=index).function
+            self._functions[index] = fn
+        return fn
+
+    def launch(
+        self,
+        index: int,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        args: Sequence[object],
+    ) -> None:
+        fn = self._functions.get(index)
+        if fn is None:
+            fn = self.function(index)
+        stream = _stream_wrapper(current_raw_stream(index))
+        if current_device_index() == index:
+            fn(grid, block, args, 0, stream)
+        else:
+            with torch.cuda.device(index):
+                fn(grid, block, args, 0, stream)
+
+
 class _RawStream:
     """torch's ``cudaStream_t`` as CuPy's launch sees it: CuPy's ``Function.__call__`` reads only
     ``stream.ptr``. Creating a CuPy ``Stream`` object instead would query the driver, which is
@@ -174,6 +247,19 @@ class _RawStream:
 
     def __cuda_stream__(self) -> tuple[int, int]:
         return (0, self.ptr)
+
+
+_STREAM_WRAPPERS: dict[int, _RawStream] = {}
+
+
+def _stream_wrapper(ptr: int) -> _RawStream:
+    """A cached :class:`_RawStream` per stream handle (no object built per launch)."""
+    wrapper = _STREAM_WRAPPERS.get(ptr)
+    if wrapper is None:
+        if len(_STREAM_WRAPPERS) >= 1024:  # streams come and go: keep the cache bounded
+            _STREAM_WRAPPERS.clear()
+        wrapper = _STREAM_WRAPPERS[ptr] = _RawStream(ptr)
+    return wrapper
 
 
 def _dim3(d: Dim) -> tuple[int, ...]:
@@ -203,5 +289,5 @@ def launch(
             )
     if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
         _set_dynamic_smem(kernel, shared_mem)
-    stream = _RawStream(torch.cuda.current_stream(kernel.device_index).cuda_stream)
+    stream = _stream_wrapper(current_raw_stream(kernel.device_index))
     kernel.function(_dim3(grid), _dim3(block), kargs, shared_mem=shared_mem, stream=stream)

@@ -36,9 +36,12 @@ PREP_SOURCE = "prep.cu"
 PREP_KERNELS = (
     "snapmla_quantize_q",
     "snapmla_append_kv",
+    "snapmla_append_kv_i64",
     "snapmla_fetch_dequant_paged",
     "snapmla_fetch_dequant_slots",
+    "snapmla_fetch_dequant_slots_i64",
     "snapmla_fetch_dequant_soa",
+    "snapmla_fetch_dequant_soa_i64",
 )
 PREP_ARCHS = ("sm_90a", "sm_89")
 # Launch geometry the ops use; the kernel reads the same values as -D defines.
