@@ -371,10 +371,9 @@ def test_cuda_path_quantize_q_per_call_checks(launches: list[tuple]) -> None:
     bad = QuantizedRows(good.content, good.scale[:3], good.rope)
     with pytest.raises(SnapmlaError, match=r"out.scale: expected shape \[4\]"):
         prep._quantize_q_cuda(q, bad)
-    scale_buf = torch.empty(5)
-    with pytest.raises(SnapmlaError, match="out.scale: data must start on a 4-byte"):
-        shifted = scale_buf.view(torch.uint8)[2:18].view(torch.float32)
-        prep._quantize_q_cuda(q, QuantizedRows(good.content, shifted, good.rope))
+    shifted = torch.empty(4 * 64 + 1, dtype=torch.bfloat16)[1:].view(4, 64)  # 2 mod 4
+    with pytest.raises(SnapmlaError, match="out.rope: data must start on a 4-byte"):
+        prep._quantize_q_cuda(q, QuantizedRows(good.content, good.scale, shifted))
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
@@ -397,5 +396,5 @@ def test_cuda_path_append_kv_launch_args(launches: list[tuple], slot_dtype: torc
         prep._append_kv_cuda(kv, torch.zeros(5, 2, dtype=slot_dtype)[:, 0], cache)
     with pytest.raises(SnapmlaError, match="kv: expected dtype bfloat16"):
         prep._append_kv_cuda(kv.float(), slots, cache)
-    with pytest.raises(SnapmlaError, match="k_cache: expected a tensor on cpu"):
-        prep._append_kv_cuda(kv, slots, cache.to("meta"))
+    with pytest.raises(SnapmlaError, match="k_cache: expected uint8 or float8_e4m3fn"):
+        prep._append_kv_cuda(kv, slots, cache.view(torch.uint8).view(torch.int16))

@@ -22,7 +22,7 @@ from snapmla_cli.cache.layout import (
 )
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
-from snapmla_cli.numerics.quant import quantize_rows
+from snapmla_cli.numerics.quant import QuantizedRows, quantize_rows
 from snapmla_cli.ops.prep import (
     append_kv,
     fetch_dequant,
@@ -164,6 +164,33 @@ def test_quantize_q_empty_and_checks() -> None:
         quantize_q(unaligned)
 
 
+def test_quantize_q_out_and_cached_plan_checks() -> None:
+    q = wide_rows(2 * 3 * 16, seed=4).view(2, 3, 16, D_QK)
+    ref = quantize_rows(q)
+    q_dev = q.to(DEV)
+    first = quantize_q(q_dev)  # builds the shape's plan
+    out = QuantizedRows(
+        content=torch.full((2, 3, 16, 512), 0x55, dtype=torch.uint8, device=DEV).view(FP8_DTYPE),
+        scale=torch.full((2, 3, 16), -1.0, device=DEV),
+        rope=torch.full((2, 3, 16, 64), 7.0, dtype=torch.bfloat16, device=DEV),
+    )
+    assert quantize_q(q_dev, out=out) is out
+    for got in (first, out):
+        assert_bytes_equal("content", got.content, ref.content)
+        assert_bytes_equal("scale", got.scale, ref.scale)
+        assert_bytes_equal("rope", got.rope, ref.rope)
+    # same shape again (cached plan): the per-call checks still run
+    flat = torch.zeros(1 + q.numel(), dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(SnapmlaError, match="16-byte boundary"):
+        quantize_q(flat[1:].view(q.shape))
+    rope_buf = torch.empty(2 * 3 * 16 * 64 + 1, dtype=torch.bfloat16, device=DEV)
+    bad = QuantizedRows(out.content, out.scale, rope_buf[1:].view(2, 3, 16, 64))
+    with pytest.raises(SnapmlaError, match="out.rope: data must start on a 4-byte"):
+        quantize_q(q_dev, out=bad)
+    with pytest.raises(SnapmlaError, match=r"out.scale: expected shape \[2, 3, 16\]"):
+        quantize_q(q_dev, out=QuantizedRows(out.content, out.scale[:1], out.rope))
+
+
 # ---------------------------------------------------------------- K-append
 
 
@@ -204,6 +231,23 @@ def test_append_kv_cache_forms(form: str) -> None:
     else:
         append_kv(kv.to(DEV), slots.to(DEV, torch.int64), cache_gpu)
     assert_bytes_equal("cache", cache_gpu, cache_cpu)
+
+
+def test_append_kv_neighbours_in_separate_calls() -> None:
+    """Odd slots start 16 bytes into a 32-byte sector that the previous (even) slot ends in: the
+    two halves of that sector are written by different calls and must both survive."""
+    blocks = 3
+    n = blocks * PAGE_SIZE
+    kv = wide_rows(n, seed=12)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(5)).to(torch.int32)
+    even, odd = order[order % 2 == 0], order[order % 2 == 1]
+    ref = poisoned_cache(blocks)
+    got = poisoned_cache(blocks).to(DEV)
+    for part in (even, odd[: len(odd) // 2], odd[len(odd) // 2 :]):
+        rows = kv[part.long()]
+        append_kv(rows, part, ref)
+        append_kv(rows.to(DEV), part.to(DEV), got)
+    assert_bytes_equal("cache", got, ref)
 
 
 def test_append_kv_device_mismatch() -> None:
@@ -268,6 +312,40 @@ def test_fetch_dequant_slots_bytes_large() -> None:
     assert_bytes_equal("n=1", one, ref_dequant(cache.view(-1, FP8_TOKEN_BYTES)[12_345:12_346]))
 
 
+def test_fetch_dequant_int64_slots() -> None:
+    kv = wide_rows(300, seed=22)
+    cache = poisoned_cache(5)
+    cache.view(-1, FP8_TOKEN_BYTES)[:300] = quantize_tokens(kv)
+    slots = torch.tensor([0, 299, -1, 5 * PAGE_SIZE, 2**40, 17, 17], dtype=torch.int64)
+    ok = torch.tensor([0, 299, 17, 17])
+    out = fetch_dequant_slots(cache.to(DEV), slots.to(DEV)).cpu()
+    assert_bytes_equal("int64 slots", out[[0, 1, 5, 6]], ref_dequant(cache.view(-1, 656)[ok]))
+    assert bool((out[2:5] == 0).all())
+    rows = quantize_rows(kv)
+    content = rows.content.view(torch.uint8).contiguous()
+    soa = fetch_dequant_soa(
+        content.to(DEV), rows.scale.to(DEV), rows.rope.to(DEV), slots.clamp(max=400).to(DEV)
+    )
+    ref = fetch_dequant_soa(content, rows.scale, rows.rope, slots.clamp(max=400))
+    assert_bytes_equal("soa int64 slots", soa, ref)
+
+
+def test_fetch_dequant_many_requests() -> None:
+    """1500 requests (the request search takes three 32-way steps), many of them empty."""
+    g = torch.Generator().manual_seed(7)
+    seqlens = torch.randint(0, 6, (1500,), generator=g)
+    seqlens[torch.rand(1500, generator=g) < 0.3] = 0
+    layout = random_paged_layout(seqlens.tolist(), generator=g)
+    n = int(seqlens.sum())
+    tokens = quantize_tokens(wide_rows(n, seed=8))
+    per_req = list(torch.split(tokens, seqlens.tolist()))
+    cache = scatter_to_pages(per_req, layout, nan_token_bytes())
+    args = (cache.to(DEV), layout.block_table.to(DEV), layout.cache_seqlens.to(DEV))
+    out = fetch_dequant(*args, total_tokens=n + 5)
+    assert_bytes_equal("many requests", out[:n], ref_dequant(tokens))
+    assert bool((out[n:] == 0).all())
+
+
 def test_fetch_dequant_soa_bytes() -> None:
     rows = quantize_rows(wide_rows(5000, seed=5))
     content = rows.content.view(torch.uint8).contiguous()
@@ -305,10 +383,12 @@ def test_cuda_graph_capture_and_replay() -> None:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 
+    q_static = quantize_q(q)  # preallocated Q-quant buffers, written in place by the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         append_kv(kv, slots, cache)
         q_out = quantize_q(q)
+        quantize_q(q, out=q_static)
         deq = fetch_dequant(cache, table, seqlens, total_tokens=n * 3)
 
     new_kv, new_q = wide_rows(n, seed=7), wide_rows(rows, seed=8).view(q.shape)
@@ -330,6 +410,9 @@ def test_cuda_graph_capture_and_replay() -> None:
     assert_bytes_equal("graph q content", q_out.content, ref_q.content)
     assert_bytes_equal("graph q scale", q_out.scale, ref_q.scale)
     assert_bytes_equal("graph q rope", q_out.rope, ref_q.rope)
+    assert_bytes_equal("graph q content (out=)", q_static.content, ref_q.content)
+    assert_bytes_equal("graph q scale (out=)", q_static.scale, ref_q.scale)
+    assert_bytes_equal("graph q rope (out=)", q_static.rope, ref_q.rope)
     # The fetch reads slots 0..n-1; those the replay did not write still hold 0xFF (NaN, whose
     # bf16 payload differs between torch and the GPU): compare written rows bit for bit.
     ref_deq = fetch_dequant(ref_cache, table.cpu(), seqlens.cpu(), total_tokens=n * 3)
