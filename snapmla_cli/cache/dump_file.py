@@ -80,6 +80,20 @@ def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
             raise SnapmlaError(f"{path}: {key}={meta[key]} but snapmla supports {want}")
 
 
+def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int, dict[str, torch.Tensor]]:
+    """The file's tensors grouped by layer index, ``layers.{i}.{part}`` -> ``{i: {part: t}}``;
+    an unexpected key or a file without layers is a one-line error naming ``what`` it should be."""
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(path)).items():
+        match = key_pattern.match(key)
+        if match is None:
+            raise SnapmlaError(f"{path}: unexpected tensor {key!r} in {what}")
+        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    if not by_layer:
+        raise SnapmlaError(f"{path}: {what} holds no layers")
+    return by_layer
+
+
 def _validate_layer(path: Path, layer: LayerDump) -> None:
     where = f"{path}: layer {layer.index}"
     kv = layer.kv
@@ -109,15 +123,7 @@ def read_dump(path: Path) -> KVDump:
     path = Path(path)
     meta = _read_metadata(path)
     _check_format(path, meta, DUMP_FORMAT)
-    tensors = load_file(str(path))
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if match is None:
-            raise SnapmlaError(f"{path}: unexpected tensor {key!r} in a KV dump")
-        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
-    if not by_layer:
-        raise SnapmlaError(f"{path}: the dump holds no layers")
+    by_layer = load_layers(path, _KEY, "a KV dump")
     layers = []
     for index in sorted(by_layer):
         parts = by_layer[index]

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..errors import SnapmlaError
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from .atomic import check_writable, write_atomic
-from .dump_file import FORMAT_VERSION, FP8_CACHE_FORMAT, _check_format, _read_metadata
+from .dump_file import FORMAT_VERSION, FP8_CACHE_FORMAT, _check_format, _read_metadata, load_layers
 from .layout import pages_needed, quantize_tokens
 
 _KEY = re.compile(r"^layers\.(\d+)\.(cache|seqlen)$")
@@ -98,14 +98,7 @@ def read_fp8_cache(path: Path) -> FP8CacheFile:
     path = Path(path)
     meta = _read_metadata(path)
     _check_format(path, meta, FP8_CACHE_FORMAT)
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(path)).items():
-        match = _KEY.match(key)
-        if match is None:
-            raise SnapmlaError(f"{path}: unexpected tensor {key!r} in an FP8 cache file")
-        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
-    if not by_layer:
-        raise SnapmlaError(f"{path}: the file holds no layers")
+    by_layer = load_layers(path, _KEY, "an FP8 cache file")
     layers = []
     for index in sorted(by_layer):
         parts = by_layer[index]
