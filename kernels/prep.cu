@@ -47,14 +47,16 @@ constexpr int DQ_ROPE_PER_LANE = 8;
 constexpr int DQ_ROPE_LANES = D_ROPE / DQ_ROPE_PER_LANE;
 static_assert(DQ_HALF == WARP_SIZE * DQ_CONTENT_PER_CHUNK, "32 lanes x 8 bytes cover half");
 
-// K-append store map of one 656-byte token: 41 chunks of 16 bytes, all written by 16-byte
-// stores, so every 32-byte sector inside the token is written whole by one instruction:
-//   chunk l (l = 0..31), bytes [16l, 16l+16):  lane l's 16 E4M3 content bytes;
-//   chunk 32 (bytes 512..527), lane 0:         scale + 12 zero pad bytes;
-//   chunk 32+j (j = 1..8), lane j:             RoPE elements [8(j-1), 8j), gathered with 4
-//                                              shuffles from lanes 4(j-1)..4(j-1)+3.
-// (Only the sector a token shares with its neighbour, 16 bytes at one end, is partial: slot * 656
-// is 16 mod 32 for odd slots.)
+// K-append store map of one 656-byte token: every 32-byte sector inside the token is written
+// whole by one store instruction (no partial-sector write for L2 to merge):
+//   bytes 0..511:   the content, store_content() (common/quant.cuh): two 8-byte stores per lane
+//                   (map 0) or one 16-byte store per lane (map 1);
+//   bytes 512..655: 9 chunks of 16 bytes in one 16-byte store by lanes 0..8: lane 0 the scale +
+//                   12 zero pad bytes, lane j = 1..8 RoPE elements [8(j-1), 8j), gathered with
+//                   4 shuffles from lanes 4(j-1)..4(j-1)+3. Before, the scale chunk and the RoPE
+//                   were two stores, both half-covering the sector [512, 544) of even slots.
+// (Only the sector a token shares with its neighbour, 16 bytes at one end, stays partial:
+// slot * 656 is 16 mod 32 for odd slots; no store shape can avoid that one.)
 constexpr int TAIL_LANES = (FP8_TOKEN_BYTES - SCALE_OFFSET) / VEC_BYTES;  // 9
 constexpr int ROPE_WORDS_PER_CHUNK = VEC_BYTES / 4;                       // 4 lanes' bf16x2 words
 static_assert(TAIL_LANES == 9 && ROPE_OFFSET == SCALE_OFFSET + VEC_BYTES, "tail chunk layout");
@@ -145,7 +147,7 @@ __device__ __forceinline__ void store_dequant(const TokenFp8& t, __nv_bfloat16* 
 // Writes one quantized row as a 656-byte token (store map above). All 32 lanes must call it
 // (the RoPE gather shuffles).
 __device__ __forceinline__ void store_token(u8* token, const RowFp8& o, int lane) {
-    stg_v4(token + CONTENT_OFFSET + VEC_BYTES * lane, o.c);
+    store_content(token + CONTENT_OFFSET, o, lane);
     const int src = (ROPE_WORDS_PER_CHUNK * (lane - 1)) & (WARP_SIZE - 1);
     const u32 w0 = __shfl_sync(FULL_MASK, o.r, src);
     const u32 w1 = __shfl_sync(FULL_MASK, o.r, src + 1);
@@ -294,7 +296,7 @@ snapmla_quantize_q(const __nv_bfloat16* __restrict__ q, u8* __restrict__ content
             const i64 row = base + r;
             if (row >= rows) break;  // warp-uniform
             const RowFp8 o = quantize_row(in[r]);
-            stg_v4(content + row * D_CONTENT + QROW_CONTENT_PER_LANE * w.lane, o.c);
+            store_content(content + row * D_CONTENT, o, w.lane);
             stg_u32(rope + row * D_ROPE + QROW_ROPE_PER_LANE * w.lane, o.r);
             if (w.lane == 0) stg_u32(scale + row, __float_as_uint(o.scale));
         }

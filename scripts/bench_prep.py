@@ -55,8 +55,9 @@ SLOT = 4
 DECODE_BATCH = 64
 DECODE_HEADS = 128
 SLEEP_CYCLES = 200_000  # ~100 us of GPU spin before each timed replay (hides the submission)
-# (warps per CTA, rows per warp) compiled and timed by --sweep; the first is the shipped default
-SWEEP = ((8, 2), (4, 2), (8, 1), (4, 1), (16, 2), (8, 4))
+# (warps per CTA, rows per warp, content lane map) compiled and timed by --sweep; the first is
+# the shipped default (PREP_DEFINES). Map 1 = strided loads + one 16-byte content store per lane.
+SWEEP = ((8, 2, 0), (8, 2, 1), (4, 2, 0), (8, 1, 0), (4, 1, 0), (16, 2, 0), (8, 4, 0))
 
 
 @dataclass
@@ -330,8 +331,8 @@ def graph_replay_time(fn: Callable[[], object], replays: int) -> float:
 def bench_sweep(
     device: torch.device, tokens: int, q_rows: int, copy_gbs: float, reps: int
 ) -> list[dict[str, object]]:
-    """Each (warps per CTA, rows per warp) of SWEEP compiled and timed on the raw kernels:
-    Q-quant, append (random slots and sequential), slot-list and paged dequant."""
+    """Each (warps per CTA, rows per warp, content map) of SWEEP compiled and timed on the raw
+    kernels: Q-quant, append (random slots and sequential), slot-list and paged dequant."""
     from snapmla_cli.runtime.launch import get_kernel, i32, i64
     from snapmla_cli.runtime.launch import launch as raw_launch
 
@@ -350,8 +351,12 @@ def bench_sweep(
     append_bytes = tokens * (BF16_ROW + SLOT + FP8_TOKEN_BYTES)
     fetch_bytes = tokens * (FP8_TOKEN_BYTES + SLOT + BF16_ROW)
     results = []
-    for warps, rows_per_warp in SWEEP:
-        defines = {"PREP_WARPS_PER_CTA": warps, "PREP_ROWS_PER_WARP": rows_per_warp}
+    for warps, rows_per_warp, content_map in SWEEP:
+        defines = {
+            "PREP_WARPS_PER_CTA": warps,
+            "PREP_ROWS_PER_WARP": rows_per_warp,
+            "PREP_CONTENT_MAP": content_map,
+        }
         per_cta = warps * rows_per_warp
         threads = 32 * warps
 
@@ -385,7 +390,11 @@ def bench_sweep(
                     [cache, i64(blocks * 64), table, i32(blocks), cu, i32(1), out, i64(tokens)]),
             ),
         }
-        entry: dict[str, object] = {"warps": warps, "rows_per_warp": rows_per_warp}
+        entry: dict[str, object] = {
+            "warps": warps,
+            "rows_per_warp": rows_per_warp,
+            "content_map": content_map,
+        }
         for name, (nbytes, fn) in cases.items():
             t = graph_time(fn, calls_for(nbytes), reps)
             entry[name] = round(100.0 * nbytes / t / 1e9 / copy_gbs, 1)
@@ -508,12 +517,13 @@ def main(argv: list[str] | None = None) -> int:
         f" {step['graph_gpu_quantize_q_us']:.1f})"
     )
     if sweep:
-        cols = [k for k in sweep[0] if k not in ("warps", "rows_per_warp")]
+        keys = ("warps", "rows_per_warp", "content_map")
+        cols = [k for k in sweep[0] if k not in keys]
         print("launch-geometry sweep, % of copy bandwidth (raw kernels, CUDA graphs):")
-        print(f"  {'warps x rows':<13}" + "".join(f"{c:>18}" for c in cols))
+        print(f"  {'warps x rows, map':<18}" + "".join(f"{c:>18}" for c in cols))
         for e in sweep:
-            label = f"{e['warps']} x {e['rows_per_warp']}"
-            print(f"  {label:<13}" + "".join(f"{e[c]:>17.1f}%" for c in cols))
+            label = f"{e['warps']} x {e['rows_per_warp']}, {e['content_map']}"
+            print(f"  {label:<18}" + "".join(f"{e[c]:>17.1f}%" for c in cols))
     if compile_info:
         print(
             f"compile {compile_info['modules']} modules: cold {compile_info['cold_s']:.2f} s, "

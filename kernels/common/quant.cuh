@@ -1,15 +1,20 @@
 // Warp-per-row RoPE-aware per-token quantization (SPEC section 3), shared by the Q-quant and
 // K-append kernels (and by any later kernel that quantizes rows on the fly).
 //
-// Lane map of one 576-wide bf16 row, chosen so that each lane's output is one contiguous 16-byte
-// chunk of E4M3 bytes (one 16-byte store per lane writes the 512 content bytes of a row):
-//   content: lane l owns elements [16l, 16l+16): two 16-byte loads at byte offsets 32l and
-//            32l+16. Each of the two load instructions touches half of each of 32 sectors; the
-//            loads go through L1 (allocating), so the second one hits the sectors the first one
-//            brought in and DRAM/L2 traffic stays one pass over the row;
+// Lane map of one 576-wide bf16 row; every warp-wide store writes whole 32-byte sectors:
+//   content, PREP_CONTENT_MAP 0 (default): lane l owns elements [8l, 8l+8) and [256+8l,
+//            256+8l+8): two coalesced 16-byte loads (512 contiguous bytes each), and after
+//            quantization two 8-byte E4M3 stores at the same element offsets (256 contiguous
+//            bytes = 8 whole sectors each);
+//   content, PREP_CONTENT_MAP 1: lane l owns elements [16l, 16l+16): two 16-byte loads at byte
+//            offsets 32l and 32l+16 (each instruction touches half of each of 32 sectors; they go
+//            through L1, allocating, so the second should hit the lines the first brought in),
+//            and one 16-byte E4M3 store per lane (512 contiguous bytes): one store instruction
+//            per row instead of two, at the price of the strided loads. The benchmark's --sweep
+//            measures both;
 //   rope:    lane l owns elements [512+2l, 512+2l+2): one 4-byte load (128 contiguous bytes per
-//            warp); the 64 RoPE divisions are spread over all 32 lanes (2 per lane), which is the
-//            fewest warp instructions for them.
+//            warp); the 64 RoPE divisions are spread over all 32 lanes (2 per lane), the fewest
+//            warp instructions for them (4 per lane on 16 lanes before).
 // Numerics, bit for bit as snapmla_cli.numerics.quant.quantize_rows:
 //   s = max(amax / 448, 2^-32) (IEEE division), c_q = e4m3_rn_sat(c / s), r' = bf16_rn(r / s).
 // (amax is a max, exact in any order; every quotient is computed by the same per-element
@@ -35,32 +40,61 @@
 
 namespace snapmla {
 
-constexpr int QROW_CONTENT_PER_LANE = D_CONTENT / WARP_SIZE;           // 16 elements
-constexpr int QROW_CONTENT_HALF = QROW_CONTENT_PER_LANE / 2;           // 8 bf16 per 16-byte load
-constexpr int QROW_ROPE_PER_LANE = D_ROPE / WARP_SIZE;                 // 2 elements (4 bytes)
-static_assert(QROW_CONTENT_PER_LANE == 16, "one 16-byte E4M3 chunk per lane");
+#ifndef PREP_CONTENT_MAP
+#define PREP_CONTENT_MAP 0
+#endif
+static_assert(PREP_CONTENT_MAP == 0 || PREP_CONTENT_MAP == 1, "PREP_CONTENT_MAP is 0 or 1");
+
+constexpr int QROW_CHUNK = 8;                             // content elements per 16-byte load
+constexpr int QROW_HALF = D_CONTENT / 2;                  // 256
+constexpr int QROW_ROPE_PER_LANE = D_ROPE / WARP_SIZE;    // 2 elements (4 bytes)
+static_assert(QROW_HALF == WARP_SIZE * QROW_CHUNK, "32 lanes x 8 elements cover half a row");
 static_assert(QROW_ROPE_PER_LANE == 2, "one bf16x2 word of RoPE per lane");
+
+// First content element of lane l's chunk 0 and chunk 1 (8 elements each).
+__device__ __forceinline__ int content_chunk0(int lane) {
+    return PREP_CONTENT_MAP ? 2 * QROW_CHUNK * lane : QROW_CHUNK * lane;
+}
+__device__ __forceinline__ int content_chunk1(int lane) {
+    return PREP_CONTENT_MAP ? 2 * QROW_CHUNK * lane + QROW_CHUNK : QROW_HALF + QROW_CHUNK * lane;
+}
 
 // Raw bf16 bits of one row as one lane holds them.
 struct RowBf16 {
-    uint4 c0;  // content elements [16l, 16l+8)
-    uint4 c1;  // content elements [16l+8, 16l+16)
+    uint4 c0;  // content elements [content_chunk0, +8)
+    uint4 c1;  // content elements [content_chunk1, +8)
     u32 r;     // rope elements [2l, 2l+2)
 };
 
 // One lane's share of a quantized row.
 struct RowFp8 {
-    uint4 c;      // E4M3 of content [16l, 16l+16), element 16l in the lowest byte
+    uint4 c;      // E4M3 of chunk 0 (.x, .y) and chunk 1 (.z, .w), lowest byte = first element
     u32 r;        // pre-scaled bf16 rope [2l, 2l+2), element 2l in the low half
     float scale;  // the row's dequant scale s (same in every lane)
 };
 
 __device__ __forceinline__ RowBf16 load_row_bf16(const __nv_bfloat16* row, int lane) {
     RowBf16 v;
-    v.c0 = ldg_nc_v4_l1(row + QROW_CONTENT_PER_LANE * lane);
-    v.c1 = ldg_nc_v4_l1(row + QROW_CONTENT_PER_LANE * lane + QROW_CONTENT_HALF);
+    if (PREP_CONTENT_MAP) {
+        v.c0 = ldg_nc_v4_l1(row + content_chunk0(lane));
+        v.c1 = ldg_nc_v4_l1(row + content_chunk1(lane));
+    } else {
+        v.c0 = ldg_nc_v4(row + content_chunk0(lane));
+        v.c1 = ldg_nc_v4(row + content_chunk1(lane));
+    }
     v.r = ldg_nc_u32(row + D_CONTENT + QROW_ROPE_PER_LANE * lane);
     return v;
+}
+
+// The 512 E4M3 content bytes of a quantized row, written at `dst` (16-byte aligned) with whole
+// sectors per instruction (the lane map above).
+__device__ __forceinline__ void store_content(u8* dst, const RowFp8& o, int lane) {
+    if (PREP_CONTENT_MAP) {
+        stg_v4(dst + content_chunk0(lane), o.c);
+    } else {
+        stg_v2(dst + content_chunk0(lane), make_uint2(o.c.x, o.c.y));
+        stg_v2(dst + content_chunk1(lane), make_uint2(o.c.z, o.c.w));
+    }
 }
 
 #ifndef SNAPMLA_FAST_EXACT_DIV
@@ -101,8 +135,8 @@ __device__ __forceinline__ float div_rope(float r, const RowDivisor& d) {
     return q;
 }
 
-// Sixteen content floats (lo = elements 0..7, hi = 8..15) divided by s -> sixteen E4M3 bytes,
-// element 0 in the lowest byte. kFast: |c| <= amax and s finite, so the fast quotient is exact
+// Sixteen content floats (lo = chunk 0, hi = chunk 1) divided by s -> sixteen E4M3 bytes, the
+// first element of chunk 0 in the lowest byte. kFast: |c| <= amax and s finite, so the fast quotient is exact
 // (or E4M3-zero); otherwise IEEE division.
 template <bool kFast>
 __device__ __forceinline__ uint4 quantize16_e4m3(const float (&lo)[8], const float (&hi)[8],

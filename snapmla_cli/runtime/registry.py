@@ -45,7 +45,13 @@ PREP_KERNELS = (
 )
 PREP_ARCHS = ("sm_90a", "sm_89")
 # Launch geometry the ops use; the kernel reads the same values as -D defines.
-PREP_DEFINES: dict[str, int] = {"PREP_WARPS_PER_CTA": 8, "PREP_ROWS_PER_WARP": 2}
+# PREP_CONTENT_MAP: 0 = coalesced content loads + two 8-byte stores per lane, 1 = strided loads +
+# one 16-byte store per lane (kernels/common/quant.cuh; scripts/bench_prep.py --sweep times both).
+PREP_DEFINES: dict[str, int] = {
+    "PREP_WARPS_PER_CTA": 8,
+    "PREP_ROWS_PER_WARP": 2,
+    "PREP_CONTENT_MAP": 0,
+}
 
 def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     """The decode kernels as the built-in heuristic compiles them for 16, 32 and 64+ rows
@@ -65,6 +71,7 @@ KERNEL_SOURCES: dict[str, tuple[Variant, ...]] = {
     PREP_SOURCE: (
         variant(*PREP_KERNELS, archs=PREP_ARCHS, **PREP_DEFINES),
         variant(*PREP_KERNELS, archs=PREP_ARCHS, PREP_WARPS_PER_CTA=4, PREP_ROWS_PER_WARP=1),
+        variant(*PREP_KERNELS, archs=PREP_ARCHS, **{**PREP_DEFINES, "PREP_CONTENT_MAP": 1}),
     ),
     **_decode_variants(),
 }
