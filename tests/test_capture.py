@@ -297,3 +297,32 @@ def test_cli_dump(models, prompts, tmp_path):
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2
     assert "--force" in again.output and "Traceback" not in again.output
+
+
+def test_dump_then_quantize_and_verify_end_to_end(models, prompts, tmp_path):
+    """The README's two-command recipe through the real `snapmla` app: dump a tiny model's
+    cache, then quantize it (FP8 cache file + fidelity report) and verify the emulation on it."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from snapmla_cli.cache.fp8_file import read_fp8_cache
+    from snapmla_cli.cli.app import app
+
+    dump = tmp_path / "kv.safetensors"
+    result = CliRunner().invoke(app, ["dump", "--model", str(models["v3"]), "--prompts", str(prompts),
+                                      "--decode", "2", "--dtype", "fp32", "-o", str(dump)])
+    assert result.exit_code == 0, result.output
+    cache, report = tmp_path / "kv-fp8.safetensors", tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["quantize", str(dump), "-o", str(cache), "--json", str(report),
+                                      "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    dumped = read_dump(dump)
+    fp8 = read_fp8_cache(cache)
+    assert [layer.index for layer in fp8.layers] == [layer.index for layer in dumped.layers]
+    assert int(fp8.layers[0].seqlen) == dumped.layers[0].kv.shape[0]
+    rows = json.loads(report.read_text())
+    assert "snap" in json.dumps(rows) and "A" in json.dumps(rows)
+    result = CliRunner().invoke(app, ["verify", "--dump", str(dump), "--heads", "2", "--mtp", "1",
+                                      "--device", "cpu"])
+    assert result.exit_code == 0, result.output
