@@ -31,17 +31,19 @@ def quantize_layer_cache(kv: torch.Tensor, device: str | torch.device = "cpu") -
 
     The single seam between the reference quantizer and the GPU kernel: on a CUDA ``device``
     the K-append kernel (``snapmla_cli.ops.prep.append_kv``, bytes identical to the reference by
-    SPEC section 3) writes the pages; otherwise ``cache.layout.quantize_tokens`` does."""
+    SPEC section 3) writes the pages; otherwise ``cache.layout.quantize_tokens`` does. The kernel
+    reads bf16 only, so fp16 / fp32 dumps are quantized by the reference from their own values
+    (rounding them to bf16 first would change the bytes)."""
     if kv.dim() != 2 or kv.shape[1] != D_QK:
         raise SnapmlaError(f"quantize: expected kv [tokens, {D_QK}], got {tuple(kv.shape)}")
     n = kv.shape[0]
     num_blocks = pages_needed(n)
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and kv.dtype == torch.bfloat16:
         from ..ops.prep import append_kv
 
         cache = torch.zeros(num_blocks, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
         slots = torch.arange(n, dtype=torch.int32, device=device)
-        append_kv(kv.to(device=device, dtype=torch.bfloat16).contiguous(), slots, cache)
+        append_kv(kv.to(device).contiguous(), slots, cache)
         return cache.cpu()
     flat = torch.zeros(num_blocks * PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
     flat[:n] = quantize_tokens(kv)
