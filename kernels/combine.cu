@@ -1,8 +1,6 @@
 // Split-KV combine: merges the float32 partials (O/L, lse) of every request that was split by
 // log-sum-exp weighting, and writes out = 0, lse = +inf for requests with no keys at all.
 // Requests with exactly one split were written directly by the decode kernel and are skipped.
-#include <cuda_bf16.h>
-
 #include "decode_common.cuh"
 
 #ifndef COMBINE_WARPS

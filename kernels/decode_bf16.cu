@@ -6,7 +6,6 @@
 // with bf16 operands straight from shared memory through ldmatrix, a plain online softmax and
 // bf16 P. BLOCK_N tokens (half a page by default) per pipeline stage keep the bf16 tiles, which
 // are 1.76x larger than FP8 ones, inside the shared-memory budget.
-#include "common/mma_sync.cuh"
 #include "decode_common.cuh"
 
 #ifndef ROW_GROUPS
@@ -28,7 +27,7 @@ namespace bf16 {
 constexpr int kWarps = 2 * ROW_GROUPS;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBlockM = kRowsPerGroup * ROW_GROUPS;
-constexpr int kDimQK = 576;
+constexpr int kDimQK = D_QK;
 constexpr int kRowBytes = kDimQK * 2;                 // 1152
 constexpr int kRowStride = kRowBytes + 16;            // padded: conflict-free ldmatrix rows
 constexpr int kChunksPerRow = kRowBytes / 16;         // 72

@@ -3,7 +3,7 @@
 // and the epilogue that writes either the final bf16 output or a float32 split partial.
 #pragma once
 
-#include <cuda_bf16.h>
+#include "common/ptx.cuh"
 
 // NVRTC has no <cmath>: +inf as a bit pattern.
 #ifndef INFINITY
@@ -12,8 +12,8 @@
 
 namespace snapmla {
 
-constexpr int kPageTokens = 64;        // tokens per page == tokens per KV block
-constexpr int kDimV = 512;             // output width
+constexpr int kPageTokens = PAGE_SIZE;  // tokens per page == tokens per KV block
+constexpr int kDimV = D_V;              // output width
 constexpr int kRowsPerGroup = 16;      // MMA M: query rows per row group
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;

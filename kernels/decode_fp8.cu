@@ -19,7 +19,6 @@
 //      byte permute (output dims come out interleaved even/odd; the epilogue restores order).
 // Token groups share m and sigma, so their O and L accumulators are in one scale domain and are
 // summed at the end. Blocks are visited in strictly increasing order inside a split.
-#include "common/mma_sync.cuh"
 #include "decode_common.cuh"
 
 #ifndef ROW_GROUPS
@@ -41,10 +40,10 @@ namespace fp8 {
 constexpr int kWarps = 2 * ROW_GROUPS * KV_SPLIT;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kBlockM = kRowsPerGroup * ROW_GROUPS;
-constexpr int kTokenBytes = 656;
-constexpr int kScaleOffset = 512;
-constexpr int kRopeOffset = 528;
-constexpr int kChunk = 16;                                    // bytes per 16-byte vector
+constexpr int kTokenBytes = FP8_TOKEN_BYTES;
+constexpr int kScaleOffset = SCALE_OFFSET;
+constexpr int kRopeOffset = ROPE_OFFSET;
+constexpr int kChunk = VEC_BYTES;                             // bytes per 16-byte vector
 constexpr int kChunksPerToken = kTokenBytes / kChunk;         // 41
 constexpr int kQContentStride = 512 + kChunk;                 // padded: conflict-free ldmatrix
 constexpr int kQRopeStride = 128 + kChunk;
@@ -55,8 +54,8 @@ constexpr int kKSteps = 512 / 16;
 constexpr int kKStepsPerHalf = kKSteps / 2;
 constexpr int kRopeKSteps = 64 / 16;
 constexpr int kOutTilesPerWarp = (kDimV / 2) / 8;             // 32
-constexpr float kE4m3Max = 448.0f;
-constexpr float kPScaleFloor = 5.421010862427522e-20f;        // 2^-64
+constexpr float kE4m3Max = E4M3_MAX;
+constexpr float kPScaleFloor = P_SCALE_FLOOR;               // 2^-64
 
 constexpr int kSmemQ = kBlockM * (kQContentStride + kQRopeStride);
 constexpr int kSmemPages = STAGES * kPageBytes;

@@ -23,7 +23,7 @@ from snapmla_cli.cache.layout import (
     unpack_tokens,
 )
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
-from snapmla_cli.numerics.formats import BLOCK_N, D_V, E4M3_MAX, P_SCALE_FLOOR
+from snapmla_cli.numerics.formats import D_V, E4M3_MAX, P_BLOCK_TOKENS, P_SCALE_FLOOR
 from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem
 from snapmla_cli.numerics.quant import e4m3_round
@@ -49,8 +49,8 @@ def literal_decode(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
                 sigma = torch.tensor(1.0)
                 big_o = torch.zeros(D_V, dtype=torch.float64)
                 big_l = torch.tensor(0.0, dtype=torch.float64)
-                for start in range(0, visible, BLOCK_N):
-                    j = torch.arange(start, min(start + BLOCK_N, visible))
+                for start in range(0, visible, P_BLOCK_TOKENS):
+                    j = torch.arange(start, min(start + P_BLOCK_TOKENS, visible))
                     raw = (k_c[j].double() @ q_c.double() + k_r[j].double() @ q_r.double()).float()
                     s = scale * q_s * k_s[j] * raw
                     m_new = torch.maximum(m, s.max())

@@ -157,7 +157,7 @@ def test_types_header_mirrors_formats() -> None:
         "D_QK",
         "D_V",
         "PAGE_SIZE",
-        "BLOCK_N",
+        "P_BLOCK_TOKENS",
         "FP8_TOKEN_BYTES",
         "CONTENT_OFFSET",
         "SCALE_OFFSET",

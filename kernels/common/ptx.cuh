@@ -5,6 +5,9 @@
 // non-coherent path. Later kernels add their wgmma / mbarrier / TMA wrappers here.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include "common/types.cuh"
 
 namespace snapmla {
@@ -86,5 +89,162 @@ __device__ __forceinline__ float warp_max_nan(float v) {
 }
 
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x) & (WARP_SIZE - 1); }
+
+}  // namespace snapmla
+
+// ==== Warp-level tensor-core helpers for the decode kernels ==========================
+// Warp-level tensor-core helpers (mma.sync, ldmatrix, cp.async) shared by the decode kernels.
+//
+// The FP8 path runs E4M3 operands through the f16 m16n8k16 MMA after an exact E4M3 -> f16
+// conversion in registers (every E4M3 value, and every product of two, is exact in f16/f32), so
+// the arithmetic equals an FP8 x FP8 MMA with float32 accumulation. Hopper has no native FP8
+// mma.sync (it lowers to the same f16 path); the wgmma kernel replaces this in a later version.
+
+namespace snapmla {
+
+__device__ __forceinline__ unsigned smem_addr(const void* ptr) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+}
+
+// ---- asynchronous global -> shared copies ------------------------------------------------
+// 16 bytes; when `valid` is false the destination is zero-filled and global memory is not read.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)),
+                 "l"(gmem_src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// ---- ldmatrix ------------------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem_row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem_row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(smem_row)));
+}
+
+// ---- MMA: D[16x8] += A[16x16] * B[16x8], float32 accumulate --------------------------------
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                              unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                               unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---- conversions ---------------------------------------------------------------------------
+// Two E4M3 bytes (low 16 bits of `pair`) -> f16x2, exact. Byte 0 becomes the low half.
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned pair) {
+    unsigned out;
+    asm("{\n .reg .b16 lo;\n mov.b32 {lo, _}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n"
+        : "=r"(out)
+        : "r"(pair));
+    return out;
+}
+// Bytes 2-3 of `quad` -> f16x2.
+__device__ __forceinline__ unsigned e4m3x2_hi_to_f16x2(unsigned quad) {
+    unsigned out;
+    asm("{\n .reg .b16 hi;\n mov.b32 {_, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}\n"
+        : "=r"(out)
+        : "r"(quad));
+    return out;
+}
+// Two float32 -> two E4M3 (round to nearest even, saturating to +-448) -> f16x2 (exact):
+// the quantized P operand of the PV MMA. `lo` lands in the low half.
+__device__ __forceinline__ unsigned f32x2_to_e4m3_as_f16x2(float lo, float hi) {
+    unsigned out;
+    asm("{\n .reg .b16 q;\n cvt.rn.satfinite.e4m3x2.f32 q, %2, %1;\n cvt.rn.f16x2.e4m3x2 %0, q;\n}\n"
+        : "=r"(out)
+        : "f"(lo), "f"(hi));
+    return out;
+}
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+// Byte permute: result byte i = byte sel_i of {b:a} (a = bytes 0-3, b = bytes 4-7).
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned selector) {
+    unsigned out;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(out) : "r"(a), "r"(b), "r"(selector));
+    return out;
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Reductions over the 4 threads of an MMA row quad (lanes 4g .. 4g+3).
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+}  // namespace snapmla
+
+// ---- bulk async copies completing on an mbarrier (sm_90) ----------------------------------
+namespace snapmla {
+
+__device__ __forceinline__ void mbarrier_init(void* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// Announce `bytes` of incoming transactions and arrive once.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(void* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait_parity(void* bar, unsigned parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "wait_%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra wait_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+}
+// Order this thread's earlier shared-memory accesses before later async-proxy (bulk copy) ones.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// One contiguous global -> shared copy of `bytes` (multiple of 16, both ends 16-byte aligned).
+__device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_src, unsigned bytes,
+                                              void* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+            smem_addr(smem_dst)),
+        "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
+        : "memory");
+}
+
+// a / b correctly rounded for the decode's P quantization (b a normal float, a/b finite):
+// reciprocal plus one Newton correction of the quotient, given inv_b = __frcp_rn(b).
+__device__ __forceinline__ float div_rn_fast(float a, float b, float inv_b) {
+    const float q = a * inv_b;
+    const float r = fmaf(-b, q, a);
+    return fmaf(r, inv_b, q);
+}
 
 }  // namespace snapmla

@@ -19,7 +19,7 @@ constexpr int D_ROPE = 64;      // d_r
 constexpr int D_QK = 576;       // d_c + d_r
 constexpr int D_V = 512;
 constexpr int PAGE_SIZE = 64;   // tokens per page of the paged cache
-constexpr int BLOCK_N = 64;     // tokens per P-quantization block
+constexpr int P_BLOCK_TOKENS = 64;  // tokens per P-quantization block (= PAGE_SIZE)
 
 // 656-byte token: E4M3 content | float32 scale | 12 zero bytes | pre-scaled bf16 RoPE.
 constexpr int FP8_TOKEN_BYTES = 656;

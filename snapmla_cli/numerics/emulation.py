@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.layout import gather_from_pages, unpack_tokens
-from .formats import BLOCK_N, D_CONTENT, D_V, E4M3_MAX, FP8_DTYPE, P_SCALE_FLOOR
+from .formats import D_CONTENT, D_V, E4M3_MAX, FP8_DTYPE, P_BLOCK_TOKENS, P_SCALE_FLOOR
 from .quant import QuantizedRows, e4m3_round
 from .visibility import visible_counts
 
@@ -48,7 +48,7 @@ def _split_rows(
     """Run the section-5 recurrence for ``rows`` query rows over keys ``start .. start+len-1``
     (``start`` a multiple of 64; ``visible[r]`` is the row's absolute visible-key count)."""
     rows, n = q_c.shape[0], k_c.shape[0]
-    pad = (-n) % BLOCK_N
+    pad = (-n) % P_BLOCK_TOKENS
     # Logits: exact products, float32 result (the kernel's float32 accumulator, order aside).
     raw = (q_c.double() @ k_c.double().T + q_r.double() @ k_r.double().T).float()
     scale_row = (torch.tensor(softmax_scale, dtype=torch.float32) * q_s)[:, None]
@@ -57,14 +57,14 @@ def _split_rows(
     mask = pos[None, :] < visible[:, None]
     logits = logits.masked_fill(~mask, -math.inf)
     logits = torch.nn.functional.pad(logits, (0, pad), value=-math.inf)
-    nblk = logits.shape[1] // BLOCK_N
-    blocks = logits.view(rows, nblk, BLOCK_N)
+    nblk = logits.shape[1] // P_BLOCK_TOKENS
+    blocks = logits.view(rows, nblk, P_BLOCK_TOKENS)
     block_max = blocks.amax(dim=-1)
     active = block_max > -math.inf
     running_max = torch.cummax(block_max, dim=1).values
     safe_max = torch.where(active, running_max, torch.zeros_like(running_max))
     e = torch.exp(blocks - safe_max[..., None])  # 0 for masked (-inf) entries
-    k_s_blocks = torch.nn.functional.pad(k_s, (0, pad), value=0.0).view(1, nblk, BLOCK_N)
+    k_s_blocks = torch.nn.functional.pad(k_s, (0, pad), value=0.0).view(1, nblk, P_BLOCK_TOKENS)
     e_tilde = e * k_s_blocks
     sigma = torch.clamp(e_tilde.amax(dim=-1) / E4M3_MAX, min=P_SCALE_FLOOR)
     p = e4m3_round(e_tilde / sigma[..., None]).float()
@@ -143,10 +143,10 @@ def emulate_fp8_decode(
 
 def _check_bounds(bounds: list[int], n: int) -> None:
     ok = bounds[0] == 0 and bounds[-1] == n and all(
-        a < z and a % BLOCK_N == 0 for a, z in itertools.pairwise(bounds)
+        a < z and a % P_BLOCK_TOKENS == 0 for a, z in itertools.pairwise(bounds)
     )
     if not ok:
-        raise ValueError(f"split_bounds {bounds} must run from 0 to {n} in increasing multiples of {BLOCK_N}")
+        raise ValueError(f"split_bounds {bounds} must run from 0 to {n} in increasing multiples of {P_BLOCK_TOKENS}")
 
 
 assert FP8_DTYPE is torch.float8_e4m3fn

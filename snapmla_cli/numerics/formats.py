@@ -13,7 +13,7 @@ D_ROPE = 64  # d_r
 D_QK = D_CONTENT + D_ROPE  # 576
 D_V = D_CONTENT  # 512
 PAGE_SIZE = 64  # tokens per page of the paged cache
-BLOCK_N = 64  # tokens per P-quantization block (= page)
+P_BLOCK_TOKENS = 64  # tokens per P-quantization block (= page)
 
 E4M3_MAX = 448.0
 KV_SCALE_FLOOR = 2.0**-32  # s = max(amax / 448, 2^-32)
