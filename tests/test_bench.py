@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import typer
+from cli_checks import assert_one_line_error
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -347,15 +348,6 @@ runner = CliRunner()
 
 def invoke(*args: object):
     return runner.invoke(_app(), ["bench", *map(str, args)])
-
-
-def assert_one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_checks import assert_one_line_error
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
@@ -22,15 +23,6 @@ runner = CliRunner()
 
 def invoke(*args: str):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *needles: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")
