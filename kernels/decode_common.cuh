@@ -62,4 +62,14 @@ __device__ __forceinline__ void store_out4(__nv_bfloat16* out, float* partial_ou
     }
 }
 
+// Store 2 consecutive output values of one row (the wgmma kernel's O^T fragment).
+__device__ __forceinline__ void store_out2(__nv_bfloat16* out, float* partial_out, long offset,
+                                           bool to_partial, float v0, float v1) {
+    if (to_partial) {
+        *reinterpret_cast<float2*>(partial_out + offset) = make_float2(v0, v1);
+    } else {
+        *reinterpret_cast<__nv_bfloat162*>(out + offset) = __floats2bfloat162_rn(v0, v1);
+    }
+}
+
 }  // namespace snapmla

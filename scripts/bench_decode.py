@@ -15,6 +15,7 @@ from snapmla_cli.bench.timing import time_cuda
 from snapmla_cli.cache.layout import random_paged_layout
 from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+from snapmla_cli.ops.decode_config import FP8_MMA_SYNC, heuristic_config
 from snapmla_cli.ops.prep import quantize_q
 
 
@@ -34,6 +35,12 @@ def run_case(w: DecodeWork, ceilings, device) -> dict:
     meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True)
     qq = quantize_q(q)
     t8 = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta, splits, None, True))
+    # the previous (mma.sync) FP8 kernel at its own heuristic, for the version history
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    v2 = heuristic_config(w.s_q * w.h_q, True, FP8_MMA_SYNC).with_sms(sms)
+    meta2, splits2 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=v2)
+    t8v2 = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta2, splits2, None, True, config=v2))
+    res["fp8v2_us"] = t8v2 * 1e6
     cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
     meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
     t16 = time_cuda(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True))
@@ -48,7 +55,8 @@ def run_case(w: DecodeWork, ceilings, device) -> dict:
 
 
 def sweep_fp8(w: DecodeWork, specs: str, device) -> None:
-    """Time FP8 kernel variants ``rg:kv_split:stages:ctas_per_sm`` on one shape (tuning probe)."""
+    """Time FP8 kernel variants ``version:rg:kv_split:stages:ctas_per_sm`` on one shape
+    (tuning probe; version 3 = wgmma, 2 = mma.sync)."""
     from dataclasses import replace
 
     from snapmla_cli.ops.decode_config import DecodeConfig, fp8_config_valid
@@ -64,14 +72,15 @@ def sweep_fp8(w: DecodeWork, specs: str, device) -> None:
     qq = quantize_q(q)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for spec in specs.split(","):
-        rg, kv, st, ctas = map(int, spec.split(":"))
-        cfg = DecodeConfig(row_groups=rg, kv_split=kv, stages=st, min_ctas_per_sm=ctas).with_sms(sms)
+        ver, rg, kv, st, ctas = map(int, spec.split(":"))
+        cfg = DecodeConfig(row_groups=rg, kv_split=kv, stages=st, min_ctas_per_sm=ctas,
+                           kernel_version=ver).with_sms(sms)
         cfg = replace(cfg, split=replace(cfg.split, ctas_per_sm=ctas))
         if not fp8_config_valid(cfg):
             continue
         meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=cfg)
         t = time_cuda(lambda m=meta, sp=splits, c=cfg: decode_fp8(qq, cache8, table, lens, m, sp, None, True, config=c))
-        print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} rg{rg} kv{kv} st{st} cta{ctas} work{meta.shape[0]}: "
+        print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} v{ver} rg{rg} kv{kv} st{st} cta{ctas} work{meta.shape[0]}: "
               f"{t*1e6:9.1f}us {w.bytes(True)/t/1e9:6.0f}GB/s {w.flops/t/1e12:6.1f}TF", flush=True)
 
 
@@ -82,13 +91,14 @@ def main() -> None:
     ap.add_argument("--mtp", default="1,2")
     ap.add_argument("--ctx", default="16384,32768,65536,131072")
     ap.add_argument("--json")
-    ap.add_argument("--sweep", help="FP8 variants rg:kv:stages:ctas,... timed on each shape instead")
+    ap.add_argument("--sweep", help="FP8 variants version:rg:kv:stages:ctas,... timed on each shape instead")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.sweep:
         for h in map(int, args.heads.split(",")):
-            for ctx in map(int, args.ctx.split(",")):
-                sweep_fp8(DecodeWork(args.batch, 1, h, ctx), args.sweep, device)
+            for s in map(int, args.mtp.split(",")):
+                for ctx in map(int, args.ctx.split(",")):
+                    sweep_fp8(DecodeWork(args.batch, s, h, ctx), args.sweep, device)
         return
     c = measure_ceilings(device)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
@@ -103,7 +113,7 @@ def main() -> None:
                 print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
                       f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "
                       f"{r['bf16_tflops']:6.1f}TF {r['bf16_gbs']:6.0f}GB/s {r['bf16_roof_pct']:5.1f}% | "
-                      f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f}", flush=True)
+                      f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f} | v2 {r['fp8v2_us']:9.1f}us", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ceilings": c.__dict__, "commit": commit, "rows": rows}, fh, indent=1)

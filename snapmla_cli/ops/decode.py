@@ -25,10 +25,13 @@ from ..numerics.formats import (
 )
 from ..numerics.quant import QuantizedRows
 from .decode_config import (
+    FP8_MMA_SYNC,
+    FP8_WGMMA,
     DecodeConfig,
     bf16_defines,
     bf16_smem_bytes,
     fp8_defines,
+    fp8_kernel,
     fp8_smem_bytes,
     heuristic_config,
 )
@@ -47,7 +50,8 @@ def _runtime():
 def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None) -> DecodeConfig:
     """Tuning-database entry for this GPU and shape if any, else the heuristic; with this
     GPU's SM count filled in. Cached lookups, no I/O on the hot path."""
-    cfg = heuristic_config(rows, fp8)
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    cfg = heuristic_config(rows, fp8, FP8_WGMMA if hopper else FP8_MMA_SYNC)
     try:
         from ..tuning.lookup import lookup_decode_config
     except ImportError:
@@ -161,25 +165,24 @@ def _split_kv_decode(
     num_splits: torch.Tensor,
     softmax_scale: float | None,
     causal: bool,
-    config: DecodeConfig | None,
+    cfg: DecodeConfig,
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What both decode kernels share: block-table and metadata checks, the configuration,
-    the output and split buffers, the decode launch over (row tiles x work items), the combine.
-    ``operands`` are the kernel's leading pointer arguments (Q parts and the cache)."""
+    """What both decode kernels share: block-table and metadata checks, the output and split
+    buffers, the decode launch over (row tiles x work items), the combine. ``operands`` are the
+    kernel's leading pointer arguments (Q parts and the cache, or its TMA tensor maps)."""
     b, s_q, h_q = shape
     _check_table(block_table, cache_seqlens, b, device)
     _check_metadata(tile_scheduler_metadata, num_splits, b, device)
     rows = s_q * h_q
-    cfg = config or choose_config(rows, fp8, device, b)
     scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
     num_work = tile_scheduler_metadata.shape[0]
     out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
     rt = _runtime()
     if num_work > 0:
         if fp8:
-            kernel = rt.get_kernel("decode_fp8.cu", "snapmla_decode_fp8", fp8_defines(cfg))
+            kernel = rt.get_kernel(*fp8_kernel(cfg), fp8_defines(cfg))
             smem = fp8_smem_bytes(cfg)
         else:
             kernel = rt.get_kernel("decode_bf16.cu", "snapmla_decode_bf16", bf16_defines(cfg))
@@ -217,9 +220,14 @@ def decode_fp8(
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
     cache = _fp8_cache_rows(k_cache)
     _require_cuda(cache, "k_cache", device)
+    cfg = config or choose_config(s_q * h_q, True, device, b)
+    if cfg.wgmma:
+        from ..runtime.tensor_map import fp8_cache_tensor_maps
+
+        cache = fp8_cache_tensor_maps(cache)
     return _split_kv_decode(True, (content, q.scale, q.rope, cache), (b, s_q, h_q), device,
                             block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                            softmax_scale, causal, config, out, lse)
+                            softmax_scale, causal, cfg, out, lse)
 
 
 def decode_bf16(
@@ -244,9 +252,10 @@ def decode_bf16(
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
+    cfg = config or choose_config(s_q * h_q, False, device, b)
     return _split_kv_decode(False, (q, k_cache), (b, s_q, h_q), device, block_table,
                             cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
-                            causal, config, out, lse)
+                            causal, cfg, out, lse)
 
 
 def flash_mla_with_kvcache(

@@ -25,6 +25,20 @@ FP8_OUT_TILES = 32  # 8-wide output tiles per warp (256 dims)
 MBARRIER_BYTES = 8
 MAX_WARPS = 8
 
+# FP8 kernel versions: 2 = mma.sync with f16 conversion (decode_fp8.cu), 3 = wgmma + TMA
+# (decode_fp8_wgmma.cu). Mirrors of the latter's shared-memory map:
+FP8_MMA_SYNC = 2
+FP8_WGMMA = 3
+FP8_KERNEL_VERSIONS = (FP8_MMA_SYNC, FP8_WGMMA)
+WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
+WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
+WGMMA_Q_BYTES_PER_ROW = 5 * 128
+WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS
+WGMMA_SMEM_ALIGN = 1024
+WGMMA_ROW_INFO_BYTES = 32  # per row: sigma, 1/sigma, gamma, pad, one rescale factor per warp
+SMEM_PER_SM = 233472  # 228 KB per SM on sm_90
+SMEM_RESERVED_PER_CTA = 1024
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -39,13 +53,21 @@ class DecodeConfig:
     stages: int = 2
     block_n: int = 64
     min_ctas_per_sm: int = 1
+    kernel_version: int = FP8_WGMMA
     split: SplitPolicy = field(default_factory=SplitPolicy)
 
     @property
     def block_m(self) -> int:
         return ROWS_PER_GROUP * self.row_groups
 
+    @property
+    def wgmma(self) -> bool:
+        """FP8 configs only: the Hopper wgmma + TMA kernel (else the mma.sync one)."""
+        return self.kernel_version == FP8_WGMMA
+
     def threads(self, fp8: bool = True) -> int:
+        if fp8 and self.wgmma:
+            return WGMMA_THREADS
         groups = self.kv_split if fp8 else 1
         return 32 * WARPS_PER_GROUP * self.row_groups * groups
 
@@ -53,7 +75,20 @@ class DecodeConfig:
         return replace(self, split=replace(self.split, num_sms=num_sms))
 
 
+def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
+    """``kSmemBytes + kSmemAlign`` of decode_fp8_wgmma.cu."""
+    rows = cfg.block_m
+    half = rows // 2
+    return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * WGMMA_STAGE_BYTES
+            + 2 * rows * WGMMA_P_BYTES_PER_ROW + 2 * rows * 4  # P^T and gamma, double-buffered
+            + 2 * 4 * half * 8 + 2 * 4 * half * 4  # per-warp (max, max e*s_k) and L partials
+            + rows * WGMMA_ROW_INFO_BYTES
+            + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
+
+
 def fp8_smem_bytes(cfg: DecodeConfig) -> int:
+    if cfg.wgmma:
+        return wgmma_smem_bytes(cfg)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
     n_tiles = PAGE_TOKENS // cfg.kv_split // 8
     exchange = 2 * warps * n_tiles * 32 * EXCHANGE_BYTES_PER_LANE_TILE  # double-buffered
@@ -67,6 +102,12 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     """The constraints the kernel ``static_assert``s: <= 8 warps per SM (the kernel needs
     ~230-250 registers per thread), page space for the token-group reduction, >= 2 stages,
     shared memory within the opt-in limit."""
+    if cfg.kernel_version not in FP8_KERNEL_VERSIONS:
+        return False
+    if cfg.wgmma:
+        return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= 2
+                and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
+                and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
     scratch = 2 * cfg.row_groups * 32 * (FP8_OUT_TILES + 1) * EXCHANGE_BYTES_PER_LANE_TILE
     return (warps * cfg.min_ctas_per_sm <= MAX_WARPS and cfg.stages >= 2 and cfg.kv_split in (1, 2, 4)
@@ -82,7 +123,17 @@ def bf16_smem_bytes(cfg: DecodeConfig) -> int:
             + warps * n_tiles * 32 * EXCHANGE_BYTES_PER_LANE_TILE)
 
 
+def fp8_kernel(cfg: DecodeConfig) -> tuple[str, str]:
+    """(source, kernel name) of the FP8 decode kernel ``cfg`` selects."""
+    if cfg.wgmma:
+        return "decode_fp8_wgmma.cu", "snapmla_decode_fp8_wgmma"
+    return "decode_fp8.cu", "snapmla_decode_fp8"
+
+
 def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
+    if cfg.wgmma:
+        return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
+                "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
     return {"ROW_GROUPS": cfg.row_groups, "KV_SPLIT": cfg.kv_split, "STAGES": cfg.stages,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
@@ -92,18 +143,25 @@ def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
 
-def heuristic_config(rows: int, fp8: bool = True) -> DecodeConfig:
-    """Built-in choice, from the variant sweep on the H200 (docs/PERF.md): 16 rows run best as
-    two small CTAs per SM (2 warps each, whole pages); 32 rows as one CTA of two row groups with
-    two token groups per page (8 warps); 64+ rows as 64-row tiles (8 warps)."""
+def heuristic_config(rows: int, fp8: bool = True, version: int = FP8_WGMMA) -> DecodeConfig:
+    """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel: 16 or
+    32 rows as two CTAs per SM with two pages each, 64+ rows as 64-row CTAs four pages deep. mma.sync kernel: 16 rows as two
+    small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as
+    64-row tiles."""
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
-    if fp8:
+    if fp8 and version == FP8_WGMMA:
+        if row_groups == 4:
+            cfg = DecodeConfig(row_groups=4, stages=4, min_ctas_per_sm=1)
+        else:  # two CTAs per SM interleave their per-page latency chains (sweep: 16-25% faster)
+            cfg = DecodeConfig(row_groups=row_groups, stages=2, min_ctas_per_sm=2)
+    elif fp8:
         if row_groups == 1:
             cfg = DecodeConfig(row_groups=1, kv_split=1, stages=2, min_ctas_per_sm=2)
         elif row_groups == 2:
             cfg = DecodeConfig(row_groups=2, kv_split=2, stages=3, min_ctas_per_sm=1)
         else:
             cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1)
+        cfg = replace(cfg, kernel_version=FP8_MMA_SYNC)
     else:
         block_n = 64 if row_groups == 1 else 32
         cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1)

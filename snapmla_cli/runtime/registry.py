@@ -54,17 +54,24 @@ PREP_DEFINES: dict[str, int] = {
 }
 
 def _decode_variants() -> dict[str, tuple[Variant, ...]]:
-    """The decode kernels as the built-in heuristic compiles them for 16, 32 and 64+ rows
-    (Hopper only: the FP8 path needs sm_89+ conversions, the tuner adds its own variants)."""
+    """The decode kernels as the built-in heuristics compile them for 16, 32 and 64+ rows: the
+    wgmma FP8 kernel, the mma.sync FP8 kernel and the BF16 baseline (Hopper only; the tuner
+    adds its own variants)."""
     from ..ops.decode import COMBINE_WARPS
-    from ..ops.decode_config import bf16_defines, fp8_defines, heuristic_config
+    from ..ops.decode_config import (FP8_MMA_SYNC, FP8_WGMMA, bf16_defines, fp8_defines,
+                                     fp8_kernel, heuristic_config)
 
     rows = (16, 32, 64)
-    return {
-        "decode_fp8.cu": tuple(variant("snapmla_decode_fp8", **fp8_defines(heuristic_config(r, True))) for r in rows),
-        "decode_bf16.cu": tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows),
-        "combine.cu": (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),),
-    }
+    variants: dict[str, tuple[Variant, ...]] = {}
+    for version in (FP8_WGMMA, FP8_MMA_SYNC):
+        configs = [heuristic_config(r, True, version) for r in rows]
+        source, name = fp8_kernel(configs[0])
+        variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
+    variants["decode_fp8_wgmma.cu"] += (variant("snapmla_decode_fp8_wgmma", ROW_GROUPS=1, STAGES=2,
+                                                MIN_CTAS_PER_SM=2),)
+    variants["decode_bf16.cu"] = tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows)
+    variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)
+    return variants
 
 
 KERNEL_SOURCES: dict[str, tuple[Variant, ...]] = {

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
-from ..ops.decode_config import DecodeConfig
+from ..ops.decode_config import FP8_MMA_SYNC, DecodeConfig
 from ..ops.schedule import SplitPolicy
 from .space import Bucket, config_problem
 
@@ -171,6 +171,8 @@ def config_from_dict(data: object) -> DecodeConfig:
         if key != "split" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"config: {key} must be a positive integer, got {value!r}")
     kwargs = {k: v for k, v in data.items() if k != "split"}
+    # entries written before the wgmma kernel existed were tuned on the mma.sync kernel
+    kwargs.setdefault("kernel_version", FP8_MMA_SYNC)
     return DecodeConfig(**kwargs, split=SplitPolicy(**split_data))
 
 

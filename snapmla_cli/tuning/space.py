@@ -30,7 +30,8 @@ FORMATS = ("fp8", "bf16")
 # Values each kernel parameter may take (the tuner's axes; issue 5).
 ROW_GROUPS = (1, 2, 4)
 KV_SPLITS = (1, 2, 4)  # FP8 kernel only, when DecodeConfig has the field
-STAGES = (2, 3, 4)
+STAGES = (2, 3, 4, 5)
+FP8_VERSIONS = (dc.FP8_WGMMA, dc.FP8_MMA_SYNC)  # wgmma + TMA kernel, mma.sync kernel
 BLOCK_NS = (32, 64)  # BF16 kernel only; the FP8 kernel always works on the 64-token page
 MIN_CTAS = (1, 2)
 SPLIT_CTAS = (1, 2)
@@ -40,10 +41,6 @@ MIN_BLOCKS_PER_SPLIT = (2, 4, 8, 16)
 SMEM_PER_SM = 233472  # 228 KB of shared memory per SM on sm_90
 SMEM_RESERVED_PER_CTA = 1024  # the driver reserves 1 KB per resident CTA
 DEFAULT_NUM_SMS = SplitPolicy().num_sms  # used by --dry-run on a machine without a GPU
-
-
-def has_field(name: str) -> bool:
-    return any(f.name == name for f in dataclasses.fields(DecodeConfig))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,16 +263,19 @@ def config_problem(cfg: DecodeConfig, fmt: str, rows: int | None = None) -> str 
 
 def kernel_key(cfg: DecodeConfig, fmt: str) -> tuple[str, tuple[tuple[str, int], ...]]:
     """What must be compiled for ``cfg``: the source and its sorted defines."""
-    defines = dc.fp8_defines(cfg) if fmt == "fp8" else dc.bf16_defines(cfg)
-    return ("decode_fp8.cu" if fmt == "fp8" else "decode_bf16.cu", tuple(sorted(defines.items())))
+    if fmt == "fp8":
+        return (dc.fp8_kernel(cfg)[0], tuple(sorted(dc.fp8_defines(cfg).items())))
+    return ("decode_bf16.cu", tuple(sorted(dc.bf16_defines(cfg).items())))
 
 
 def config_id(cfg: DecodeConfig, fmt: str) -> str:
-    """Short stable name, e.g. ``rg4-kv1-st2-c1/x1-mb4`` (split: target CTAs per SM x waves,
+    """Short stable name, e.g. ``v3-rg4-st4-c1/1x1-mb4`` or ``v2-rg4-kv1-st2-c1/1x1-mb4`` (split: target CTAs per SM x waves,
     minimum blocks per split)."""
     parts = [f"rg{cfg.row_groups}"]
-    if fmt == "fp8" and has_field("kv_split"):
-        parts.append(f"kv{cfg.kv_split}")  # type: ignore[attr-defined]
+    if fmt == "fp8":
+        parts.insert(0, f"v{cfg.kernel_version}")
+        if not cfg.wgmma:
+            parts.append(f"kv{cfg.kv_split}")
     parts.append(f"st{cfg.stages}")
     if fmt == "bf16":
         parts.append(f"bn{cfg.block_n}")
@@ -295,19 +295,24 @@ def default_config(bucket: Bucket, num_sms: int) -> DecodeConfig:
 def kernel_variants(rows: int, fmt: str
                     ) -> tuple[list[DecodeConfig], list[tuple[DecodeConfig, str]]]:
     """Every kernel-parameter combination of the axes: (valid, [(pruned, reason)]). The split
-    policy of each is left at the dataclass default."""
+    policy of each is left at the dataclass default. FP8 covers both kernels: the wgmma one
+    (no token groups) and the mma.sync one (token groups ``kv_split``)."""
     axes: dict[str, tuple[int, ...]] = {"row_groups": ROW_GROUPS, "stages": STAGES,
                                         "min_ctas_per_sm": MIN_CTAS}
-    if fmt == "fp8" and has_field("kv_split"):
-        axes["kv_split"] = KV_SPLITS
-    if fmt == "bf16":
-        axes["block_n"] = BLOCK_NS
+    combos: list[dict[str, int]] = []
+    if fmt == "fp8":
+        for version in FP8_VERSIONS:
+            extra = {"kv_split": KV_SPLITS} if version == dc.FP8_MMA_SYNC else {}
+            names = [*axes, *extra]
+            for values in product(*axes.values(), *extra.values()):
+                combos.append({**dict(zip(names, values)), "kernel_version": version, "block_n": 64})
+    else:
+        for values in product(*axes.values(), BLOCK_NS):
+            combos.append(dict(zip([*axes, "block_n"], values)))
     valid: list[DecodeConfig] = []
     pruned: list[tuple[DecodeConfig, str]] = []
-    for values in product(*axes.values()):
-        cfg = DecodeConfig(**dict(zip(axes, values)))
-        if fmt == "fp8":
-            cfg = replace(cfg, block_n=64)
+    for combo in combos:
+        cfg = DecodeConfig(**combo)
         why = config_problem(cfg, fmt, rows)
         (pruned.append((cfg, why)) if why else valid.append(cfg))
     return valid, pruned

@@ -52,11 +52,32 @@ def _run_fp8(prob, device, split=None):
     return out, lse, cache, meta, splits
 
 
+def _config(rows, version, device, **kernel):
+    from dataclasses import replace
+
+    from snapmla_cli.ops.decode_config import heuristic_config
+
+    from snapmla_cli.ops.decode_config import fp8_config_valid
+
+    cfg = replace(heuristic_config(rows, True, version), **kernel)
+    if not fp8_config_valid(cfg):  # e.g. two 64-row CTAs per SM do not fit: one
+        cfg = replace(cfg, min_ctas_per_sm=1)
+    cfg = replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
+    return cfg.with_sms(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+# (kernel version, overrides): the wgmma kernel at its heuristic and at its smallest pipeline /
+# two CTAs per SM, and the mma.sync kernel
+KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (2, {})]
+
+
+@pytest.mark.parametrize("version,kernel", KERNELS, ids=["v3", "v3-st2-c2", "v2"])
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
-def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal):
+def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, version, kernel):
     device = torch.device("cuda")
     prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=len(seqlens) * 31 + h_q)
-    out, lse, cache, meta, splits = _run_fp8(prob, device)
+    cfg = _config(s_q * h_q, version, device, **kernel)
+    out, lse, cache, meta, splits = _run_fp8(prob, device, cfg)
     from snapmla_cli.ops.schedule import split_token_bounds
 
     table = prob.layout.block_table.to(device)
@@ -82,17 +103,16 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal):
             assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
 
 
-def test_fp8_decode_bitwise_deterministic_and_split_invariant():
+@pytest.mark.parametrize("version", [3, 2])
+def test_fp8_decode_bitwise_deterministic_and_split_invariant(version):
     from dataclasses import replace
-
-    from snapmla_cli.ops.decode_config import heuristic_config
 
     device = torch.device("cuda")
     prob = random_problem([9000, 70, 0, 4097], 2, 64, causal=True, seed=7)
-    a = _run_fp8(prob, device)
-    b = _run_fp8(prob, device)
+    cfg = _config(128, version, device)
+    a = _run_fp8(prob, device, cfg)
+    b = _run_fp8(prob, device, cfg)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    cfg = heuristic_config(128)
     fine = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=512))
     c = _run_fp8(prob, device, split=fine.with_sms(512))
     assert c[3].shape[0] > a[3].shape[0]  # more splits

@@ -1,0 +1,505 @@
+// SnapMLA FP8 split-KV decode on Hopper warpgroup MMA (QGMMA / HGMMA) and TMA (SPEC 2, 3, 5).
+//
+// CTA = two consumer warpgroups + one producer warpgroup; it owns kRows = 16 * ROW_GROUPS query rows
+// (s_q and heads flattened) of one work item (request, KV blocks [begin, end)).
+//
+// The GEMMs run transposed ("swap AB") so that the token dimension is wgmma's M = 64 and the
+// query rows are N (8 .. 64): a 16-row decode pays for 16 rows, not for a 64-row tile.
+//   QK:  S^T[64 tokens x rows] = K[64 x 576] . Q[rows x 576]^T. A = the page's K from shared
+//        memory, B = Q from shared memory; both K-major, as FP8 wgmma needs. Eight E4M3 content
+//        k-steps (QGMMA m64nNk32) and four bf16 RoPE k-steps (HGMMA m64nNk16) run into one
+//        float32 accumulator: the RoPE halves are pre-scaled by 1/scale (pre-scaled domain
+//        alignment), so content and RoPE sum before the per-row / per-token scales.
+//        Consumer warpgroup wg computes rows [wg * kRows/2, (wg + 1) * kRows/2).
+//   PV:  O^T[512 dims x rows] += V^T[dims x 64 tokens] . P^T. V is the same E4M3 content; its
+//        K-major (token-contiguous) A fragments are built in registers from the swizzled page
+//        with ldmatrix.trans on byte pairs + byte permutes, so no transposed copy is stored.
+//        The token order inside each 16-token group is permuted (the order of a reduction's
+//        terms), and P^T is written to shared memory in the same permuted order. Warpgroup wg
+//        owns output dims [256 wg, 256 wg + 256) for all kRows rows.
+// Pages arrive by TMA: four 64 x 128-byte content boxes and one RoPE box with 128-byte swizzle
+// (cache-line-aligned tiles) plus a 64 x 16-byte box holding the scales; STAGES deep, full /
+// empty mbarriers between the producer warpgroup (one lane issues, setmaxnreg gives its
+// registers to the consumers) and the 8 consumer warps.
+// Softmax per 64-token block (SPEC 5): block max and block max of e * s_k are combined across
+// the 4 warps of the warpgroup through shared memory, so m, sigma and gamma are exact
+// functions of the block; P = e4m3(e * s_k / sigma) per (row, block); blocks are accumulated in
+// strictly increasing order; gamma and P pass to the other warpgroup through shared memory.
+#include "common/convert.cuh"
+#include "decode_common.cuh"
+
+#ifndef ROW_GROUPS
+#define ROW_GROUPS 4  // query rows per CTA / 16: 1, 2 or 4
+#endif
+#ifndef STAGES
+#define STAGES 4  // pages in flight per CTA
+#endif
+#ifndef MIN_CTAS_PER_SM
+#define MIN_CTAS_PER_SM 1
+#endif
+
+namespace snapmla {
+namespace fp8wg {
+
+constexpr int kRows = 16 * ROW_GROUPS;                 // N of PV
+constexpr int kRowsPerWg = kRows / 2;                  // N of QK
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumerThreads = 32 * kConsumerWarps;
+constexpr int kWgThreads = 128;
+constexpr int kThreads = kConsumerThreads + kWgThreads;  // + producer warpgroup (one lane works)
+// Register split after setmaxnreg: the CTA starts with kLaunchRegs per thread (ptxas' limit
+// for kThreads x MIN_CTAS_PER_SM); setmaxnreg.inc only draws on what the producer's .dec freed
+// in the same CTA (asking for more blocks forever), so the consumers get at most
+// kLaunchRegs + 128 (kLaunchRegs - kProducerRegs) / 256, rounded down to 8, capped at 240.
+constexpr int kRegFile = 65536;
+constexpr int kRegGranule = 8;
+constexpr int kProducerRegs = 24;
+constexpr int kLaunchRegs = kRegFile / (MIN_CTAS_PER_SM * kThreads) / kRegGranule * kRegGranule;
+constexpr int kConsumerRegsFree =
+    (kLaunchRegs + kWgThreads * (kLaunchRegs - kProducerRegs) / kConsumerThreads) / kRegGranule * kRegGranule;
+constexpr int kConsumerRegs = kConsumerRegsFree > 240 ? 240 : kConsumerRegsFree;
+static_assert(kConsumerThreads * (kConsumerRegs - kLaunchRegs) <= kWgThreads * (kLaunchRegs - kProducerRegs),
+              "consumers may only take the registers the producer gave back");
+constexpr int kBox = 128;                              // TMA box width in bytes (= swizzle span)
+constexpr int kContentTiles = D_CONTENT / kBox;        // 4
+constexpr int kTileBytes = kPageTokens * kBox;         // 8192: one 64 x 128 B box
+constexpr int kScaleBoxBytes = kPageTokens * VEC_BYTES;  // 64 x 16 B (scale + pad)
+constexpr int kStageBytes = (kContentTiles + 1) * kTileBytes + kScaleBoxBytes;  // 41984
+constexpr int kSwizzleAtom128 = 8 * kBox;              // 1024: 8 rows of 128 B
+constexpr int kPRowBytes = kPageTokens;                // P^T row: 64 E4M3 tokens
+constexpr int kSwizzleAtom64 = 8 * kPRowBytes;         // 512
+constexpr int kQTileBytes = kRows * kBox;
+constexpr int kQBytes = (kContentTiles + 1) * kQTileBytes;
+constexpr int kPBytes = kRows * kPRowBytes;
+constexpr int kFp8KStep = 32;                          // bytes (and tokens) per FP8 k-step
+constexpr int kBf16KStepBytes = 32;                    // 16 bf16
+constexpr int kKStepsPerBox = kBox / kFp8KStep;        // 4
+constexpr int kRopeKSteps = kBox / kBf16KStepBytes;    // 4
+constexpr int kPvKSteps = kPageTokens / kFp8KStep;     // 2
+constexpr int kWgDims = kDimV / 2;                     // 256 output dims per warpgroup
+constexpr int kMTiles = kWgDims / 64;                  // 4 PV m-tiles per warpgroup
+constexpr int kSAcc = kRowsPerWg / 2;                  // S^T accumulator floats per thread
+constexpr int kOAcc = kRows / 2;                       // O^T floats per thread per m-tile
+constexpr int kOwnRows = kRowsPerWg / 4;               // rows whose softmax state a thread keeps
+constexpr int kAllRows = kRows / 4;                    // rows of O^T a thread holds
+constexpr float kE4m3Max = E4M3_MAX;
+constexpr float kPScaleFloor = P_SCALE_FLOOR;
+constexpr int kBarWg0 = 1, kBarConsumers = 3;          // named barrier ids (0 = __syncthreads)
+
+// shared memory map (offsets from a 1024-aligned base)
+constexpr int kOffQ = 0;
+constexpr int kOffStages = kOffQ + kQBytes;
+constexpr int kOffP = kOffStages + STAGES * kStageBytes;
+constexpr int kOffGamma = kOffP + 2 * kPBytes;
+constexpr int kOffStats = kOffGamma + 2 * kRows * 4;
+constexpr int kOffRowInfo = kOffStats + 2 * 4 * kRowsPerWg * 8;
+constexpr int kRowInfoFloats = 8;                      // sigma, 1/sigma, gamma, -, f per warp x 4
+constexpr int kOffLsum = kOffRowInfo + kRows * kRowInfoFloats * 4;
+constexpr int kOffBars = kOffLsum + 2 * 4 * kRowsPerWg * 4;
+constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
+constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
+constexpr int kMaxSmemPerCta = 232448;
+
+static_assert(ROW_GROUPS == 1 || ROW_GROUPS == 2 || ROW_GROUPS == 4, "16, 32 or 64 rows per CTA");
+static_assert(STAGES >= 2, "the pipeline needs two stages");
+static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES x rows exceed shared memory");
+static_assert(kQTileBytes % kSwizzleAtom128 == 0 && kStageBytes % kSwizzleAtom128 == 0, "swizzle atoms");
+static_assert(kOffP % kSwizzleAtom64 == 0 && kPBytes % kSwizzleAtom64 == 0, "P^T swizzle atoms");
+static_assert(kRowsPerWg % 8 == 0, "wgmma N is a multiple of 8");
+
+struct Params {
+    const unsigned char* q_content;  // [b, s_q, h_q, 512] e4m3
+    const float* q_scale;            // [b, s_q, h_q]
+    const __nv_bfloat16* q_rope;     // [b, s_q, h_q, 64] pre-scaled
+    const unsigned char* tmaps;      // two CUtensorMaps: 128-byte swizzled boxes, scale boxes
+    const int* block_table;
+    const int* cache_seqlens;
+    const WorkItem* work;
+    __nv_bfloat16* out;
+    float* lse;
+    float* partial_out;
+    float* partial_lse;
+    int block_table_stride;
+    float softmax_scale_log2;
+    DecodeShape shape;
+};
+
+constexpr int kTensorMapBytes = 128;
+
+// Byte offset of (row, byte) in a [rows x 128 B] tile with 128-byte swizzle (16-byte chunks
+// XOR row mod 8), as TMA writes it and wgmma reads it.
+__device__ __forceinline__ int swz128(int row, int byte) {
+    return row * kBox + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+}
+// Same for a [rows x 64 B] tile with 64-byte swizzle (chunk bits 4-5 XOR address bits 7-8).
+__device__ __forceinline__ int swz64(int row, int byte) {
+    return row * kPRowBytes + ((((byte >> 4) ^ (row >> 1)) & 3) << 4) + (byte & 15);
+}
+
+// Producer: one elected lane streams the pages of [block_begin, block_end) through the stages.
+__device__ __forceinline__ void produce(const Params& p, unsigned char* smem, unsigned long long* full,
+                                        unsigned long long* empty, const int* table, int block_begin,
+                                        int num_blocks) {
+    const unsigned char* map_tiles = p.tmaps;
+    const unsigned char* map_scale = p.tmaps + kTensorMapBytes;
+    prefetch_tensor_map(map_tiles);
+    prefetch_tensor_map(map_scale);
+    for (int it = 0; it < num_blocks; ++it) {
+        const int stage = it % STAGES;
+        if (it >= STAGES) mbarrier_wait_parity(&empty[stage], ((it / STAGES) - 1) & 1);
+        const int row = table[block_begin + it] * kPageTokens;
+        unsigned char* dst = smem + kOffStages + stage * kStageBytes;
+        mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
+#pragma unroll
+        for (int t = 0; t < kContentTiles; ++t)
+            tma_load_2d(dst + t * kTileBytes, map_tiles, t * kBox, row, &full[stage]);
+        tma_load_2d(dst + kContentTiles * kTileBytes, map_tiles, ROPE_OFFSET, row, &full[stage]);
+        tma_load_2d(dst + (kContentTiles + 1) * kTileBytes, map_scale, SCALE_OFFSET, row, &full[stage]);
+    }
+}
+
+// Q rows of this CTA into 128-byte-swizzled K-major tiles (4 content tiles + 1 RoPE tile);
+// padding rows are zero.
+__device__ __forceinline__ void load_q(unsigned char* q_s, const Params& p, long row_base, int row0,
+                                       int rows, int tid) {
+    constexpr int kChunksPerRow = (D_CONTENT + ROPE_BYTES) / VEC_BYTES;  // 40
+    for (int i = tid; i < kRows * kChunksPerRow; i += kConsumerThreads) {
+        const int r = i / kChunksPerRow, k = i % kChunksPerRow;
+        const bool valid = row0 + r < rows;
+        const long grow = row_base + (valid ? row0 + r : 0);
+        const int tile = k / (kBox / VEC_BYTES), byte = (k % (kBox / VEC_BYTES)) * VEC_BYTES;
+        const unsigned char* src = tile < kContentTiles
+                                       ? p.q_content + grow * D_CONTENT + tile * kBox + byte
+                                       : reinterpret_cast<const unsigned char*>(p.q_rope + grow * D_ROPE) + byte;
+        cp_async_16(q_s + tile * kQTileBytes + swz128(r, byte), src, valid);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+}
+
+__device__ __forceinline__ float warp_col_max(float v) {  // over the 8 lanes of equal lane % 4
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 4));
+    v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 8));
+    return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 16));
+}
+__device__ __forceinline__ float warp_col_sum(float v) {
+    v += __shfl_xor_sync(FULL_MASK, v, 4);
+    v += __shfl_xor_sync(FULL_MASK, v, 8);
+    return v + __shfl_xor_sync(FULL_MASK, v, 16);
+}
+
+__device__ __forceinline__ void consume(const Params& p, unsigned char* smem, unsigned long long* full,
+                                        unsigned long long* empty, int block_begin, int num_blocks,
+                                        int seqlen, int rows, int row0, long row_base, const WorkItem& work,
+                                        int req) {
+    const int tid = threadIdx.x;
+    const int wg = tid / kWgThreads;
+    const int w = (tid / 32) % 4;          // warp inside the warpgroup
+    const int lane = tid % 32, g = lane / 4, c = lane % 4;
+    unsigned char* q_s = smem + kOffQ;
+    float* gamma_s = reinterpret_cast<float*>(smem + kOffGamma);
+    float2* stats_s = reinterpret_cast<float2*>(smem + kOffStats) + wg * 4 * kRowsPerWg;
+    float* lsum_s = reinterpret_cast<float*>(smem + kOffLsum);
+    float* rowinfo_s = reinterpret_cast<float*>(smem + kOffRowInfo) + wg * kRowsPerWg * kRowInfoFloats;
+    const int wtid = tid % kWgThreads;  // threads wtid < kRowsPerWg own one row's running state
+
+    load_q(q_s, p, row_base, row0, rows, tid);
+    fence_proxy_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it
+    named_barrier_sync(kBarConsumers, kConsumerThreads);
+
+    // rows of this warpgroup's softmax state held by this thread: local n = wg*kRowsPerWg + 8j + 2c + e
+    float qk_scale[kOwnRows], l_run[kOwnRows];
+    float row_m = -INFINITY, row_sig = 1.f;  // running max / P scale of row wg*kRowsPerWg + wtid
+    int vis[kOwnRows];
+#pragma unroll
+    for (int i = 0; i < kOwnRows; ++i) {
+        const int n = wg * kRowsPerWg + 8 * (i / 2) + 2 * c + (i % 2);
+        const int row = row0 + n;
+        qk_scale[i] = row < rows ? p.q_scale[row_base + row] * p.softmax_scale_log2 : 0.f;
+        vis[i] = visible_keys(row, rows, seqlen, p.shape);
+        l_run[i] = 0.f;
+    }
+    float o_acc[kMTiles][kOAcc];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < kOAcc; ++i) o_acc[mt][i] = 0.f;
+
+    const unsigned long long q_desc_base =
+        make_smem_desc(q_s + wg * kRowsPerWg * kBox, kSwizzle128B, kSwizzleAtom128);
+    const int tok_a = 16 * w + g, tok_b = tok_a + 8;  // this thread's S^T rows (tokens)
+
+    for (int it = 0; it < num_blocks; ++it) {
+        const int blk = block_begin + it;
+        const int stage = it % STAGES;
+        unsigned char* page = smem + kOffStages + stage * kStageBytes;
+        mbarrier_wait_parity(&full[stage], (it / STAGES) & 1);
+
+        // ---- QK on the tensor cores: S^T = K . Q^T, content (E4M3) + RoPE (bf16) ------------
+        float s_acc[kSAcc];
+#pragma unroll
+        for (int i = 0; i < kSAcc; ++i) s_acc[i] = 0.f;
+        const unsigned long long k_desc = make_smem_desc(page, kSwizzle128B, kSwizzleAtom128);
+        wgmma_fence();
+#pragma unroll
+        for (int t = 0; t < kContentTiles; ++t)
+#pragma unroll
+            for (int kk = 0; kk < kKStepsPerBox; ++kk) {
+                const unsigned long long step = (t * kTileBytes + kk * kFp8KStep) >> 4;
+                const unsigned long long qstep = (t * kQTileBytes + kk * kFp8KStep) >> 4;
+                wgmma_fp8_ss(s_acc, k_desc + step, q_desc_base + qstep, t + kk > 0);
+            }
+#pragma unroll
+        for (int kk = 0; kk < kRopeKSteps; ++kk) {
+            const unsigned long long step = (kContentTiles * kTileBytes + kk * kBf16KStepBytes) >> 4;
+            const unsigned long long qstep = (kContentTiles * kQTileBytes + kk * kBf16KStepBytes) >> 4;
+            wgmma_bf16_ss(s_acc, k_desc + step, q_desc_base + qstep, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(s_acc);
+
+        // ---- logits, masks, warp-local block statistics --------------------------------------
+        const int page_first = blk * kPageTokens;
+        const int valid = min(kPageTokens, seqlen - page_first);
+        const unsigned char* scales = page + (kContentTiles + 1) * kTileBytes;
+        const float ks_a = tok_a < valid ? *reinterpret_cast<const float*>(scales + tok_a * VEC_BYTES) : 0.f;
+        const float ks_b = tok_b < valid ? *reinterpret_cast<const float*>(scales + tok_b * VEC_BYTES) : 0.f;
+        float mw[kOwnRows], etw[kOwnRows], esum[kOwnRows];
+#pragma unroll
+        for (int i = 0; i < kOwnRows; ++i) {
+            const int j = i / 2, e = i % 2;
+            float& sa = s_acc[4 * j + e];
+            float& sb = s_acc[4 * j + 2 + e];
+            sa = page_first + tok_a < vis[i] ? sa * (qk_scale[i] * ks_a) : -INFINITY;
+            sb = page_first + tok_b < vis[i] ? sb * (qk_scale[i] * ks_b) : -INFINITY;
+            mw[i] = warp_col_max(fmaxf(sa, sb));
+            const float ea = mw[i] > -INFINITY && sa > -INFINITY ? fast_exp2(sa - mw[i]) : 0.f;
+            const float eb = mw[i] > -INFINITY && sb > -INFINITY ? fast_exp2(sb - mw[i]) : 0.f;
+            sa = ea;
+            sb = eb;
+            esum[i] = ea + eb;
+            etw[i] = warp_col_max(fmaxf(ea * ks_a, eb * ks_b));
+        }
+        if (g == 0) {
+#pragma unroll
+            for (int i = 0; i < kOwnRows; ++i)
+                stats_s[w * kRowsPerWg + 8 * (i / 2) + 2 * c + (i % 2)] = make_float2(mw[i], etw[i]);
+        }
+        named_barrier_sync(kBarWg0 + wg, kWgThreads);
+
+        // ---- block statistics, once per row: m, sigma, gamma and each warp's rescale factor --
+        unsigned char* p_s = smem + kOffP + (it & 1) * kPBytes;
+        float* gamma_buf = gamma_s + (it & 1) * kRows;
+        if (wtid < kRowsPerWg) {
+            float2 parts[4];
+            float bmax = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                parts[k] = stats_s[k * kRowsPerWg + wtid];
+                bmax = fmaxf(bmax, parts[k].x);
+            }
+            const float mnew = fmaxf(row_m, bmax);
+            float etmax = 0.f, fk[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                fk[k] = parts[k].x > -INFINITY ? fast_exp2(parts[k].x - mnew) : 0.f;
+                etmax = fmaxf(etmax, fk[k] * parts[k].y);
+            }
+            const bool act = bmax > -INFINITY;
+            const float signew = act ? fmaxf(__fdiv_rn(etmax, kE4m3Max), kPScaleFloor) : row_sig;
+            const float gamma = !act ? 1.f
+                                     : (row_m == -INFINITY ? 0.f : fast_exp2(row_m - mnew) * __fdiv_rn(row_sig, signew));
+            if (act) {
+                row_m = mnew;
+                row_sig = signew;
+            }
+            float4* info = reinterpret_cast<float4*>(rowinfo_s + wtid * kRowInfoFloats);
+            info[0] = make_float4(signew, __frcp_rn(signew), gamma, 0.f);
+            info[1] = make_float4(fk[0], fk[1], fk[2], fk[3]);
+            gamma_buf[wg * kRowsPerWg + wtid] = gamma;
+        }
+        named_barrier_sync(kBarWg0 + wg, kWgThreads);
+
+        // ---- P = e4m3(e s_k f / sigma), L partials --------------------------------------------
+        float pval[kOwnRows][2];
+#pragma unroll
+        for (int i = 0; i < kOwnRows; ++i) {
+            const int j = i / 2, e = i % 2;
+            const float* info = rowinfo_s + (8 * j + 2 * c + e) * kRowInfoFloats;
+            const float4 head = *reinterpret_cast<const float4*>(info);
+            const float sig = head.x, inv = head.y, gamma = head.z, f = info[4 + w];
+            l_run[i] = gamma * l_run[i] + div_rn_fast(esum[i] * f, sig, inv);
+            pval[i][0] = div_rn_fast(s_acc[4 * j + e] * f * ks_a, sig, inv);
+            pval[i][1] = div_rn_fast(s_acc[4 * j + 2 + e] * f * ks_b, sig, inv);
+        }
+        // P^T[row][token'] in E4M3: lanes g and g^1 hold tokens k and k+1 of the permuted order;
+        // each pair packs 4 consecutive bytes of one row (even g: row 2c, odd g: row 2c+1).
+#pragma unroll
+        for (int j = 0; j < kOwnRows / 2; ++j) {
+            const unsigned mine = f32x4_to_e4m3x4(pval[2 * j][0], pval[2 * j + 1][0], pval[2 * j][1], pval[2 * j + 1][1]);
+            const unsigned other = __shfl_xor_sync(FULL_MASK, mine, 4);
+            constexpr unsigned kEvenRow = 0x6240, kOddRow = 0x3715;
+            const unsigned packed = (g & 1) ? prmt(mine, other, kOddRow) : prmt(mine, other, kEvenRow);
+            const int n = wg * kRowsPerWg + 8 * j + 2 * c + (g & 1);
+            const int byte = 16 * w + 4 * (g >> 1);
+            *reinterpret_cast<unsigned*>(p_s + swz64(n, byte)) = packed;
+        }
+        fence_proxy_async_shared();  // P^T (generic stores) is read by wgmma (async proxy)
+        named_barrier_sync(kBarConsumers, kConsumerThreads);
+
+        // ---- PV: O^T[dims x rows] = gamma O^T + V^T . P^T ------------------------------------
+        float gam[kAllRows];
+#pragma unroll
+        for (int j = 0; j < kRows / 8; ++j) {
+            const float2 gp = *reinterpret_cast<const float2*>(gamma_buf + 8 * j + 2 * c);
+            gam[2 * j] = gp.x;
+            gam[2 * j + 1] = gp.y;
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+            for (int j = 0; j < kRows / 8; ++j) {
+                o_acc[mt][4 * j + 0] *= gam[2 * j];
+                o_acc[mt][4 * j + 1] *= gam[2 * j + 1];
+                o_acc[mt][4 * j + 2] *= gam[2 * j];
+                o_acc[mt][4 * j + 3] *= gam[2 * j + 1];
+            }
+        // tokens of this thread's A bytes: {2c, 2c+1, 8+2c, 9+2c} (+16, +32); mask past `valid`
+        unsigned vmask[kPvKSteps][2];
+#pragma unroll
+        for (int ks = 0; ks < kPvKSteps; ++ks)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int t0 = kFp8KStep * ks + 16 * h + 2 * c;
+                vmask[ks][h] = (t0 < valid ? 0x000000ffu : 0u) | (t0 + 1 < valid ? 0x0000ff00u : 0u) |
+                               (t0 + 8 < valid ? 0x00ff0000u : 0u) | (t0 + 9 < valid ? 0xff000000u : 0u);
+            }
+        const unsigned long long p_desc = make_smem_desc(p_s, kSwizzle64B, kSwizzleAtom64);
+        const int ld_token = 8 * (lane / 8) + (lane % 8);  // ldmatrix row address of this lane
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+            const int dim = wg * kWgDims + mt * 64 + 16 * w;  // this warp's 16 dims
+            const unsigned char* tile = page + (dim / kBox) * kTileBytes;
+            const int byte = dim % kBox;
+#pragma unroll
+            for (int ks = 0; ks < kPvKSteps; ++ks) {
+                unsigned r[4];
+                ldmatrix_x4_trans(r, tile + swz128(kFp8KStep * ks + ld_token, byte));
+                constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
+                const unsigned a[4] = {prmt(r[0], r[1], kEvenDim) & vmask[ks][0],
+                                       prmt(r[0], r[1], kOddDim) & vmask[ks][0],
+                                       prmt(r[2], r[3], kEvenDim) & vmask[ks][1],
+                                       prmt(r[2], r[3], kOddDim) & vmask[ks][1]};
+                wgmma_fp8_rs(o_acc[mt], a, p_desc + ((kFp8KStep * ks) >> 4));
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
+        if (lane == 0) mbarrier_arrive(&empty[stage]);
+    }
+
+    // ---- L per row: thread partials -> warp -> warpgroup; shared with the other warpgroup ----
+#pragma unroll
+    for (int i = 0; i < kOwnRows; ++i) {
+        const float lw = warp_col_sum(l_run[i]);
+        if (g == 0) lsum_s[(wg * 4 + w) * kRowsPerWg + 8 * (i / 2) + 2 * c + (i % 2)] = lw;
+    }
+    named_barrier_sync(kBarConsumers, kConsumerThreads);
+    float rcp[kAllRows];
+#pragma unroll
+    for (int a = 0; a < kAllRows; ++a) {
+        const int n = 8 * (a / 2) + 2 * c + (a % 2);
+        const int owner = n / kRowsPerWg, nl = n % kRowsPerWg;
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) total += lsum_s[(owner * 4 + k) * kRowsPerWg + nl];
+        rcp[a] = total > 0.f ? 1.f / total : 0.f;
+    }
+
+    // ---- epilogue: out = O / L (dims 2g, 2g+1 of each warp's 16), lse = m ln2 + log(sigma L) --
+    const bool to_partial = work.partial >= 0;
+    const long part_rows = static_cast<long>(work.partial) * rows;
+#pragma unroll
+    for (int a = 0; a < kAllRows; ++a) {
+        const int n = 8 * (a / 2) + 2 * c + (a % 2);
+        const int row = row0 + n;
+        if (row >= rows) continue;
+        const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
+        const int j = a / 2, e = a % 2;
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+            const int dim = wg * kWgDims + mt * 64 + 16 * w + 2 * g;
+            store_out2(p.out, p.partial_out, base + dim, to_partial, o_acc[mt][4 * j + e] * rcp[a],
+                       o_acc[mt][4 * j + 2 + e] * rcp[a]);
+        }
+    }
+    if (wtid < kRowsPerWg) {
+        const int row = row0 + wg * kRowsPerWg + wtid;
+        if (row < rows) {
+            float total = 0.f;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) total += lsum_s[(wg * 4 + k) * kRowsPerWg + wtid];
+            const float value = row_m > -INFINITY ? row_m * kLn2 + logf(row_sig * total)
+                                                  : (to_partial ? -INFINITY : INFINITY);
+            if (to_partial) p.partial_lse[part_rows + row] = value;
+            else p.lse[lse_index(req, row, p.shape)] = value;
+        }
+    }
+}
+
+__device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
+    const WorkItem work = p.work[blockIdx.y];
+    const int req = work.request;
+    const int rows = p.shape.s_q * p.shape.h_q;
+    const int row0 = blockIdx.x * kRows;
+    if (row0 >= rows) return;
+    const int seqlen = p.cache_seqlens[req];
+    const long row_base = static_cast<long>(req) * rows;
+    const int* table = p.block_table + static_cast<long>(req) * p.block_table_stride;
+    const int num_blocks = work.block_end - work.block_begin;
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
+    unsigned long long* empty = full + STAGES;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], kConsumerWarps);
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x >= kConsumerThreads) {
+        setmaxnreg_dec<kProducerRegs>();
+        if (threadIdx.x == kConsumerThreads)
+            produce(p, smem, full, empty, table, work.block_begin, num_blocks);
+        return;
+    }
+    setmaxnreg_inc<kConsumerRegs>();
+    consume(p, smem, full, empty, work.block_begin, num_blocks, seqlen, rows, row0, row_base, work, req);
+}
+
+}  // namespace fp8wg
+}  // namespace snapmla
+
+extern "C" __global__ void __launch_bounds__(snapmla::fp8wg::kThreads, MIN_CTAS_PER_SM)
+snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
+                         const __nv_bfloat16* q_rope, const unsigned char* tmaps,
+                         const int* block_table, const int* cache_seqlens,
+                         const snapmla::WorkItem* work_list, __nv_bfloat16* out, float* lse,
+                         float* partial_out, float* partial_lse, int block_table_stride,
+                         float softmax_scale_log2, int h_q, int s_q, int causal) {
+    extern __shared__ unsigned char smem_raw[];
+    // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom
+    const unsigned base = snapmla::smem_addr(smem_raw);
+    unsigned char* smem = smem_raw + ((snapmla::fp8wg::kSmemAlign - (base % snapmla::fp8wg::kSmemAlign)) %
+                                      snapmla::fp8wg::kSmemAlign);
+    const snapmla::fp8wg::Params p{q_content, q_scale, q_rope, tmaps, block_table, cache_seqlens,
+                                   work_list, out, lse, partial_out, partial_lse, block_table_stride,
+                                   softmax_scale_log2, snapmla::DecodeShape{h_q, s_q, causal}};
+    snapmla::fp8wg::run(p, smem);
+}

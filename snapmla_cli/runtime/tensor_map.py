@@ -1,0 +1,105 @@
+"""TMA tensor maps of the 656-byte FP8 cache for the Hopper decode kernel.
+
+Why this module: the wgmma kernel loads each 64-token page with the Tensor Memory Accelerator,
+which needs a ``CUtensorMap`` built by the CUDA driver (``cuTensorMapEncodeTiled``). Neither
+torch nor CuPy exposes that call, and cuda-bindings is not a dependency, so it is called through
+``ctypes`` on ``libcuda`` (always present where a GPU is). The two 128-byte maps are copied once
+to device memory and passed to the kernel as a pointer (a TMA may read its map from global
+memory); they are cached per (device, cache address, cache size), so the decode hot path does a
+dict lookup only. A map depends on the address and shape alone, so a cache tensor freed and
+reallocated at the same address with the same size reuses a still-correct map.
+
+The cache is viewed as a 2-D byte tensor ``[num_blocks * 64 rows, 656 bytes]``:
+  * map 0: boxes of 64 rows x 128 bytes with 128-byte swizzle (the four content tiles at
+    columns 0, 128, 256, 384 and the RoPE tile at column 528), the layout wgmma reads;
+  * map 1: boxes of 64 rows x 16 bytes, unswizzled (the float32 scale + pad at column 512).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from functools import lru_cache
+
+import torch
+
+from ..errors import NoGpuError, SnapmlaError
+from ..numerics.formats import FP8_TOKEN_BYTES, PAGE_SIZE
+
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
+TENSOR_MAP_ALIGN = 64
+TILE_BOX_BYTES = 128  # content / RoPE box width: one 128-byte swizzle span
+SCALE_BOX_BYTES = 16  # scale + pad
+MAX_CACHED_MAPS = 64
+
+# CUDA driver enums (cuda.h)
+_DTYPE_UINT8 = 0
+_INTERLEAVE_NONE = 0
+_SWIZZLE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_NONE = 0
+_CUDA_SUCCESS = 0
+
+_maps: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+
+
+class _TensorMap(ctypes.Structure):
+    _fields_ = [("opaque", ctypes.c_uint64 * (TENSOR_MAP_BYTES // 8))]
+
+
+@lru_cache(maxsize=1)
+def _encode_tiled():
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        raise NoGpuError("libcuda.so.1 not found: the TMA decode kernel needs the NVIDIA driver") from None
+    fn = libcuda.cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_TensorMap), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                   ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint32),
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+def encode_byte_map(address: int, rows: int, row_bytes: int, box_bytes: int, box_rows: int,
+                    swizzle_128b: bool) -> bytes:
+    """One 2-D uint8 tensor map over ``rows x row_bytes`` at ``address`` (driver call)."""
+    tmap = _TensorMap()
+    dims = (ctypes.c_uint64 * 2)(row_bytes, rows)
+    strides = (ctypes.c_uint64 * 1)(row_bytes)
+    box = (ctypes.c_uint32 * 2)(box_bytes, box_rows)
+    elem_strides = (ctypes.c_uint32 * 2)(1, 1)
+    status = _encode_tiled()(ctypes.byref(tmap), _DTYPE_UINT8, 2, ctypes.c_void_p(address), dims,
+                             strides, box, elem_strides, _INTERLEAVE_NONE,
+                             _SWIZZLE_128B if swizzle_128b else _SWIZZLE_NONE,
+                             _L2_PROMOTION_256B, _OOB_FILL_NONE)
+    if status != _CUDA_SUCCESS:
+        raise SnapmlaError(f"k_cache: cuTensorMapEncodeTiled failed with CUresult {status} "
+                           f"({rows} rows x {row_bytes} B at 0x{address:x})")
+    return bytes(tmap)
+
+
+def fp8_cache_tensor_maps(cache_rows: torch.Tensor) -> torch.Tensor:
+    """Device buffer holding the two tensor maps of a contiguous uint8 FP8 cache
+    (``[blocks, 64, 656]`` or ``[blocks, 64, 1, 656]``)."""
+    rows = cache_rows.numel() // FP8_TOKEN_BYTES
+    if rows % PAGE_SIZE or cache_rows.numel() % FP8_TOKEN_BYTES:
+        raise SnapmlaError(f"k_cache: {cache_rows.numel()} bytes is not whole 64-token pages of {FP8_TOKEN_BYTES} B")
+    address = cache_rows.data_ptr()
+    key = (cache_rows.device.index or 0, address, rows)
+    cached = _maps.get(key)
+    if cached is not None:
+        _maps.move_to_end(key)
+        return cached
+    blob = (encode_byte_map(address, rows, FP8_TOKEN_BYTES, TILE_BOX_BYTES, PAGE_SIZE, True)
+            + encode_byte_map(address, rows, FP8_TOKEN_BYTES, SCALE_BOX_BYTES, PAGE_SIZE, False))
+    host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    device_maps = host.to(cache_rows.device)
+    if device_maps.data_ptr() % TENSOR_MAP_ALIGN:
+        raise SnapmlaError("tensor map buffer is not 64-byte aligned")
+    _maps[key] = device_maps
+    while len(_maps) > MAX_CACHED_MAPS:
+        _maps.popitem(last=False)
+    return device_maps
