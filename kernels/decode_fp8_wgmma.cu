@@ -82,6 +82,10 @@ constexpr int kSAcc = kRowsPerWg / 2;                  // S^T accumulator floats
 constexpr int kOAcc = kRows / 2;                       // O^T floats per thread per m-tile
 constexpr int kOwnRows = kRowsPerWg / 4;               // rows whose softmax state a thread keeps
 constexpr int kAllRows = kRows / 4;                    // rows of O^T a thread holds
+constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1;   // see consume()
+// An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
+// there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
+constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1;
 constexpr float kE4m3Max = E4M3_MAX;
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 constexpr int kBarWg0 = 1, kBarConsumers = 3;          // named barrier ids (0 = __syncthreads)
@@ -95,7 +99,8 @@ constexpr int kOffStats = kOffGamma + 2 * kRows * 4;
 constexpr int kOffRowInfo = kOffStats + 2 * 4 * kRowsPerWg * 8;
 constexpr int kRowInfoFloats = 8;                      // sigma, 1/sigma, gamma, -, f per warp x 4
 constexpr int kOffLsum = kOffRowInfo + kRows * kRowInfoFloats * 4;
-constexpr int kOffBars = kOffLsum + 2 * 4 * kRowsPerWg * 4;
+constexpr int kOffRowConst = kOffLsum + 2 * 4 * kRowsPerWg * 4;
+constexpr int kOffBars = kOffRowConst + kRows * 8;
 constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
 constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
 constexpr int kMaxSmemPerCta = 232448;
@@ -106,6 +111,9 @@ static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES x rows exceed s
 static_assert(kQTileBytes % kSwizzleAtom128 == 0 && kStageBytes % kSwizzleAtom128 == 0, "swizzle atoms");
 static_assert(kOffP % kSwizzleAtom64 == 0 && kPBytes % kSwizzleAtom64 == 0, "P^T swizzle atoms");
 static_assert(kRowsPerWg % 8 == 0, "wgmma N is a multiple of 8");
+#ifdef SNAPMLA_EXPECT_SMEM  // the host's launch size (ops/decode_config.py wgmma_smem_bytes)
+static_assert(kSmemBytes + kSmemAlign == SNAPMLA_EXPECT_SMEM, "host shared-memory formula is out of date");
+#endif
 
 struct Params {
     const unsigned char* q_content;  // [b, s_q, h_q, 512] e4m3
@@ -188,6 +196,33 @@ __device__ __forceinline__ float warp_col_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 16);
 }
 
+// Issue (no wait) S^T = K . Q^T for block `it` of this split into `acc` once its page has
+// landed: 16 E4M3 k-steps over the four content tiles, then 4 bf16 k-steps over the RoPE tile.
+template <int kAcc>
+__device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem, unsigned long long* full,
+                                         int it, unsigned long long q_desc_base) {
+    const int stage = it % STAGES;
+    unsigned char* page = smem + kOffStages + stage * kStageBytes;
+    mbarrier_wait_parity(&full[stage], (it / STAGES) & 1);
+    const unsigned long long k_desc = make_smem_desc(page, kSwizzle128B, kSwizzleAtom128);
+    wgmma_fence();
+#pragma unroll
+    for (int t = 0; t < kContentTiles; ++t)
+#pragma unroll
+        for (int kk = 0; kk < kKStepsPerBox; ++kk) {
+            const unsigned long long step = (t * kTileBytes + kk * kFp8KStep) >> 4;
+            const unsigned long long qstep = (t * kQTileBytes + kk * kFp8KStep) >> 4;
+            wgmma_fp8_ss(acc, k_desc + step, q_desc_base + qstep, t + kk > 0);
+        }
+#pragma unroll
+    for (int kk = 0; kk < kRopeKSteps; ++kk) {
+        const unsigned long long step = (kContentTiles * kTileBytes + kk * kBf16KStepBytes) >> 4;
+        const unsigned long long qstep = (kContentTiles * kQTileBytes + kk * kBf16KStepBytes) >> 4;
+        wgmma_bf16_ss(acc, k_desc + step, q_desc_base + qstep, 1);
+    }
+    wgmma_commit();
+}
+
 __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, unsigned long long* full,
                                         unsigned long long* empty, int block_begin, int num_blocks,
                                         int seqlen, int rows, int row0, long row_base, const WorkItem& work,
@@ -203,22 +238,23 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     float* rowinfo_s = reinterpret_cast<float*>(smem + kOffRowInfo) + wg * kRowsPerWg * kRowInfoFloats;
     const int wtid = tid % kWgThreads;  // threads wtid < kRowsPerWg own one row's running state
 
+    // per-row constants in shared memory (registers go to the accumulators): the logit scale
+    // q_scale * softmax_scale * log2(e) and the number of visible keys
+    float2* rowconst_s = reinterpret_cast<float2*>(smem + kOffRowConst);
+    if (tid < kRows) {
+        const int row = row0 + tid;
+        rowconst_s[tid] = make_float2(row < rows ? p.q_scale[row_base + row] * p.softmax_scale_log2 : 0.f,
+                                      __int_as_float(visible_keys(row, rows, seqlen, p.shape)));
+    }
     load_q(q_s, p, row_base, row0, rows, tid);
     fence_proxy_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it
     named_barrier_sync(kBarConsumers, kConsumerThreads);
 
     // rows of this warpgroup's softmax state held by this thread: local n = wg*kRowsPerWg + 8j + 2c + e
-    float qk_scale[kOwnRows], l_run[kOwnRows];
+    float l_run[kOwnRows];
     float row_m = -INFINITY, row_sig = 1.f;  // running max / P scale of row wg*kRowsPerWg + wtid
-    int vis[kOwnRows];
 #pragma unroll
-    for (int i = 0; i < kOwnRows; ++i) {
-        const int n = wg * kRowsPerWg + 8 * (i / 2) + 2 * c + (i % 2);
-        const int row = row0 + n;
-        qk_scale[i] = row < rows ? p.q_scale[row_base + row] * p.softmax_scale_log2 : 0.f;
-        vis[i] = visible_keys(row, rows, seqlen, p.shape);
-        l_run[i] = 0.f;
-    }
+    for (int i = 0; i < kOwnRows; ++i) l_run[i] = 0.f;
     float o_acc[kMTiles][kOAcc];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
@@ -229,35 +265,29 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         make_smem_desc(q_s + wg * kRowsPerWg * kBox, kSwizzle128B, kSwizzleAtom128);
     const int tok_a = 16 * w + g, tok_b = tok_a + 8;  // this thread's S^T rows (tokens)
 
+    // kPrefetchQk: QK of block it+1 is issued before the softmax of block it, so the tensor
+    // cores work while the CUDA cores do the softmax; s_cur holds block it's logits, s_next
+    // block it+1's. Two CTAs per SM overlap each other instead (and lack the registers).
+    float s_cur[kSAcc], s_next[kSAcc];
+    if constexpr (kPrefetchQk) {
+        issue_qk(s_cur, smem, full, 0, q_desc_base);
+        wgmma_wait<0>();
+        fence_accumulators(s_cur);
+    }
+
     for (int it = 0; it < num_blocks; ++it) {
         const int blk = block_begin + it;
         const int stage = it % STAGES;
         unsigned char* page = smem + kOffStages + stage * kStageBytes;
-        mbarrier_wait_parity(&full[stage], (it / STAGES) & 1);
-
-        // ---- QK on the tensor cores: S^T = K . Q^T, content (E4M3) + RoPE (bf16) ------------
-        float s_acc[kSAcc];
-#pragma unroll
-        for (int i = 0; i < kSAcc; ++i) s_acc[i] = 0.f;
-        const unsigned long long k_desc = make_smem_desc(page, kSwizzle128B, kSwizzleAtom128);
-        wgmma_fence();
-#pragma unroll
-        for (int t = 0; t < kContentTiles; ++t)
-#pragma unroll
-            for (int kk = 0; kk < kKStepsPerBox; ++kk) {
-                const unsigned long long step = (t * kTileBytes + kk * kFp8KStep) >> 4;
-                const unsigned long long qstep = (t * kQTileBytes + kk * kFp8KStep) >> 4;
-                wgmma_fp8_ss(s_acc, k_desc + step, q_desc_base + qstep, t + kk > 0);
-            }
-#pragma unroll
-        for (int kk = 0; kk < kRopeKSteps; ++kk) {
-            const unsigned long long step = (kContentTiles * kTileBytes + kk * kBf16KStepBytes) >> 4;
-            const unsigned long long qstep = (kContentTiles * kQTileBytes + kk * kBf16KStepBytes) >> 4;
-            wgmma_bf16_ss(s_acc, k_desc + step, q_desc_base + qstep, 1);
+        const bool has_next = it + 1 < num_blocks;
+        if constexpr (kPrefetchQk) {
+            if (has_next) issue_qk(s_next, smem, full, it + 1, q_desc_base);
+        } else {
+            issue_qk(s_cur, smem, full, it, q_desc_base);
+            wgmma_wait<0>();
+            fence_accumulators(s_cur);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(s_acc);
+        float (&s_acc)[kSAcc] = s_cur;
 
         // ---- logits, masks, warp-local block statistics --------------------------------------
         const int page_first = blk * kPageTokens;
@@ -271,8 +301,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             const int j = i / 2, e = i % 2;
             float& sa = s_acc[4 * j + e];
             float& sb = s_acc[4 * j + 2 + e];
-            sa = page_first + tok_a < vis[i] ? sa * (qk_scale[i] * ks_a) : -INFINITY;
-            sb = page_first + tok_b < vis[i] ? sb * (qk_scale[i] * ks_b) : -INFINITY;
+            const float2 rc = rowconst_s[wg * kRowsPerWg + 8 * j + 2 * c + e];
+            const int vis = __float_as_int(rc.y);
+            sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
+            sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
             mw[i] = warp_col_max(fmaxf(sa, sb));
             const float ea = mw[i] > -INFINITY && sa > -INFINITY ? fast_exp2(sa - mw[i]) : 0.f;
             const float eb = mw[i] > -INFINITY && sb > -INFINITY ? fast_exp2(sb - mw[i]) : 0.f;
@@ -321,23 +353,23 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         }
         named_barrier_sync(kBarWg0 + wg, kWgThreads);
 
-        // ---- P = e4m3(e s_k f / sigma), L partials --------------------------------------------
-        float pval[kOwnRows][2];
-#pragma unroll
-        for (int i = 0; i < kOwnRows; ++i) {
-            const int j = i / 2, e = i % 2;
-            const float* info = rowinfo_s + (8 * j + 2 * c + e) * kRowInfoFloats;
-            const float4 head = *reinterpret_cast<const float4*>(info);
-            const float sig = head.x, inv = head.y, gamma = head.z, f = info[4 + w];
-            l_run[i] = gamma * l_run[i] + div_rn_fast(esum[i] * f, sig, inv);
-            pval[i][0] = div_rn_fast(s_acc[4 * j + e] * f * ks_a, sig, inv);
-            pval[i][1] = div_rn_fast(s_acc[4 * j + 2 + e] * f * ks_b, sig, inv);
-        }
-        // P^T[row][token'] in E4M3: lanes g and g^1 hold tokens k and k+1 of the permuted order;
-        // each pair packs 4 consecutive bytes of one row (even g: row 2c, odd g: row 2c+1).
+        // ---- P = e4m3(e s_k f / sigma) into P^T[row][token'], L partials ---------------------
+        // Lanes g and g^1 hold tokens k and k+1 of the permuted token order; each pair packs 4
+        // consecutive bytes of one row (even g: row 8j+2c, odd g: row 8j+2c+1).
 #pragma unroll
         for (int j = 0; j < kOwnRows / 2; ++j) {
-            const unsigned mine = f32x4_to_e4m3x4(pval[2 * j][0], pval[2 * j + 1][0], pval[2 * j][1], pval[2 * j + 1][1]);
+            float pv[2][2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 2 * j + e;
+                const float* info = rowinfo_s + (8 * j + 2 * c + e) * kRowInfoFloats;
+                const float4 head = *reinterpret_cast<const float4*>(info);
+                const float sig = head.x, inv = head.y, gamma = head.z, f = info[4 + w];
+                l_run[i] = gamma * l_run[i] + div_rn_fast(esum[i] * f, sig, inv);
+                pv[e][0] = div_rn_fast(s_acc[4 * j + e] * f * ks_a, sig, inv);
+                pv[e][1] = div_rn_fast(s_acc[4 * j + 2 + e] * f * ks_b, sig, inv);
+            }
+            const unsigned mine = f32x4_to_e4m3x4(pv[0][0], pv[1][0], pv[0][1], pv[1][1]);
             const unsigned other = __shfl_xor_sync(FULL_MASK, mine, 4);
             constexpr unsigned kEvenRow = 0x6240, kOddRow = 0x3715;
             const unsigned packed = (g & 1) ? prmt(mine, other, kOddRow) : prmt(mine, other, kEvenRow);
@@ -396,12 +428,22 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                                        prmt(r[2], r[3], kOddDim) & vmask[ks][1]};
                 wgmma_fp8_rs(o_acc[mt], a, p_desc + ((kFp8KStep * ks) >> 4));
             }
+            if constexpr (kPvGroups) {  // keep at most two m-tiles' A fragments in flight
+                wgmma_commit();
+                if (mt + 1 < kMTiles) wgmma_wait<1>();
+            }
         }
-        wgmma_commit();
+        if constexpr (!kPvGroups) wgmma_commit();
+        // PV(it) and QK(it+1) complete: the page can be refilled, s_next becomes s_cur
         wgmma_wait<0>();
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
         if (lane == 0) mbarrier_arrive(&empty[stage]);
+        if (kPrefetchQk && has_next) {
+            fence_accumulators(s_next);
+#pragma unroll
+            for (int i = 0; i < kSAcc; ++i) s_cur[i] = s_next[i];
+        }
     }
 
     // ---- L per row: thread partials -> warp -> warpgroup; shared with the other warpgroup ----
@@ -454,15 +496,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 }
 
 __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
-    const WorkItem work = p.work[blockIdx.y];
-    const int req = work.request;
     const int rows = p.shape.s_q * p.shape.h_q;
     const int row0 = blockIdx.x * kRows;
     if (row0 >= rows) return;
-    const int seqlen = p.cache_seqlens[req];
-    const long row_base = static_cast<long>(req) * rows;
-    const int* table = p.block_table + static_cast<long>(req) * p.block_table_stride;
-    const int num_blocks = work.block_end - work.block_begin;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES;
     if (threadIdx.x == 0) {
@@ -473,14 +509,22 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
         fence_mbarrier_init();
     }
     __syncthreads();
+    // Each role reads the work item after the register split, so that nothing computed before
+    // setmaxnreg stays live across it.
     if (threadIdx.x >= kConsumerThreads) {
         setmaxnreg_dec<kProducerRegs>();
-        if (threadIdx.x == kConsumerThreads)
-            produce(p, smem, full, empty, table, work.block_begin, num_blocks);
+        if (threadIdx.x == kConsumerThreads) {
+            const WorkItem work = p.work[blockIdx.y];
+            const int* table = p.block_table + static_cast<long>(work.request) * p.block_table_stride;
+            produce(p, smem, full, empty, table, work.block_begin, work.block_end - work.block_begin);
+        }
         return;
     }
     setmaxnreg_inc<kConsumerRegs>();
-    consume(p, smem, full, empty, work.block_begin, num_blocks, seqlen, rows, row0, row_base, work, req);
+    const WorkItem work = p.work[blockIdx.y];
+    const int req = work.request;
+    consume(p, smem, full, empty, work.block_begin, work.block_end - work.block_begin,
+            p.cache_seqlens[req], rows, row0, static_cast<long>(req) * rows, work, req);
 }
 
 }  // namespace fp8wg

@@ -5,15 +5,16 @@
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-/tmp/snapmla_out}"; mkdir -p "$OUT"
-steps="${*:-tests verify tune bench prep decode}"
+steps="${*:-precompile tests verify tune bench prep decode}"
 snap() { python3 -m snapmla_cli.cli.app "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 for step in $steps; do
   echo "== $step"
   case "$step" in
+    precompile) python3 scripts/precompile.py 2>&1 | tail -3 ;;
     tests)  python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
     verify) snap verify --ctx 32k --json "$OUT/verify.json" 2>&1 | tee "$OUT/verify.log" | tail -16 ;;
-    tune)   snap tune --heads 16,64,128 --mtp 1,2 --batch 64 --ctx 16k,128k --format fp8 --budget 10s \
+    tune)   snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 32k --format fp8 --budget 8s \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune.log" | tail -20; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
     prep)   python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -14 ;;

@@ -358,3 +358,39 @@ def test_parse_ptxas_report_of_a_real_compile() -> None:
     assert set(PREP_KERNELS) <= set(module.entry_names())
     assert module.resources == parse_ptxas_log(module.log)
     assert "Used" in module.log
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("rows", [16, 32, 64])
+def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, tmp_path: Path) -> None:
+    """Issue 7: the Hopper decode kernel runs its FP8 GEMMs on QGMMA and the RoPE tile on HGMMA,
+    ptxas did not serialize the wgmmas (info C751x) and nothing touches local memory. The
+    compile also proves the host's shared-memory formula (SNAPMLA_EXPECT_SMEM static_assert)."""
+    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, fp8_kernel, heuristic_config
+
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    cfg = heuristic_config(rows, True, FP8_WGMMA)
+    source, name = fp8_kernel(cfg)
+    module = nvrtc.compile_module(source, fp8_defines(cfg), "sm_90a")
+    assert "serialized" not in module.log, module.log  # ptxas C7510-C7520 family
+    cubin = tmp_path / "decode.cubin"
+    cubin.write_bytes(module.cubin)
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    body = _sass_by_function(sass)[name]
+    assert re.search(r"\bQGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", body), "no FP8 QGMMA in SASS"
+    assert re.search(r"\bHGMMA\.64x\d+x16\.F32\.BF16", body), "no bf16 HGMMA in SASS"
+    assert "UTMALDG" in body, "pages are not loaded by TMA"
+    assert "LDL" not in body and "STL" not in body, "local memory traffic"
+
+
+@needs_nvrtc
+def test_wgmma_smem_mirror_is_checked_by_the_kernel() -> None:
+    """A wrong host-side shared-memory size must be a compile error, not a silent overflow."""
+    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config
+
+    defines = fp8_defines(heuristic_config(64, True, FP8_WGMMA))
+    defines["SNAPMLA_EXPECT_SMEM"] += 16
+    with pytest.raises(SnapmlaError, match="shared-memory"):
+        nvrtc.compile_module("decode_fp8_wgmma.cu", defines, "sm_90a")

@@ -36,6 +36,7 @@ WGMMA_Q_BYTES_PER_ROW = 5 * 128
 WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS
 WGMMA_SMEM_ALIGN = 1024
 WGMMA_ROW_INFO_BYTES = 32  # per row: sigma, 1/sigma, gamma, pad, one rescale factor per warp
+WGMMA_ROW_CONST_BYTES = 8  # per row: logit scale, visible keys
 SMEM_PER_SM = 233472  # 228 KB per SM on sm_90
 SMEM_RESERVED_PER_CTA = 1024
 
@@ -82,7 +83,7 @@ def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * WGMMA_STAGE_BYTES
             + 2 * rows * WGMMA_P_BYTES_PER_ROW + 2 * rows * 4  # P^T and gamma, double-buffered
             + 2 * 4 * half * 8 + 2 * 4 * half * 4  # per-warp (max, max e*s_k) and L partials
-            + rows * WGMMA_ROW_INFO_BYTES
+            + rows * (WGMMA_ROW_INFO_BYTES + WGMMA_ROW_CONST_BYTES)
             + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
 
@@ -131,9 +132,9 @@ def fp8_kernel(cfg: DecodeConfig) -> tuple[str, str]:
 
 
 def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
-    if cfg.wgmma:
+    if cfg.wgmma:  # the kernel static_asserts that its layout needs exactly this launch size
         return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
-                "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
+                "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
     return {"ROW_GROUPS": cfg.row_groups, "KV_SPLIT": cfg.kv_split, "STAGES": cfg.stages,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
@@ -144,16 +145,16 @@ def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
 
 
 def heuristic_config(rows: int, fp8: bool = True, version: int = FP8_WGMMA) -> DecodeConfig:
-    """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel: 16 or
-    32 rows as two CTAs per SM with two pages each, 64+ rows as 64-row CTAs four pages deep. mma.sync kernel: 16 rows as two
+    """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel: 16
+    rows as two CTAs per SM with two pages each; 32 and 64+ rows as one CTA four pages deep. mma.sync kernel: 16 rows as two
     small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as
     64-row tiles."""
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
     if fp8 and version == FP8_WGMMA:
-        if row_groups == 4:
-            cfg = DecodeConfig(row_groups=4, stages=4, min_ctas_per_sm=1)
-        else:  # two CTAs per SM interleave their per-page latency chains (sweep: 16-25% faster)
-            cfg = DecodeConfig(row_groups=row_groups, stages=2, min_ctas_per_sm=2)
+        if row_groups == 1:  # two CTAs per SM interleave their per-page latency chains
+            cfg = DecodeConfig(row_groups=1, stages=2, min_ctas_per_sm=2)
+        else:  # 32 rows x 2 CTAs per SM lack registers (ptxas serializes the wgmmas)
+            cfg = DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1)
     elif fp8:
         if row_groups == 1:
             cfg = DecodeConfig(row_groups=1, kv_split=1, stages=2, min_ctas_per_sm=2)

@@ -29,9 +29,20 @@ def compile_one(job: Job, arch: str) -> str | None:
 
     source, defines = job
     try:
-        compile_module(source, dict(defines), arch)
+        module = compile_module(source, dict(defines), arch)
     except Exception as exc:  # noqa: BLE001 - reported per candidate, never fatal
         return _first_line(exc)
+    return resource_problem(module)
+
+
+def resource_problem(module) -> str | None:
+    """Why a compiled variant must not be shipped: register spills / local memory, or wgmma
+    instructions ptxas serialized for lack of registers (C751x). None: clean."""
+    for res in module.resources.values():
+        if res.spills or res.local_bytes:
+            return f"ptxas: spills ({res.summary()})"
+    if "wgmma.mma_async instructions are serialized" in module.log:
+        return "ptxas: wgmma serialized (C751x)"
     return None
 
 
