@@ -15,7 +15,7 @@ from snapmla_cli.bench.timing import time_cuda
 from snapmla_cli.cache.layout import random_paged_layout
 from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
-from snapmla_cli.ops.decode_config import FP8_MMA_SYNC, heuristic_config
+from snapmla_cli.ops.decode_config import DEFAULT_FP8_KERNEL, FP8_MMA_SYNC, FP8_WGMMA, heuristic_config
 from snapmla_cli.ops.prep import quantize_q
 
 
@@ -35,12 +35,15 @@ def run_case(w: DecodeWork, ceilings, device) -> dict:
     meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True)
     qq = quantize_q(q)
     t8 = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta, splits, None, True))
-    # the previous (mma.sync) FP8 kernel at its own heuristic, for the version history
+    # the other FP8 kernel at its own heuristic (the wgmma one while it is opt-in)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    v2 = heuristic_config(w.s_q * w.h_q, True, FP8_MMA_SYNC).with_sms(sms)
-    meta2, splits2 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=v2)
-    t8v2 = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta2, splits2, None, True, config=v2))
-    res["fp8v2_us"] = t8v2 * 1e6
+    other = FP8_WGMMA if DEFAULT_FP8_KERNEL != FP8_WGMMA else FP8_MMA_SYNC
+    alt = heuristic_config(w.s_q * w.h_q, True, other).with_sms(sms)
+    meta2, splits2 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=alt)
+    t_alt = time_cuda(lambda: decode_fp8(qq, cache8, table, lens, meta2, splits2, None, True, config=alt))
+    res["fp8_default_kernel"] = DEFAULT_FP8_KERNEL
+    res[f"fp8v{other}_us"] = t_alt * 1e6
+    res[f"fp8v{other}_roof_pct"] = 100 * w.t_min(True, ceilings) / t_alt
     cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
     meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
     t16 = time_cuda(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True))
@@ -113,7 +116,9 @@ def main() -> None:
                 print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
                       f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "
                       f"{r['bf16_tflops']:6.1f}TF {r['bf16_gbs']:6.0f}GB/s {r['bf16_roof_pct']:5.1f}% | "
-                      f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f} | v2 {r['fp8v2_us']:9.1f}us", flush=True)
+                      f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f} | "
+                      + " ".join(f"{k[:-3]} {v:9.1f}us" for k, v in r.items() if k.startswith("fp8v") and k.endswith("_us")),
+                      flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ceilings": c.__dict__, "commit": commit, "rows": rows}, fh, indent=1)

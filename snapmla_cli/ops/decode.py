@@ -25,8 +25,6 @@ from ..numerics.formats import (
 )
 from ..numerics.quant import QuantizedRows
 from .decode_config import (
-    FP8_MMA_SYNC,
-    FP8_WGMMA,
     DecodeConfig,
     bf16_defines,
     bf16_smem_bytes,
@@ -50,8 +48,7 @@ def _runtime():
 def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None) -> DecodeConfig:
     """Tuning-database entry for this GPU and shape if any, else the heuristic; with this
     GPU's SM count filled in. Cached lookups, no I/O on the hot path."""
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-    cfg = heuristic_config(rows, fp8, FP8_WGMMA if hopper else FP8_MMA_SYNC)
+    cfg = heuristic_config(rows, fp8)
     try:
         from ..tuning.lookup import lookup_decode_config
     except ImportError:

@@ -30,6 +30,11 @@ MAX_WARPS = 8
 FP8_MMA_SYNC = 2
 FP8_WGMMA = 3
 FP8_KERNEL_VERSIONS = (FP8_MMA_SYNC, FP8_WGMMA)
+# What runs when nothing is asked for. The wgmma kernel is 1.5-1.8x faster but, on the H200,
+# `snapmla verify --ctx 32k` failed the SPEC section 6 gates in 5 of 6 cases with it (it passes
+# the random-data GPU tests); until that is understood and fixed (docs/DESIGN.md, "wgmma
+# kernel: open numerics problem") it is opt-in: DecodeConfig(kernel_version=FP8_WGMMA).
+DEFAULT_FP8_KERNEL = FP8_MMA_SYNC
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
 WGMMA_Q_BYTES_PER_ROW = 5 * 128
@@ -144,7 +149,7 @@ def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
 
-def heuristic_config(rows: int, fp8: bool = True, version: int = FP8_WGMMA) -> DecodeConfig:
+def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KERNEL) -> DecodeConfig:
     """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel: 16
     rows as two CTAs per SM with two pages each; 32 and 64+ rows as one CTA four pages deep. mma.sync kernel: 16 rows as two
     small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as

@@ -156,3 +156,36 @@ def test_flash_mla_with_kvcache_dispatches_on_cache_format():
     assert compare(o8, o16).rel_l2 < 0.1
     with pytest.raises(ValueError, match="head_dim_v"):
         flash_mla_with_kvcache(q, prob.bf16_cache().to(device), table, seqlens_t, 576, meta16, splits16)
+
+
+@pytest.mark.parametrize("version", [
+    2,
+    pytest.param(3, marks=pytest.mark.xfail(
+        reason="wgmma kernel failed `snapmla verify --ctx 32k` on the H200 (5 of 6 cases); "
+               "suspected FP8 tensor-core accumulation precision, see docs/DESIGN.md",
+        strict=False)),
+])
+@pytest.mark.parametrize("heads,mtp", [(16, 1), (128, 2)])
+def test_fp8_decode_meets_verify_gates_on_synthetic_default(version, heads, mtp):
+    """What `snapmla verify --ctx 32k` checks, per kernel version: the synthetic default model's
+    last layer, 4 requests of 32k tokens, SPEC section 6 gates against float64 and the
+    emulation. The random-data tests above are not enough: their attention is peaky, while the
+    synthetic layer spreads it over many tokens, which exposes accumulation error."""
+    from snapmla_cli.analysis.verify import (Implementation, make_problem, request_tokens, run_case,
+                                             synthetic_source)
+    from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+
+    device = torch.device("cuda")
+    source = synthetic_source(None)
+    prob = make_problem(source, request_tokens(source, 4, 32 * 1024), heads, mtp, causal=True).to(device)
+    cfg = _config(heads * mtp, version, device)
+
+    def run(p):
+        lay = p.layout
+        meta, splits = get_mla_metadata(lay.cache_seqlens, heads * mtp, 1, config=cfg)
+        return decode_fp8(p.q_quantized(), p.fp8_cache(), lay.block_table, lay.cache_seqlens, meta,
+                          splits, p.softmax_scale, p.causal, config=cfg)
+
+    result = run_case(prob, [Implementation(f"fp8-v{version}", "fp8", run)])
+    impl = result.impls[0]
+    assert impl.passed, [(c.name, c.value, c.limit) for c in impl.checks]

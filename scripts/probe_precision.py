@@ -1,0 +1,50 @@
+"""Where does the FP8 kernel's error against the SPEC emulation come from? Runs one `verify`
+problem (synthetic default, last layer) through the mma.sync kernel (exact float32
+accumulation) and the wgmma kernel at its default split and at much finer splits (shorter PV
+accumulation chains per split), and prints rel_l2 against the emulation and the float64
+reference. A diagnostic for kernel work; `snapmla verify` is the gate."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+
+from snapmla_cli.analysis.verify import make_problem, request_tokens, run_emulation, synthetic_source
+from snapmla_cli.numerics.decode_ref import decode_reference
+from snapmla_cli.numerics.metrics import compare
+from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+from snapmla_cli.ops.decode_config import FP8_MMA_SYNC, FP8_WGMMA, heuristic_config
+from snapmla_cli.ops.schedule import split_token_bounds
+from snapmla_cli.numerics.emulation import emulate_fp8_decode
+
+
+def main() -> None:
+    heads, mtp, ctx, batch = (int(x) for x in (sys.argv[1:] + ["16", "1", "32768", "4"])[:4])
+    dev = torch.device("cuda")
+    source = synthetic_source(None)
+    prob = make_problem(source, request_tokens(source, batch, ctx), heads, mtp, causal=True).to(dev)
+    lay = prob.layout
+    q8 = prob.q_quantized()
+    cache = prob.fp8_cache()
+    ref, _ = decode_reference(prob.q, prob.bf16_cache().squeeze(2), lay.block_table, lay.cache_seqlens,
+                              prob.softmax_scale, prob.causal)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    for label, ver, fine in (("v2", FP8_MMA_SYNC, False), ("v3", FP8_WGMMA, False), ("v3-fine", FP8_WGMMA, True)):
+        cfg = heuristic_config(heads * mtp, True, ver).with_sms(sms)
+        if fine:
+            cfg = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=4096, max_splits_per_request=512))
+        meta, splits = get_mla_metadata(lay.cache_seqlens, heads * mtp, 1, config=cfg)
+        out, lse = decode_fp8(q8, cache, lay.block_table, lay.cache_seqlens, meta, splits, prob.softmax_scale,
+                              prob.causal, config=cfg)
+        bounds = split_token_bounds(splits, meta, lay.cache_seqlens)
+        emul, _ = emulate_fp8_decode(q8, cache, lay.block_table, lay.cache_seqlens, prob.softmax_scale,
+                                     prob.causal, split_bounds=bounds)
+        print(f"h{heads} s_q{mtp} ctx{ctx} {label:8s} splits {meta.shape[0]:5d}: vs emul rel_l2 "
+              f"{compare(out, emul).rel_l2:.3e}  vs ref64 {compare(out, ref).rel_l2:.3e}  "
+              f"emul vs ref64 {compare(emul, ref).rel_l2:.3e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
