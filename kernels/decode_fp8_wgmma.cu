@@ -34,6 +34,12 @@
 #ifndef STAGES
 #define STAGES 4  // pages in flight per CTA
 #endif
+#ifndef QK_PROMOTE
+#define QK_PROMOTE 0  // 1: each 128-dim QK chunk in a fresh accumulator, chunks summed in float32
+#endif
+#ifndef PV_PROMOTE
+#define PV_PROMOTE 0  // 1: each page's PV in a fresh accumulator, added to O in float32
+#endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
 #endif
@@ -82,10 +88,18 @@ constexpr int kSAcc = kRowsPerWg / 2;                  // S^T accumulator floats
 constexpr int kOAcc = kRows / 2;                       // O^T floats per thread per m-tile
 constexpr int kOwnRows = kRowsPerWg / 4;               // rows whose softmax state a thread keeps
 constexpr int kAllRows = kRows / 4;                    // rows of O^T a thread holds
-constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1;   // see consume()
+// Accumulation precision: Hopper's FP8 tensor cores keep fewer bits than float32 when they add
+// into an accumulator, so a long chain of wgmmas into one accumulator loses precision (the
+// DeepSeek-V3 report promotes to float32 every 128 products). QK_PROMOTE / PV_PROMOTE shorten
+// the chains to one 128-dim chunk / one page, at the cost of waits between chunks.
+constexpr bool kQkPromote = QK_PROMOTE != 0;
+constexpr bool kPvPromote = PV_PROMOTE != 0;
+constexpr int kQkChunks = kContentTiles + 1;           // four content tiles + the RoPE tile
+// see consume(); the promoted paths wait between chunks, which the prefetch would undo
+constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote;
 // An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
 // there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
-constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1;
+constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
 constexpr float kE4m3Max = E4M3_MAX;
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 constexpr int kBarWg0 = 1, kBarConsumers = 3;          // named barrier ids (0 = __syncthreads)
@@ -196,31 +210,72 @@ __device__ __forceinline__ float warp_col_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 16);
 }
 
-// Issue (no wait) S^T = K . Q^T for block `it` of this split into `acc` once its page has
-// landed: 16 E4M3 k-steps over the four content tiles, then 4 bf16 k-steps over the RoPE tile.
+// The wgmmas of one QK chunk (chunk < 4: a 128-dim E4M3 content tile, 4 QGMMA k-steps; chunk 4:
+// the bf16 RoPE tile, 4 HGMMA k-steps) into `acc`; `fresh` overwrites instead of accumulating.
+template <int kAcc>
+__device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long k_desc,
+                                         unsigned long long q_desc_base, int chunk, bool fresh) {
+    if (chunk < kContentTiles) {
+#pragma unroll
+        for (int kk = 0; kk < kKStepsPerBox; ++kk) {
+            const unsigned long long step = (chunk * kTileBytes + kk * kFp8KStep) >> 4;
+            const unsigned long long qstep = (chunk * kQTileBytes + kk * kFp8KStep) >> 4;
+            wgmma_fp8_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
+        }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < kRopeKSteps; ++kk) {
+            const unsigned long long step = (kContentTiles * kTileBytes + kk * kBf16KStepBytes) >> 4;
+            const unsigned long long qstep = (kContentTiles * kQTileBytes + kk * kBf16KStepBytes) >> 4;
+            wgmma_bf16_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
+        }
+    }
+}
+
+// Wait until block `it`'s page has landed; the descriptor of its K tiles.
+__device__ __forceinline__ unsigned long long page_k_desc(unsigned char* smem, unsigned long long* full,
+                                                          int it) {
+    const int stage = it % STAGES;
+    mbarrier_wait_parity(&full[stage], (it / STAGES) & 1);
+    return make_smem_desc(smem + kOffStages + stage * kStageBytes, kSwizzle128B, kSwizzleAtom128);
+}
+
+// Issue (no wait) S^T = K . Q^T for block `it` into `acc`: all chunks in one accumulator.
 template <int kAcc>
 __device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem, unsigned long long* full,
                                          int it, unsigned long long q_desc_base) {
-    const int stage = it % STAGES;
-    unsigned char* page = smem + kOffStages + stage * kStageBytes;
-    mbarrier_wait_parity(&full[stage], (it / STAGES) & 1);
-    const unsigned long long k_desc = make_smem_desc(page, kSwizzle128B, kSwizzleAtom128);
+    const unsigned long long k_desc = page_k_desc(smem, full, it);
     wgmma_fence();
 #pragma unroll
-    for (int t = 0; t < kContentTiles; ++t)
-#pragma unroll
-        for (int kk = 0; kk < kKStepsPerBox; ++kk) {
-            const unsigned long long step = (t * kTileBytes + kk * kFp8KStep) >> 4;
-            const unsigned long long qstep = (t * kQTileBytes + kk * kFp8KStep) >> 4;
-            wgmma_fp8_ss(acc, k_desc + step, q_desc_base + qstep, t + kk > 0);
-        }
-#pragma unroll
-    for (int kk = 0; kk < kRopeKSteps; ++kk) {
-        const unsigned long long step = (kContentTiles * kTileBytes + kk * kBf16KStepBytes) >> 4;
-        const unsigned long long qstep = (kContentTiles * kQTileBytes + kk * kBf16KStepBytes) >> 4;
-        wgmma_bf16_ss(acc, k_desc + step, q_desc_base + qstep, 1);
-    }
+    for (int chunk = 0; chunk < kQkChunks; ++chunk) qk_chunk(acc, k_desc, q_desc_base, chunk, chunk == 0);
     wgmma_commit();
+}
+
+// S^T for block `it` with float32 promotion: each chunk in a fresh accumulator (two, used in
+// turn so one chunk runs while the previous one is added), summed in chunk order. Waits.
+template <int kAcc>
+__device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* smem, unsigned long long* full,
+                                            int it, unsigned long long q_desc_base) {
+    const unsigned long long k_desc = page_k_desc(smem, full, it);
+    float acc[2][kAcc];
+    wgmma_fence();
+    qk_chunk(acc[0], k_desc, q_desc_base, 0, true);
+    wgmma_commit();
+#pragma unroll
+    for (int chunk = 0; chunk < kQkChunks; ++chunk) {
+        if (chunk + 1 < kQkChunks) {
+            wgmma_fence();
+            qk_chunk(acc[(chunk + 1) % 2], k_desc, q_desc_base, chunk + 1, true);
+            wgmma_commit();
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
+        float (&done)[kAcc] = acc[chunk % 2];
+        fence_accumulators(done);
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) s[i] = chunk == 0 ? done[i] : s[i] + done[i];
+    }
 }
 
 __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, unsigned long long* full,
@@ -282,6 +337,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         const bool has_next = it + 1 < num_blocks;
         if constexpr (kPrefetchQk) {
             if (has_next) issue_qk(s_next, smem, full, it + 1, q_desc_base);
+        } else if constexpr (kQkPromote) {
+            qk_promoted(s_cur, smem, full, it, q_desc_base);
         } else {
             issue_qk(s_cur, smem, full, it, q_desc_base);
             wgmma_wait<0>();
@@ -388,15 +445,17 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             gam[2 * j] = gp.x;
             gam[2 * j + 1] = gp.y;
         }
+        if constexpr (!kPvPromote) {  // the tensor cores add P V to the rescaled O
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
+            for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-            for (int j = 0; j < kRows / 8; ++j) {
-                o_acc[mt][4 * j + 0] *= gam[2 * j];
-                o_acc[mt][4 * j + 1] *= gam[2 * j + 1];
-                o_acc[mt][4 * j + 2] *= gam[2 * j];
-                o_acc[mt][4 * j + 3] *= gam[2 * j + 1];
-            }
+                for (int j = 0; j < kRows / 8; ++j) {
+                    o_acc[mt][4 * j + 0] *= gam[2 * j];
+                    o_acc[mt][4 * j + 1] *= gam[2 * j + 1];
+                    o_acc[mt][4 * j + 2] *= gam[2 * j];
+                    o_acc[mt][4 * j + 3] *= gam[2 * j + 1];
+                }
+        }
         // tokens of this thread's A bytes: {2c, 2c+1, 8+2c, 9+2c} (+16, +32); mask past `valid`
         unsigned vmask[kPvKSteps][2];
 #pragma unroll
@@ -409,31 +468,58 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             }
         const unsigned long long p_desc = make_smem_desc(p_s, kSwizzle64B, kSwizzleAtom64);
         const int ld_token = 8 * (lane / 8) + (lane % 8);  // ldmatrix row address of this lane
+        // V^T A fragment of this warp's 16 dims of m-tile mt, tokens [32 ks, 32 ks + 32)
+        auto v_fragment = [&](int mt, int ks, unsigned (&frag)[4]) {
+            const int dim = wg * kWgDims + mt * 64 + 16 * w;
+            unsigned r[4];
+            ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
+            constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
+            frag[0] = prmt(r[0], r[1], kEvenDim) & vmask[ks][0];
+            frag[1] = prmt(r[0], r[1], kOddDim) & vmask[ks][0];
+            frag[2] = prmt(r[2], r[3], kEvenDim) & vmask[ks][1];
+            frag[3] = prmt(r[2], r[3], kOddDim) & vmask[ks][1];
+        };
+        if constexpr (kPvPromote) {  // this page's P V in a fresh accumulator, O = gamma O + it
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
-        wgmma_fence();
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                float t[kOAcc];
+                wgmma_fence();
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-            const int dim = wg * kWgDims + mt * 64 + 16 * w;  // this warp's 16 dims
-            const unsigned char* tile = page + (dim / kBox) * kTileBytes;
-            const int byte = dim % kBox;
-#pragma unroll
-            for (int ks = 0; ks < kPvKSteps; ++ks) {
-                unsigned r[4];
-                ldmatrix_x4_trans(r, tile + swz128(kFp8KStep * ks + ld_token, byte));
-                constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
-                const unsigned a[4] = {prmt(r[0], r[1], kEvenDim) & vmask[ks][0],
-                                       prmt(r[0], r[1], kOddDim) & vmask[ks][0],
-                                       prmt(r[2], r[3], kEvenDim) & vmask[ks][1],
-                                       prmt(r[2], r[3], kOddDim) & vmask[ks][1]};
-                wgmma_fp8_rs(o_acc[mt], a, p_desc + ((kFp8KStep * ks) >> 4));
-            }
-            if constexpr (kPvGroups) {  // keep at most two m-tiles' A fragments in flight
+                for (int ks = 0; ks < kPvKSteps; ++ks) {
+                    unsigned a[4];
+                    v_fragment(mt, ks, a);
+                    wgmma_fp8_rs(t, a, p_desc + ((kFp8KStep * ks) >> 4), ks > 0);
+                }
                 wgmma_commit();
-                if (mt + 1 < kMTiles) wgmma_wait<1>();
+                wgmma_wait<0>();
+                fence_accumulators(t);
+#pragma unroll
+                for (int j = 0; j < kRows / 8; ++j) {
+                    o_acc[mt][4 * j + 0] = fmaf(gam[2 * j], o_acc[mt][4 * j + 0], t[4 * j + 0]);
+                    o_acc[mt][4 * j + 1] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 1], t[4 * j + 1]);
+                    o_acc[mt][4 * j + 2] = fmaf(gam[2 * j], o_acc[mt][4 * j + 2], t[4 * j + 2]);
+                    o_acc[mt][4 * j + 3] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 3], t[4 * j + 3]);
+                }
             }
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
+            wgmma_fence();
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+                for (int ks = 0; ks < kPvKSteps; ++ks) {
+                    unsigned a[4];
+                    v_fragment(mt, ks, a);
+                    wgmma_fp8_rs(o_acc[mt], a, p_desc + ((kFp8KStep * ks) >> 4));
+                }
+                if constexpr (kPvGroups) {  // keep at most two m-tiles' A fragments in flight
+                    wgmma_commit();
+                    if (mt + 1 < kMTiles) wgmma_wait<1>();
+                }
+            }
+            if constexpr (!kPvGroups) wgmma_commit();
         }
-        if constexpr (!kPvGroups) wgmma_commit();
         // PV(it) and QK(it+1) complete: the page can be refilled, s_next becomes s_cur
         wgmma_wait<0>();
 #pragma unroll

@@ -1,8 +1,8 @@
 """Where does the FP8 kernel's error against the SPEC emulation come from? Runs one `verify`
 problem (synthetic default, last layer) through the mma.sync kernel (exact float32
-accumulation) and the wgmma kernel at its default split and at much finer splits (shorter PV
-accumulation chains per split), and prints rel_l2 against the emulation and the float64
-reference. A diagnostic for kernel work; `snapmla verify` is the gate."""
+accumulation) and the wgmma kernel: at its default split, at much finer splits (shorter PV
+accumulation chains per split), and with float32 promotion of the QK and/or PV accumulation;
+prints rel_l2 against the (split-aware) emulation and the float64 reference. A diagnostic for kernel work; `snapmla verify` is the gate."""
 
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ def main() -> None:
     ref, _ = decode_reference(prob.q, prob.bf16_cache().squeeze(2), lay.block_table, lay.cache_seqlens,
                               prob.softmax_scale, prob.causal)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    for label, ver, fine in (("v2", FP8_MMA_SYNC, False), ("v3", FP8_WGMMA, False), ("v3-fine", FP8_WGMMA, True)):
-        cfg = heuristic_config(heads * mtp, True, ver).with_sms(sms)
+    variants = (("v2", FP8_MMA_SYNC, False, 0, 0), ("v3", FP8_WGMMA, False, 0, 0),
+                ("v3-fine", FP8_WGMMA, True, 0, 0), ("v3-pq", FP8_WGMMA, False, 1, 0),
+                ("v3-pv", FP8_WGMMA, False, 0, 1), ("v3-pqv", FP8_WGMMA, False, 1, 1))
+    for label, ver, fine, qk, pv in variants:
+        cfg = replace(heuristic_config(heads * mtp, True, ver), qk_promote=qk, pv_promote=pv).with_sms(sms)
         if fine:
             cfg = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=4096, max_splits_per_request=512))
         meta, splits = get_mla_metadata(lay.cache_seqlens, heads * mtp, 1, config=cfg)

@@ -22,6 +22,7 @@ from snapmla_cli.tuning import db as tdb
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, load_file, normalise_gpu_name, save_entries
 from snapmla_cli.tuning.space import (
+    FP8_VERSIONS,
     SMEM_PER_SM,
     SMEM_RESERVED_PER_CTA,
     Bucket,
@@ -151,6 +152,25 @@ def test_search_space_pruned_by_shared_memory(fmt, rows):
     ids = space.ids()
     assert len(ids) == len(set(ids))
     assert all(config_problem(c, fmt) is None for c in space.candidates[1:])
+
+
+def test_kernel_versions_and_promotion_flags():
+    """The FP8 space covers the searched kernel versions; promotion flags exist only on the
+    wgmma kernel and appear in the candidate name; config files keep them as 0/1."""
+    valid, _ = kernel_variants(64, "fp8")
+    assert {c.kernel_version for c in valid} == set(FP8_VERSIONS)
+    v3 = DecodeConfig(row_groups=4, stages=4, kernel_version=dc.FP8_WGMMA, qk_promote=1, pv_promote=1)
+    assert dc.fp8_config_valid(v3)
+    assert config_id(v3, "fp8").startswith("v3-rg4-pqv-st4")
+    assert dc.fp8_defines(v3)["QK_PROMOTE"] == 1 and dc.fp8_defines(v3)["PV_PROMOTE"] == 1
+    assert not dc.fp8_config_valid(replace(v3, kernel_version=dc.FP8_MMA_SYNC))
+    assert not dc.fp8_config_valid(replace(v3, qk_promote=2))
+    assert tdb.config_from_dict(tdb.config_to_dict(v3)) == v3
+    data = tdb.config_to_dict(v3)
+    with pytest.raises(ValueError, match="qk_promote must be 0 or 1"):
+        tdb.config_from_dict({**data, "qk_promote": 2})
+    old = {k: v for k, v in data.items() if k not in ("kernel_version", "qk_promote", "pv_promote")}
+    assert tdb.config_from_dict(old).kernel_version == dc.FP8_MMA_SYNC  # pre-wgmma entries
 
 
 def test_search_space_drops_split_aliases():

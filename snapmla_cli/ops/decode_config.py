@@ -51,8 +51,10 @@ class DecodeConfig:
     """``row_groups`` 16-row groups per CTA (two warps each), ``kv_split`` token groups of
     warps sharing each page (FP8 kernel), ``stages`` pipeline depth,
     ``block_n`` tokens per stage (BF16 kernel; the FP8 kernel always uses the 64-token page,
-    the P-quantization block), ``min_ctas_per_sm`` for ``__launch_bounds__``, and the split
-    policy."""
+    the P-quantization block), ``min_ctas_per_sm`` for ``__launch_bounds__``, the FP8
+    ``kernel_version``, the wgmma kernel's float32 promotion flags ``qk_promote`` /
+    ``pv_promote`` (0 or 1: shorter tensor-core accumulation chains, see
+    kernels/decode_fp8_wgmma.cu), and the split policy."""
 
     row_groups: int = 4
     kv_split: int = 1
@@ -60,6 +62,8 @@ class DecodeConfig:
     block_n: int = 64
     min_ctas_per_sm: int = 1
     kernel_version: int = FP8_WGMMA
+    qk_promote: int = 0
+    pv_promote: int = 0
     split: SplitPolicy = field(default_factory=SplitPolicy)
 
     @property
@@ -110,8 +114,11 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     shared memory within the opt-in limit."""
     if cfg.kernel_version not in FP8_KERNEL_VERSIONS:
         return False
+    if not cfg.wgmma and (cfg.qk_promote or cfg.pv_promote):
+        return False  # the mma.sync kernel accumulates in float32 already
     if cfg.wgmma:
         return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= 2
+                and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1)
                 and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
                 and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
@@ -139,7 +146,8 @@ def fp8_kernel(cfg: DecodeConfig) -> tuple[str, str]:
 def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
     if cfg.wgmma:  # the kernel static_asserts that its layout needs exactly this launch size
         return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
-                "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
+                "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "QK_PROMOTE": cfg.qk_promote,
+                "PV_PROMOTE": cfg.pv_promote, "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
     return {"ROW_GROUPS": cfg.row_groups, "KV_SPLIT": cfg.kv_split, "STAGES": cfg.stages,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 

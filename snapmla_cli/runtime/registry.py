@@ -57,6 +57,8 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     """The decode kernels as the built-in heuristics compile them for 16, 32 and 64+ rows: the
     wgmma FP8 kernel, the mma.sync FP8 kernel and the BF16 baseline (Hopper only; the tuner
     adds its own variants)."""
+    from dataclasses import replace
+
     from ..ops.decode import COMBINE_WARPS
     from ..ops.decode_config import (FP8_MMA_SYNC, FP8_WGMMA, bf16_defines, fp8_defines,
                                      fp8_kernel, heuristic_config)
@@ -67,8 +69,8 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         configs = [heuristic_config(r, True, version) for r in rows]
         source, name = fp8_kernel(configs[0])
         variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
-    variants["decode_fp8_wgmma.cu"] += (variant("snapmla_decode_fp8_wgmma", ROW_GROUPS=1, STAGES=2,
-                                                MIN_CTAS_PER_SM=2),)
+    promoted = [replace(heuristic_config(r, True, FP8_WGMMA), qk_promote=1, pv_promote=1) for r in rows]
+    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in promoted)
     variants["decode_bf16.cu"] = tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows)
     variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)
     return variants

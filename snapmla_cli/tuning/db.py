@@ -144,6 +144,7 @@ def search_dirs() -> list[tuple[str, Path]]:
 
 
 _CONFIG_FIELDS = [f.name for f in dataclasses.fields(DecodeConfig) if f.name != "split"]
+_FLAG_FIELDS = {"qk_promote", "pv_promote"}  # 0 / 1 switches; every other field is >= 1
 _SPLIT_FIELDS = [f.name for f in dataclasses.fields(SplitPolicy) if f.name != "num_sms"]
 
 
@@ -168,7 +169,12 @@ def config_from_dict(data: object) -> DecodeConfig:
     if unknown:
         raise ValueError(f"config: unknown parameter(s) {', '.join(map(str, unknown))}")
     for key, value in [*data.items(), *split_data.items()]:
-        if key != "split" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if key == "split":
+            continue
+        if key in _FLAG_FIELDS:
+            if value not in (0, 1) or isinstance(value, bool):
+                raise ValueError(f"config: {key} must be 0 or 1, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"config: {key} must be a positive integer, got {value!r}")
     kwargs = {k: v for k, v in data.items() if k != "split"}
     # entries written before the wgmma kernel existed were tuned on the mma.sync kernel

@@ -37,6 +37,7 @@ STAGES = (2, 3, 4, 5)
 FP8_VERSIONS = (dc.DEFAULT_FP8_KERNEL,)
 BLOCK_NS = (32, 64)  # BF16 kernel only; the FP8 kernel always works on the 64-token page
 MIN_CTAS = (1, 2)
+PROMOTE = (0, 1)  # wgmma kernel: float32 promotion of the QK / PV accumulation
 SPLIT_CTAS = (1, 2)
 SPLIT_WAVES = (1, 2)
 MIN_BLOCKS_PER_SPLIT = (2, 4, 8, 16)
@@ -279,6 +280,8 @@ def config_id(cfg: DecodeConfig, fmt: str) -> str:
         parts.insert(0, f"v{cfg.kernel_version}")
         if not cfg.wgmma:
             parts.append(f"kv{cfg.kv_split}")
+        elif cfg.qk_promote or cfg.pv_promote:
+            parts.append("p" + ("q" if cfg.qk_promote else "") + ("v" if cfg.pv_promote else ""))
     parts.append(f"st{cfg.stages}")
     if fmt == "bf16":
         parts.append(f"bn{cfg.block_n}")
@@ -305,7 +308,8 @@ def kernel_variants(rows: int, fmt: str
     combos: list[dict[str, int]] = []
     if fmt == "fp8":
         for version in FP8_VERSIONS:
-            extra = {"kv_split": KV_SPLITS} if version == dc.FP8_MMA_SYNC else {}
+            extra = ({"kv_split": KV_SPLITS} if version == dc.FP8_MMA_SYNC
+                     else {"qk_promote": PROMOTE, "pv_promote": PROMOTE})
             names = [*axes, *extra]
             for values in product(*axes.values(), *extra.values()):
                 combos.append({**dict(zip(names, values)), "kernel_version": version, "block_n": 64})

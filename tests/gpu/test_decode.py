@@ -68,10 +68,11 @@ def _config(rows, version, device, **kernel):
 
 # (kernel version, overrides): the wgmma kernel at its heuristic and at its smallest pipeline /
 # two CTAs per SM, and the mma.sync kernel
-KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (2, {})]
+KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (3, {"qk_promote": 1, "pv_promote": 1}),
+           (2, {})]
 
 
-@pytest.mark.parametrize("version,kernel", KERNELS, ids=["v3", "v3-st2-c2", "v2"])
+@pytest.mark.parametrize("version,kernel", KERNELS, ids=["v3", "v3-st2-c2", "v3-promoted", "v2"])
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
 def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, version, kernel):
     device = torch.device("cuda")
@@ -158,15 +159,19 @@ def test_flash_mla_with_kvcache_dispatches_on_cache_format():
         flash_mla_with_kvcache(q, prob.bf16_cache().to(device), table, seqlens_t, 576, meta16, splits16)
 
 
-@pytest.mark.parametrize("version", [
-    2,
-    pytest.param(3, marks=pytest.mark.xfail(
-        reason="wgmma kernel failed `snapmla verify --ctx 32k` on the H200 (5 of 6 cases); "
-               "suspected FP8 tensor-core accumulation precision, see docs/DESIGN.md",
-        strict=False)),
-])
+_V3_VERIFY = pytest.mark.xfail(
+    reason="wgmma kernel failed `snapmla verify --ctx 32k` on the H200 (5 of 6 cases); suspected "
+           "FP8 tensor-core accumulation precision (docs/DESIGN.md); promotion not yet run on a GPU",
+    strict=False)
+
+
+@pytest.mark.parametrize("version,kernel", [
+    (2, {}),
+    pytest.param(3, {}, marks=_V3_VERIFY),
+    pytest.param(3, {"qk_promote": 1, "pv_promote": 1}, marks=_V3_VERIFY),
+], ids=["v2", "v3", "v3-promoted"])
 @pytest.mark.parametrize("heads,mtp", [(16, 1), (128, 2)])
-def test_fp8_decode_meets_verify_gates_on_synthetic_default(version, heads, mtp):
+def test_fp8_decode_meets_verify_gates_on_synthetic_default(version, kernel, heads, mtp):
     """What `snapmla verify --ctx 32k` checks, per kernel version: the synthetic default model's
     last layer, 4 requests of 32k tokens, SPEC section 6 gates against float64 and the
     emulation. The random-data tests above are not enough: their attention is peaky, while the
@@ -178,7 +183,7 @@ def test_fp8_decode_meets_verify_gates_on_synthetic_default(version, heads, mtp)
     device = torch.device("cuda")
     source = synthetic_source(None)
     prob = make_problem(source, request_tokens(source, 4, 32 * 1024), heads, mtp, causal=True).to(device)
-    cfg = _config(heads * mtp, version, device)
+    cfg = _config(heads * mtp, version, device, **kernel)
 
     def run(p):
         lay = p.layout
