@@ -280,78 +280,53 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kCount]) {
 #pragma unroll
     for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// D[64 x N] (+)= A[64 x 32] . B[N x 32]^T, E4M3 x E4M3, both from shared memory.
-__device__ __forceinline__ void wgmma_fp8_ss(float (&d)[4], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_fp8_ss(float (&d)[8], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_fp8_ss(float (&d)[16], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_fp8_ss(float (&d)[32], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-// D[64 x N] (+)= A[64 x 16] . B[N x 16]^T, bf16, both K-major from shared memory.
-__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[4], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[8], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[16], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_bf16_ss(float (&d)[32], unsigned long long desc_a, unsigned long long desc_b, int accumulate) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-// D[64 x N] (+)= A[64 x 32] . B[N x 32]^T, E4M3; A from registers (ALayout 64x32), B shared.
-__device__ __forceinline__ void wgmma_fp8_rs(float (&d)[8], const unsigned (&a)[4], unsigned long long desc_b,
-                                             int accumulate = 1) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_fp8_rs(float (&d)[16], const unsigned (&a)[4], unsigned long long desc_b,
-                                             int accumulate = 1) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
-__device__ __forceinline__ void wgmma_fp8_rs(float (&d)[32], const unsigned (&a)[4], unsigned long long desc_b,
-                                             int accumulate = 1) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-}
+// Inline asm needs literal operand lists, so the wrappers are stamped out per accumulator
+// size: SNAPMLA_ACC<n>(d) lists d[0..n) as "+f" operands, SNAPMLA_REGS<n> names them in the
+// instruction; the descriptor / A-fragment / predicate operands follow at %n, %n+1, ...
+
+#define SNAPMLA_ACC4(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+#define SNAPMLA_ACC8(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+#define SNAPMLA_ACC16(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+#define SNAPMLA_ACC32(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define SNAPMLA_REGS4 "{%0, %1, %2, %3}"
+#define SNAPMLA_REGS8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
+#define SNAPMLA_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define SNAPMLA_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// D[64 x N] (+)= A . B^T with A and B from shared memory (descriptors); `accumulate` = 0
+// overwrites D. INSTR: the wgmma with shape and types; TAIL: its immediate scale/transpose flags.
+#define SNAPMLA_WGMMA_SS(NAME, NACC, INSTR, TAIL, DA, DB, P)                                       \
+    __device__ __forceinline__ void NAME(float (&d)[NACC], unsigned long long desc_a,                \
+                                         unsigned long long desc_b, int accumulate) {                \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n" INSTR " " SNAPMLA_REGS##NACC      \
+                     ", %" DA ", %" DB ", p" TAIL ";\n}\n"                                             \
+                     : SNAPMLA_ACC##NACC(d)                                                          \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                   \
+    }
+// D[64 x N] (+)= A . B^T with A from registers (E4M3 ALayout 64x32: rows g, g+8 of each warp's
+// 16, k 4c..4c+3 and 16+4c..) and B from shared memory.
+#define SNAPMLA_WGMMA_RS(NAME, NACC, INSTR, A0, DB, P)                                              \
+    __device__ __forceinline__ void NAME(float (&d)[NACC], const unsigned (&a)[4],                   \
+                                         unsigned long long desc_b, int accumulate = 1) {            \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n" INSTR " " SNAPMLA_REGS##NACC      \
+                     ", {%" A0 "}, %" DB ", p, 1, 1;\n}\n"                                              \
+                     : SNAPMLA_ACC##NACC(d)                                                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));   \
+    }
+
+// QK: E4M3 content tiles (m64nNk32) and the bf16 RoPE tile (m64nNk16, K-major: no transpose).
+SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 4, "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3", ", 1, 1", "4", "5", "6")
+SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 8, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", ", 1, 1", "8", "9", "10")
+SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 16, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", ", 1, 1", "16", "17", "18")
+SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 32, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", ", 1, 1", "32", "33", "34")
+SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 4, "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16", ", 1, 1, 0, 0", "4", "5", "6")
+SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 8, "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16", ", 1, 1, 0, 0", "8", "9", "10")
+SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 16, "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16", ", 1, 1, 0, 0", "16", "17", "18")
+SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 32, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 0, 0", "32", "33", "34")
+// PV: V^T fragments from registers.
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 8, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", "8, %9, %10, %11", "12", "13")
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 16, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "16, %17, %18, %19", "20", "21")
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 32, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "32, %33, %34, %35", "36", "37")
 
 // ---- TMA: one 2-D box of a tensor map (in global memory) into shared memory ---------------
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const void* tensor_map, int x, int y,
