@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [tests|verify|tune|bench|prep|decode ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|bench|prep|decode ...]
 # With no argument everything runs. Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-/tmp/snapmla_out}"; mkdir -p "$OUT"
-steps="${*:-precompile tests verify tune bench prep decode}"
+steps="${*:-precompile tests verify probe tune bench prep decode}"
 snap() { python3 -m snapmla_cli.cli.app "$@"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 for step in $steps; do
@@ -13,7 +13,10 @@ for step in $steps; do
   case "$step" in
     precompile) python3 scripts/precompile.py 2>&1 | tail -3 ;;
     tests)  python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
-    verify) snap verify --ctx 32k --json "$OUT/verify.json" 2>&1 | tee "$OUT/verify.log" | tail -16 ;;
+    verify) snap verify --ctx 32k --fp8-kernel default,v3,v3+pq,v3+pv,v3+pqv --json "$OUT/verify.json" 2>&1 \
+              | tee "$OUT/verify.log" | tail -40 ;;
+    probe)  for shape in "16 1 32768 4" "128 2 32768 2"; do python3 scripts/probe_precision.py $shape; done 2>&1 \
+              | tee "$OUT/probe_precision.log" | grep -v '^$' ;;
     tune)   snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 32k --format fp8 --budget 8s \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune.log" | tail -20; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;

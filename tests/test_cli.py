@@ -102,6 +102,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
         assert_one_line_error(invoke("verify", "--dump", path), needle)
     assert not (tmp_path / "out.st").exists()
     assert_one_line_error(invoke("verify", "--ctx", "12q"), "--ctx")
+    assert_one_line_error(invoke("verify", "--fp8-kernel", "v4"), "--fp8-kernel")
     assert_one_line_error(invoke("verify", "--heads", "16,x"), "--heads")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "Q")
     assert_one_line_error(invoke("verify", "--ctx", "0"), "--ctx")

@@ -99,12 +99,48 @@ def run_flash_mla(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
                                             causal=problem.causal)
 
 
-def default_implementations(device: torch.device) -> list[Implementation]:
+FP8_KERNEL_SPECS = ("default", "v2", "v3", "v3+pq", "v3+pv", "v3+pqv")
+
+
+def fp8_kernel_implementation(spec: str) -> Implementation:
+    """The FP8 kernel named by ``spec``: ``default`` (what ``flash_mla_with_kvcache`` picks:
+    tuning database, else heuristic), ``v2`` (mma.sync), ``v3`` (wgmma), ``v3+pq`` / ``v3+pv`` /
+    ``v3+pqv`` (wgmma with float32 promotion of the QK / PV / both accumulations)."""
+    if spec not in FP8_KERNEL_SPECS:
+        raise SnapmlaError(f"--fp8-kernel: {spec!r} is not one of {', '.join(FP8_KERNEL_SPECS)}")
+    if spec == "default":
+        return Implementation("fp8-kernel", "fp8", run_fp8_kernel)
+    version, _, promote = spec.partition("+")
+
+    def run(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+        from dataclasses import replace
+
+        from ..ops.decode import decode_fp8, get_mla_metadata
+        from ..ops.decode_config import FP8_MMA_SYNC, FP8_WGMMA, heuristic_config
+        from ..ops.prep import quantize_q
+
+        layout = problem.layout
+        _b, s_q, h_q, _ = problem.q.shape
+        cfg = heuristic_config(s_q * h_q, True, FP8_WGMMA if version == "v3" else FP8_MMA_SYNC)
+        cfg = replace(cfg, qk_promote=int("q" in promote), pv_promote=int("v" in promote))
+        cfg = cfg.with_sms(torch.cuda.get_device_properties(problem.q.device).multi_processor_count)
+        meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, config=cfg)
+        return decode_fp8(quantize_q(problem.q), problem.fp8_cache(), layout.block_table,
+                          layout.cache_seqlens, meta, splits, problem.softmax_scale, problem.causal,
+                          config=cfg)
+
+    return Implementation(f"fp8-{spec}", "fp8", run)
+
+
+def default_implementations(device: torch.device, fp8_kernels: tuple[str, ...] = ("default",)
+                            ) -> list[Implementation]:
     """What ``verify`` checks on ``device``: the emulation always; on a CUDA GPU also snapmla's
-    FP8 and BF16 kernels, and FlashMLA when it is installed."""
+    FP8 kernel(s) (``fp8_kernels``, see :func:`fp8_kernel_implementation`) and BF16 kernel, and
+    FlashMLA when it is installed."""
+    fp8_impls = [fp8_kernel_implementation(spec) for spec in fp8_kernels]  # validated on any device
     impls = [Implementation(EMULATION, "fp8", run_emulation)]
     if device.type == "cuda":
-        impls.append(Implementation("fp8-kernel", "fp8", run_fp8_kernel))
+        impls += fp8_impls
         impls.append(Implementation("bf16-kernel", "bf16", run_bf16_kernel))
         try:
             import flash_mla  # type: ignore[import-not-found]  # noqa: F401

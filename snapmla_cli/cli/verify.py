@@ -41,6 +41,7 @@ def verify_command(
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal MTP masking.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the synthetic data, queries and page layout.")] = 0,
+    fp8_kernel: Annotated[str, typer.Option(help="FP8 kernel(s) to check on a GPU, comma-separated: default, v2 (mma.sync), v3 (wgmma), v3+pq / v3+pv / v3+pqv (wgmma with float32 promotion of QK / PV / both).")] = "default",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
     gate_emul: Annotated[float, typer.Option(help="FP8 kernel vs emul: max rel_l2.")] = Gates.emul_rel_l2,
@@ -60,7 +61,7 @@ def verify_command(
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
     source = _source(dump, layer, seed)
     gates = Gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos)
-    impls = default_implementations(dev)
+    impls = default_implementations(dev, tuple(s.strip() for s in fp8_kernel.split(",") if s.strip()))
     tokens = request_tokens(source, batch, context)
     results: list[CaseResult] = []
     with progress(console(stderr=True)) as bar:
