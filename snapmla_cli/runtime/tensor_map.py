@@ -93,6 +93,9 @@ def fp8_cache_tensor_maps(cache_rows: torch.Tensor) -> torch.Tensor:
     if cached is not None:
         _maps.move_to_end(key)
         return cached
+    if cache_rows.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise SnapmlaError("k_cache: its TMA tensor maps are built (and copied to the GPU) on first "
+                           "use; run one decode call on this cache before CUDA graph capture")
     blob = (encode_byte_map(address, rows, FP8_TOKEN_BYTES, TILE_BOX_BYTES, PAGE_SIZE, True)
             + encode_byte_map(address, rows, FP8_TOKEN_BYTES, SCALE_BOX_BYTES, PAGE_SIZE, False))
     host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
