@@ -220,10 +220,12 @@ __device__ __forceinline__ void append_kv_body(const __nv_bfloat16* __restrict__
     }
 }
 
-template <typename SlotT>
-__device__ __forceinline__ void fetch_slots_body(const u8* __restrict__ cache, i64 num_slots,
-                                                 const SlotT* __restrict__ slots, i64 n,
-                                                 __nv_bfloat16* __restrict__ out) {
+// Gather + dequantize: row r of `out` is the token at slots[r] (zeros for an out-of-range slot).
+// `load_at(slot, lane)` reads one token from whichever cache layout the caller has.
+template <typename SlotT, typename LoadToken>
+__device__ __forceinline__ void fetch_rows_body(i64 num_slots, const SlotT* __restrict__ slots,
+                                                i64 n, __nv_bfloat16* __restrict__ out,
+                                                LoadToken load_at) {
     const WarpCoords w = warp_coords();
     for (i64 group = w.first_group; group * ROWS_PER_WARP < n; group += w.group_stride) {
         const i64 base = group * ROWS_PER_WARP;
@@ -233,7 +235,7 @@ __device__ __forceinline__ void fetch_slots_body(const u8* __restrict__ cache, i
             tok[r] = zero_token();
             if (base + r >= n) continue;
             const i64 slot = load_slot(slots + base + r);
-            if (slot_ok(slot, num_slots)) tok[r] = load_paged_token(cache, slot, w.lane);
+            if (slot_ok(slot, num_slots)) tok[r] = load_at(slot, w.lane);
         }
 #pragma unroll
         for (int r = 0; r < ROWS_PER_WARP; ++r) {
@@ -243,32 +245,25 @@ __device__ __forceinline__ void fetch_slots_body(const u8* __restrict__ cache, i
     }
 }
 
+// Paged 656-byte cache.
+template <typename SlotT>
+__device__ __forceinline__ void fetch_slots_body(const u8* __restrict__ cache, i64 num_slots,
+                                                 const SlotT* __restrict__ slots, i64 n,
+                                                 __nv_bfloat16* __restrict__ out) {
+    fetch_rows_body(num_slots, slots, n, out,
+                    [&](i64 slot, int lane) { return load_paged_token(cache, slot, lane); });
+}
+
+// Structure-of-arrays cache (content, scale, rope in three tensors).
 template <typename SlotT>
 __device__ __forceinline__ void fetch_soa_body(const u8* __restrict__ content,
                                                const float* __restrict__ scale,
                                                const __nv_bfloat16* __restrict__ rope,
                                                i64 num_slots, const SlotT* __restrict__ slots,
                                                i64 n, __nv_bfloat16* __restrict__ out) {
-    const WarpCoords w = warp_coords();
-    for (i64 group = w.first_group; group * ROWS_PER_WARP < n; group += w.group_stride) {
-        const i64 base = group * ROWS_PER_WARP;
-        TokenFp8 tok[ROWS_PER_WARP];
-#pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) {
-            tok[r] = zero_token();
-            if (base + r >= n) continue;
-            const i64 slot = load_slot(slots + base + r);
-            if (slot_ok(slot, num_slots)) {
-                tok[r] = load_token(content + slot * D_CONTENT, scale + slot, rope + slot * D_ROPE,
-                                    w.lane);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS_PER_WARP; ++r) {
-            if (base + r >= n) break;
-            store_dequant(tok[r], out + (base + r) * D_QK, w.lane);
-        }
-    }
+    fetch_rows_body(num_slots, slots, n, out, [&](i64 slot, int lane) {
+        return load_token(content + slot * D_CONTENT, scale + slot, rope + slot * D_ROPE, lane);
+    });
 }
 
 }  // namespace prep
