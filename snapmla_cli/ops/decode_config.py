@@ -61,7 +61,7 @@ class DecodeConfig:
     stages: int = 2
     block_n: int = 64
     min_ctas_per_sm: int = 1
-    kernel_version: int = FP8_WGMMA
+    kernel_version: int = DEFAULT_FP8_KERNEL
     qk_promote: int = 0
     pv_promote: int = 0
     split: SplitPolicy = field(default_factory=SplitPolicy)
@@ -165,17 +165,17 @@ def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KER
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
     if fp8 and version == FP8_WGMMA:
         if row_groups == 1:  # two CTAs per SM interleave their per-page latency chains
-            cfg = DecodeConfig(row_groups=1, stages=2, min_ctas_per_sm=2)
+            cfg = DecodeConfig(row_groups=1, stages=2, min_ctas_per_sm=2, kernel_version=FP8_WGMMA)
         else:  # 32 rows x 2 CTAs per SM lack registers (ptxas serializes the wgmmas)
-            cfg = DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1)
+            cfg = DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1, kernel_version=FP8_WGMMA)
     elif fp8:
+        v2 = {"kernel_version": FP8_MMA_SYNC}
         if row_groups == 1:
-            cfg = DecodeConfig(row_groups=1, kv_split=1, stages=2, min_ctas_per_sm=2)
+            cfg = DecodeConfig(row_groups=1, kv_split=1, stages=2, min_ctas_per_sm=2, **v2)
         elif row_groups == 2:
-            cfg = DecodeConfig(row_groups=2, kv_split=2, stages=3, min_ctas_per_sm=1)
+            cfg = DecodeConfig(row_groups=2, kv_split=2, stages=3, min_ctas_per_sm=1, **v2)
         else:
-            cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1)
-        cfg = replace(cfg, kernel_version=FP8_MMA_SYNC)
+            cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1, **v2)
     else:
         block_n = 64 if row_groups == 1 else 32
         cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1)
