@@ -165,32 +165,23 @@ _V3_VERIFY = pytest.mark.xfail(
     strict=False)
 
 
-@pytest.mark.parametrize("version,kernel", [
-    (2, {}),
-    pytest.param(3, {}, marks=_V3_VERIFY),
-    pytest.param(3, {"qk_promote": 1, "pv_promote": 1}, marks=_V3_VERIFY),
-], ids=["v2", "v3", "v3-promoted"])
+@pytest.mark.parametrize("spec", [
+    "v2",
+    pytest.param("v3", marks=_V3_VERIFY),
+    pytest.param("v3+pqv", marks=_V3_VERIFY),
+])
 @pytest.mark.parametrize("heads,mtp", [(16, 1), (128, 2)])
-def test_fp8_decode_meets_verify_gates_on_synthetic_default(version, kernel, heads, mtp):
-    """What `snapmla verify --ctx 32k` checks, per kernel version: the synthetic default model's
+def test_fp8_decode_meets_verify_gates_on_synthetic_default(spec, heads, mtp):
+    """What `snapmla verify --ctx 32k --fp8-kernel SPEC` checks: the synthetic default model's
     last layer, 4 requests of 32k tokens, SPEC section 6 gates against float64 and the
     emulation. The random-data tests above are not enough: their attention is peaky, while the
     synthetic layer spreads it over many tokens, which exposes accumulation error."""
-    from snapmla_cli.analysis.verify import (Implementation, make_problem, request_tokens, run_case,
-                                             synthetic_source)
-    from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+    from snapmla_cli.analysis.verify import (fp8_kernel_implementation, make_problem, request_tokens,
+                                             run_case, synthetic_source)
 
     device = torch.device("cuda")
     source = synthetic_source(None)
     prob = make_problem(source, request_tokens(source, 4, 32 * 1024), heads, mtp, causal=True).to(device)
-    cfg = _config(heads * mtp, version, device, **kernel)
-
-    def run(p):
-        lay = p.layout
-        meta, splits = get_mla_metadata(lay.cache_seqlens, heads * mtp, 1, config=cfg)
-        return decode_fp8(p.q_quantized(), p.fp8_cache(), lay.block_table, lay.cache_seqlens, meta,
-                          splits, p.softmax_scale, p.causal, config=cfg)
-
-    result = run_case(prob, [Implementation(f"fp8-v{version}", "fp8", run)])
+    result = run_case(prob, [fp8_kernel_implementation(spec)])
     impl = result.impls[0]
     assert impl.passed, [(c.name, c.value, c.limit) for c in impl.checks]
