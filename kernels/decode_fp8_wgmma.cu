@@ -15,8 +15,13 @@
 //        K-major (token-contiguous) A fragments are built in registers from the swizzled page
 //        with ldmatrix.trans on byte pairs + byte permutes, so no transposed copy is stored.
 //        The token order inside each 16-token group is permuted (the order of a reduction's
-//        terms), and P^T is written to shared memory in the same permuted order. Warpgroup wg
-//        owns output dims [256 wg, 256 wg + 256) for all kRows rows.
+//        terms), and P^T is written to shared memory in the same permuted order.
+//        WG_MODE = 0: warpgroup wg owns output dims [256 wg, 256 wg + 256) for all kRows
+//        rows, so both warpgroups meet once per page to share P^T and gamma.
+//        WG_MODE = 1: warpgroup wg owns all 512 dims of its own rows; the warpgroups never
+//        wait for each other (twice the V^T fragment building, PV at N = kRows / 2).
+//        WG_MODE = 2: as 1, and the warpgroups take turns on the tensor cores (ping-pong), so
+//        that one's softmax runs while the other's GEMMs do.
 // Pages arrive by TMA: four 64 x 128-byte content boxes and one RoPE box with 128-byte swizzle
 // (cache-line-aligned tiles) plus a 64 x 16-byte box holding the scales; STAGES deep, full /
 // empty mbarriers between the producer warpgroup (one lane issues, setmaxnreg gives its
@@ -40,6 +45,9 @@
 #ifndef PV_PROMOTE
 #define PV_PROMOTE 0  // 1: each page's PV in a fresh accumulator, added to O in float32
 #endif
+#ifndef WG_MODE
+#define WG_MODE 2  // warpgroup layout / schedule, see above: 0 dims split, 1 own rows, 2 ping-pong
+#endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
 #endif
@@ -47,8 +55,11 @@
 namespace snapmla {
 namespace fp8wg {
 
-constexpr int kRows = 16 * ROW_GROUPS;                 // N of PV
+constexpr bool kOwnRowsPv = WG_MODE != 0;
+constexpr bool kPingPong = WG_MODE == 2;
+constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;                  // N of QK
+constexpr int kPvRows = kOwnRowsPv ? kRowsPerWg : kRows;  // N of PV
 constexpr int kConsumerWarps = 8;
 constexpr int kConsumerThreads = 32 * kConsumerWarps;
 constexpr int kWgThreads = 128;
@@ -82,12 +93,12 @@ constexpr int kBf16KStepBytes = 32;                    // 16 bf16
 constexpr int kKStepsPerBox = kBox / kFp8KStep;        // 4
 constexpr int kRopeKSteps = kBox / kBf16KStepBytes;    // 4
 constexpr int kPvKSteps = kPageTokens / kFp8KStep;     // 2
-constexpr int kWgDims = kDimV / 2;                     // 256 output dims per warpgroup
-constexpr int kMTiles = kWgDims / 64;                  // 4 PV m-tiles per warpgroup
+constexpr int kWgDims = kOwnRowsPv ? kDimV : kDimV / 2;  // output dims per warpgroup
+constexpr int kMTiles = kWgDims / 64;                  // PV m-tiles per warpgroup
 constexpr int kSAcc = kRowsPerWg / 2;                  // S^T accumulator floats per thread
-constexpr int kOAcc = kRows / 2;                       // O^T floats per thread per m-tile
+constexpr int kOAcc = kPvRows / 2;                     // O^T floats per thread per m-tile
 constexpr int kOwnRows = kRowsPerWg / 4;               // rows whose softmax state a thread keeps
-constexpr int kAllRows = kRows / 4;                    // rows of O^T a thread holds
+constexpr int kAllRows = kPvRows / 4;                  // rows of O^T a thread holds
 // Accumulation precision: Hopper's FP8 tensor cores keep fewer bits than float32 when they add
 // into an accumulator, so a long chain of wgmmas into one accumulator loses precision (the
 // DeepSeek-V3 report promotes to float32 every 128 products). QK_PROMOTE / PV_PROMOTE shorten
@@ -96,13 +107,20 @@ constexpr bool kQkPromote = QK_PROMOTE != 0;
 constexpr bool kPvPromote = PV_PROMOTE != 0;
 constexpr int kQkChunks = kContentTiles + 1;           // four content tiles + the RoPE tile
 // see consume(); the promoted paths wait between chunks, which the prefetch would undo
-constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote;
+constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote && !kPingPong;
 // An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
 // there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
 constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
+// Promoted PV overlaps m-tile mt + 1's wgmmas with adding m-tile mt when two temporary
+// accumulators fit (at 64-row PV, N = 64, they would spill next to O).
+constexpr int kPvPipelineMaxAcc = 16;
+constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
 constexpr float kE4m3Max = E4M3_MAX;
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
-constexpr int kBarWg0 = 1, kBarConsumers = 3;          // named barrier ids (0 = __syncthreads)
+constexpr int kBarWg0 = 1, kBarConsumers = 3, kBarTurn0 = 4;  // named barrier ids (0 = __syncthreads)
+// the barrier between writing P^T and the PV that reads it: only the warpgroup's own rows, or
+// both warpgroups' rows
+constexpr int kPvBarThreads = kOwnRowsPv ? kWgThreads : kConsumerThreads;
 
 // shared memory map (offsets from a 1024-aligned base)
 constexpr int kOffQ = 0;
@@ -119,6 +137,7 @@ constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
 constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
 constexpr int kMaxSmemPerCta = 232448;
 
+static_assert(WG_MODE >= 0 && WG_MODE <= 2, "WG_MODE is 0, 1 or 2");
 static_assert(ROW_GROUPS == 1 || ROW_GROUPS == 2 || ROW_GROUPS == 4, "16, 32 or 64 rows per CTA");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES x rows exceed shared memory");
@@ -292,6 +311,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     float* lsum_s = reinterpret_cast<float*>(smem + kOffLsum);
     float* rowinfo_s = reinterpret_cast<float*>(smem + kOffRowInfo) + wg * kRowsPerWg * kRowInfoFloats;
     const int wtid = tid % kWgThreads;  // threads wtid < kRowsPerWg own one row's running state
+    const int pv_row0 = kOwnRowsPv ? wg * kRowsPerWg : 0;  // first CTA row of this warpgroup's PV (N)
+    const int pv_dim0 = kOwnRowsPv ? 0 : wg * kWgDims;     // first output dim of its PV (M)
 
     // per-row constants in shared memory (registers go to the accumulators): the logit scale
     // q_scale * softmax_scale * log2(e) and the number of visible keys
@@ -330,13 +351,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         fence_accumulators(s_cur);
     }
 
-    for (int it = 0; it < num_blocks; ++it) {
-        const int blk = block_begin + it;
-        const int stage = it % STAGES;
-        unsigned char* page = smem + kOffStages + stage * kStageBytes;
-        const bool has_next = it + 1 < num_blocks;
+    // QK of block it: s_cur holds its logits (kPrefetchQk: issues block it + 1's into s_next).
+    auto qk_step = [&](int it) {
         if constexpr (kPrefetchQk) {
-            if (has_next) issue_qk(s_next, smem, full, it + 1, q_desc_base);
+            if (it + 1 < num_blocks) issue_qk(s_next, smem, full, it + 1, q_desc_base);
         } else if constexpr (kQkPromote) {
             qk_promoted(s_cur, smem, full, it, q_desc_base);
         } else {
@@ -344,7 +362,12 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             wgmma_wait<0>();
             fence_accumulators(s_cur);
         }
+    };
+    // Softmax of block it (SPEC 5): logits, masks, block statistics, P^T into shared memory.
+    auto softmax_step = [&](int it) {
         float (&s_acc)[kSAcc] = s_cur;
+        const int blk = block_begin + it;
+        unsigned char* page = smem + kOffStages + (it % STAGES) * kStageBytes;
 
         // ---- logits, masks, warp-local block statistics --------------------------------------
         const int page_first = blk * kPageTokens;
@@ -435,13 +458,21 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             *reinterpret_cast<unsigned*>(p_s + swz64(n, byte)) = packed;
         }
         fence_proxy_async_shared();  // P^T (generic stores) is read by wgmma (async proxy)
-        named_barrier_sync(kBarConsumers, kConsumerThreads);
+        named_barrier_sync(kOwnRowsPv ? kBarWg0 + wg : kBarConsumers, kPvBarThreads);
 
+    };
+    // PV of block it, then the page goes back to the producer.
+    auto pv_step = [&](int it) {
+        const int stage = it % STAGES;
+        unsigned char* page = smem + kOffStages + stage * kStageBytes;
+        const int valid = min(kPageTokens, seqlen - (block_begin + it) * kPageTokens);
+        unsigned char* p_s = smem + kOffP + (it & 1) * kPBytes;
+        const float* gamma_buf = gamma_s + (it & 1) * kRows;
         // ---- PV: O^T[dims x rows] = gamma O^T + V^T . P^T ------------------------------------
         float gam[kAllRows];
 #pragma unroll
-        for (int j = 0; j < kRows / 8; ++j) {
-            const float2 gp = *reinterpret_cast<const float2*>(gamma_buf + 8 * j + 2 * c);
+        for (int j = 0; j < kPvRows / 8; ++j) {
+            const float2 gp = *reinterpret_cast<const float2*>(gamma_buf + pv_row0 + 8 * j + 2 * c);
             gam[2 * j] = gp.x;
             gam[2 * j + 1] = gp.y;
         }
@@ -449,7 +480,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-                for (int j = 0; j < kRows / 8; ++j) {
+                for (int j = 0; j < kPvRows / 8; ++j) {
                     o_acc[mt][4 * j + 0] *= gam[2 * j];
                     o_acc[mt][4 * j + 1] *= gam[2 * j + 1];
                     o_acc[mt][4 * j + 2] *= gam[2 * j];
@@ -466,11 +497,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 vmask[ks][h] = (t0 < valid ? 0x000000ffu : 0u) | (t0 + 1 < valid ? 0x0000ff00u : 0u) |
                                (t0 + 8 < valid ? 0x00ff0000u : 0u) | (t0 + 9 < valid ? 0xff000000u : 0u);
             }
-        const unsigned long long p_desc = make_smem_desc(p_s, kSwizzle64B, kSwizzleAtom64);
+        const unsigned long long p_desc = make_smem_desc(p_s + pv_row0 * kPRowBytes, kSwizzle64B, kSwizzleAtom64);
         const int ld_token = 8 * (lane / 8) + (lane % 8);  // ldmatrix row address of this lane
         // V^T A fragment of this warp's 16 dims of m-tile mt, tokens [32 ks, 32 ks + 32)
         auto v_fragment = [&](int mt, int ks, unsigned (&frag)[4]) {
-            const int dim = wg * kWgDims + mt * 64 + 16 * w;
+            const int dim = pv_dim0 + mt * 64 + 16 * w;
             unsigned r[4];
             ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
             constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
@@ -479,26 +510,40 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             frag[2] = prmt(r[2], r[3], kEvenDim) & vmask[ks][1];
             frag[3] = prmt(r[2], r[3], kOddDim) & vmask[ks][1];
         };
-        if constexpr (kPvPromote) {  // this page's P V in a fresh accumulator, O = gamma O + it
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                float t[kOAcc];
+        if constexpr (kPvPromote) {  // each m-tile's P V in a fresh accumulator, O = gamma O + it
+            // with kPvPipelined, two accumulators in turn: m-tile mt + 1 runs on the tensor cores
+            // while mt is added
+            float t[kPvPipelined ? 2 : 1][kOAcc];
+            auto issue_pv = [&](int mt, float (&acc)[kOAcc]) {
                 wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < kPvKSteps; ++ks) {
                     unsigned a[4];
                     v_fragment(mt, ks, a);
-                    wgmma_fp8_rs(t, a, p_desc + ((kFp8KStep * ks) >> 4), ks > 0);
+                    wgmma_fp8_rs(acc, a, p_desc + ((kFp8KStep * ks) >> 4), ks > 0);
                 }
                 wgmma_commit();
-                wgmma_wait<0>();
-                fence_accumulators(t);
+            };
+            if constexpr (kPvPipelined) issue_pv(0, t[0]);
 #pragma unroll
-                for (int j = 0; j < kRows / 8; ++j) {
-                    o_acc[mt][4 * j + 0] = fmaf(gam[2 * j], o_acc[mt][4 * j + 0], t[4 * j + 0]);
-                    o_acc[mt][4 * j + 1] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 1], t[4 * j + 1]);
-                    o_acc[mt][4 * j + 2] = fmaf(gam[2 * j], o_acc[mt][4 * j + 2], t[4 * j + 2]);
-                    o_acc[mt][4 * j + 3] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 3], t[4 * j + 3]);
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                if constexpr (!kPvPipelined) {
+                    issue_pv(mt, t[0]);
+                    wgmma_wait<0>();
+                } else if (mt + 1 < kMTiles) {
+                    issue_pv(mt + 1, t[(mt + 1) % 2]);
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
+                float (&done)[kOAcc] = t[kPvPipelined ? mt % 2 : 0];
+                fence_accumulators(done);
+#pragma unroll
+                for (int j = 0; j < kPvRows / 8; ++j) {
+                    o_acc[mt][4 * j + 0] = fmaf(gam[2 * j], o_acc[mt][4 * j + 0], done[4 * j + 0]);
+                    o_acc[mt][4 * j + 1] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 1], done[4 * j + 1]);
+                    o_acc[mt][4 * j + 2] = fmaf(gam[2 * j], o_acc[mt][4 * j + 2], done[4 * j + 2]);
+                    o_acc[mt][4 * j + 3] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 3], done[4 * j + 3]);
                 }
             }
         } else {
@@ -525,10 +570,33 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
         if (lane == 0) mbarrier_arrive(&empty[stage]);
-        if (kPrefetchQk && has_next) {
+        if (kPrefetchQk && it + 1 < num_blocks) {
             fence_accumulators(s_next);
 #pragma unroll
             for (int i = 0; i < kSAcc; ++i) s_cur[i] = s_next[i];
+        }
+        };
+
+    if constexpr (kPingPong) {
+        // The warpgroups take turns on the tensor cores: a turn is PV of the previous block and
+        // QK of this one; the softmax runs outside the turn, while the other warpgroup has it.
+        // Warpgroup wg waits on barrier kBarTurn0 + wg (its 128 threads + the other's 128
+        // arrivals); warpgroup 1 lets warpgroup 0 start. Arrivals match waits exactly: warpgroup
+        // 1 skips its last one.
+        if (wg == 1 && num_blocks > 0) named_barrier_arrive(kBarTurn0, kConsumerThreads);
+        for (int it = 0; it < num_blocks; ++it) {
+            named_barrier_sync(kBarTurn0 + wg, kConsumerThreads);
+            if (it > 0) pv_step(it - 1);
+            qk_step(it);
+            if (wg == 0 || it + 1 < num_blocks) named_barrier_arrive(kBarTurn0 + (wg ^ 1), kConsumerThreads);
+            softmax_step(it);
+        }
+        if (num_blocks > 0) pv_step(num_blocks - 1);
+    } else {
+        for (int it = 0; it < num_blocks; ++it) {
+            qk_step(it);
+            softmax_step(it);
+            pv_step(it);
         }
     }
 
@@ -542,7 +610,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     float rcp[kAllRows];
 #pragma unroll
     for (int a = 0; a < kAllRows; ++a) {
-        const int n = 8 * (a / 2) + 2 * c + (a % 2);
+        const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
         const int owner = n / kRowsPerWg, nl = n % kRowsPerWg;
         float total = 0.f;
 #pragma unroll
@@ -555,14 +623,14 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     const long part_rows = static_cast<long>(work.partial) * rows;
 #pragma unroll
     for (int a = 0; a < kAllRows; ++a) {
-        const int n = 8 * (a / 2) + 2 * c + (a % 2);
+        const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
         const int row = row0 + n;
         if (row >= rows) continue;
         const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
         const int j = a / 2, e = a % 2;
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
-            const int dim = wg * kWgDims + mt * 64 + 16 * w + 2 * g;
+            const int dim = pv_dim0 + mt * 64 + 16 * w + 2 * g;
             store_out2(p.out, p.partial_out, base + dim, to_partial, o_acc[mt][4 * j + e] * rcp[a],
                        o_acc[mt][4 * j + 2 + e] * rcp[a]);
         }

@@ -58,11 +58,9 @@ def run_case(w: DecodeWork, ceilings, device) -> dict:
 
 
 def sweep_fp8(w: DecodeWork, specs: str, device) -> None:
-    """Time FP8 kernel variants ``version:rg:kv_split:stages:ctas_per_sm[:qk_promote:pv_promote]``
-    on one shape (tuning probe; version 3 = wgmma, 2 = mma.sync)."""
-    from dataclasses import replace
-
-    from snapmla_cli.ops.decode_config import DecodeConfig, fp8_config_valid
+    """Time FP8 kernel variants (``config_from_spec`` format) on one shape (tuning probe;
+    version 3 = wgmma, 2 = mma.sync)."""
+    from snapmla_cli.ops.decode_config import config_from_spec, fp8_config_valid
     from snapmla_cli.ops.prep import append_kv
 
     seqlens = [w.context] * w.batch
@@ -75,15 +73,12 @@ def sweep_fp8(w: DecodeWork, specs: str, device) -> None:
     qq = quantize_q(q)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for spec in specs.split(","):
-        ver, rg, kv, st, ctas, qk, pv = (list(map(int, spec.split(":"))) + [0, 0])[:7]
-        cfg = DecodeConfig(row_groups=rg, kv_split=kv, stages=st, min_ctas_per_sm=ctas,
-                           kernel_version=ver, qk_promote=qk, pv_promote=pv).with_sms(sms)
-        cfg = replace(cfg, split=replace(cfg.split, ctas_per_sm=ctas))
+        cfg = config_from_spec(spec).with_sms(sms)
         if not fp8_config_valid(cfg):
             continue
         meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=cfg)
         t = time_cuda(lambda m=meta, sp=splits, c=cfg: decode_fp8(qq, cache8, table, lens, m, sp, None, True, config=c))
-        print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} v{ver} rg{rg} kv{kv} st{st} cta{ctas} pq{qk} pv{pv} work{meta.shape[0]}: "
+        print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} {spec:18s} work{meta.shape[0]}: "
               f"{t*1e6:9.1f}us {w.bytes(True)/t/1e9:6.0f}GB/s {w.flops/t/1e12:6.1f}TF", flush=True)
 
 
@@ -94,8 +89,8 @@ def main() -> None:
     ap.add_argument("--mtp", default="1,2")
     ap.add_argument("--ctx", default="16384,32768,65536,131072")
     ap.add_argument("--json")
-    ap.add_argument("--sweep", help="FP8 variants version:rg:kv:stages:ctas[:qk_promote:pv_promote],... "
-                                    "timed on each shape instead")
+    ap.add_argument("--sweep", help="FP8 variants version:rg:kv:stages:ctas[:qk_promote:pv_promote[:wg_mode]],"
+                                    "... timed on each shape instead")
     args = ap.parse_args()
     device = torch.device("cuda")
     if args.sweep:

@@ -1,13 +1,14 @@
 """Fill the NVRTC disk cache for every registered kernel variant in parallel (one process per
 core), so that the GPU tests and benchmarks that follow start without compiling. Extra FP8
-decode variants can be named as ``version:row_groups:kv_split:stages:ctas`` arguments."""
+decode variants can be named as arguments in the format of ``config_from_spec``
+(``bench_decode.py --sweep`` takes the same)."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from snapmla_cli.ops.decode_config import DecodeConfig, fp8_defines, fp8_kernel
+from snapmla_cli.ops.decode_config import config_from_spec, fp8_defines, fp8_kernel
 from snapmla_cli.runtime.registry import KERNEL_SOURCES
 from snapmla_cli.tuning.compile import compile_jobs
 
@@ -18,8 +19,7 @@ def main() -> None:
     jobs = [(source, tuple(sorted((k, int(v)) for k, v in var.defines.items())))
             for source, variants in KERNEL_SOURCES.items() for var in variants if ARCH in var.archs]
     for spec in sys.argv[1:]:
-        ver, rg, kv, st, ctas = map(int, spec.split(":"))
-        cfg = DecodeConfig(row_groups=rg, kv_split=kv, stages=st, min_ctas_per_sm=ctas, kernel_version=ver)
+        cfg = config_from_spec(spec)
         jobs.append((fp8_kernel(cfg)[0], tuple(sorted(fp8_defines(cfg).items()))))
     start = time.perf_counter()
     errors = compile_jobs(jobs, ARCH)

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import torch
 
-from snapmla_cli.analysis.verify import make_problem, request_tokens, run_emulation, synthetic_source
+from snapmla_cli.analysis.verify import FP8_KERNEL_VARIANTS, make_problem, request_tokens, run_emulation, synthetic_source
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
-from snapmla_cli.ops.decode_config import FP8_MMA_SYNC, FP8_WGMMA, heuristic_config
+from snapmla_cli.ops.decode_config import heuristic_config
 from snapmla_cli.ops.schedule import split_token_bounds
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
 
@@ -31,12 +31,12 @@ def main() -> None:
     ref, _ = decode_reference(prob.q, prob.bf16_cache().squeeze(2), lay.block_table, lay.cache_seqlens,
                               prob.softmax_scale, prob.causal)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    variants = (("v2", FP8_MMA_SYNC, False, 0, 0), ("v3", FP8_WGMMA, False, 0, 0),
-                ("v3-fine", FP8_WGMMA, True, 0, 0), ("v3-pq", FP8_WGMMA, False, 1, 0),
-                ("v3-pv", FP8_WGMMA, False, 0, 1), ("v3-pqv", FP8_WGMMA, False, 1, 1))
-    for label, ver, fine, qk, pv in variants:
-        cfg = replace(heuristic_config(heads * mtp, True, ver), qk_promote=qk, pv_promote=pv).with_sms(sms)
+    variants = [(name, False) for name in FP8_KERNEL_VARIANTS] + [("v3-unpromoted", True)]
+    for label, fine in variants:
+        version, overrides = FP8_KERNEL_VARIANTS[label]
+        cfg = replace(heuristic_config(heads * mtp, True, version), **overrides).with_sms(sms)
         if fine:
+            label += "-fine"
             cfg = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=4096, max_splits_per_request=512))
         meta, splits = get_mla_metadata(lay.cache_seqlens, heads * mtp, 1, config=cfg)
         out, lse = decode_fp8(q8, cache, lay.block_table, lay.cache_seqlens, meta, splits, prob.softmax_scale,
@@ -44,7 +44,7 @@ def main() -> None:
         bounds = split_token_bounds(splits, meta, lay.cache_seqlens)
         emul, _ = emulate_fp8_decode(q8, cache, lay.block_table, lay.cache_seqlens, prob.softmax_scale,
                                      prob.causal, split_bounds=bounds)
-        print(f"h{heads} s_q{mtp} ctx{ctx} {label:8s} splits {meta.shape[0]:5d}: vs emul rel_l2 "
+        print(f"h{heads} s_q{mtp} ctx{ctx} {label:16s} splits {meta.shape[0]:5d}: vs emul rel_l2 "
               f"{compare(out, emul).rel_l2:.3e}  vs ref64 {compare(out, ref).rel_l2:.3e}  "
               f"emul vs ref64 {compare(emul, ref).rel_l2:.3e}", flush=True)
 

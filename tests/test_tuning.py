@@ -154,22 +154,34 @@ def test_search_space_pruned_by_shared_memory(fmt, rows):
     assert all(config_problem(c, fmt) is None for c in space.candidates[1:])
 
 
-def test_kernel_versions_and_promotion_flags():
-    """The FP8 space covers the searched kernel versions; promotion flags exist only on the
-    wgmma kernel and appear in the candidate name; config files keep them as 0/1."""
+def test_kernel_versions_and_wgmma_switches():
+    """The FP8 space covers both kernel versions, the wgmma kernel always with float32
+    promotion (unpromoted fails verify); the switches exist only on the wgmma kernel, appear in
+    the candidate name, and config files keep them within their allowed values."""
     valid, _ = kernel_variants(64, "fp8")
-    assert {c.kernel_version for c in valid} == set(FP8_VERSIONS)
-    v3 = DecodeConfig(row_groups=4, stages=4, kernel_version=dc.FP8_WGMMA, qk_promote=1, pv_promote=1)
-    assert dc.fp8_config_valid(v3)
-    assert config_id(v3, "fp8").startswith("v3-rg4-pqv-st4")
-    assert dc.fp8_defines(v3)["QK_PROMOTE"] == 1 and dc.fp8_defines(v3)["PV_PROMOTE"] == 1
-    assert not dc.fp8_config_valid(replace(v3, kernel_version=dc.FP8_MMA_SYNC))
+    assert {c.kernel_version for c in valid} == set(FP8_VERSIONS) == {dc.FP8_WGMMA, dc.FP8_MMA_SYNC}
+    wgmma = [c for c in valid if c.wgmma]
+    assert {c.wg_mode for c in wgmma} == {dc.WG_DIMS_SPLIT}  # the other modes lost everywhere
+    assert all(c.qk_promote == c.pv_promote == 1 for c in wgmma)
+    v3 = DecodeConfig(row_groups=4, stages=4, kernel_version=dc.FP8_WGMMA)
+    assert (v3.qk_promote, v3.pv_promote) == (1, 1)  # the defaults
+    assert dc.fp8_config_valid(v3) and dc.fp8_config_valid(replace(v3, wg_mode=dc.WG_PINGPONG))
+    assert config_id(replace(v3, wg_mode=dc.WG_PINGPONG), "fp8").startswith("v3-rg4-wp-st4")
+    unpromoted = replace(v3, qk_promote=0, wg_mode=0)
+    assert config_id(unpromoted, "fp8").startswith("v3-rg4-wd-pq0v1-st4")
+    defines = dc.fp8_defines(unpromoted)
+    assert (defines["QK_PROMOTE"], defines["PV_PROMOTE"], defines["WG_MODE"]) == (0, 1, 0)
+    v2 = replace(v3, kernel_version=dc.FP8_MMA_SYNC, stages=2)
+    assert dc.fp8_config_valid(v2) and not dc.fp8_config_valid(replace(v2, wg_mode=dc.WG_PINGPONG))
     assert not dc.fp8_config_valid(replace(v3, qk_promote=2))
-    assert tdb.config_from_dict(tdb.config_to_dict(v3)) == v3
+    assert not dc.fp8_config_valid(replace(v3, wg_mode=3))
+    assert tdb.config_from_dict(tdb.config_to_dict(unpromoted)) == unpromoted
     data = tdb.config_to_dict(v3)
-    with pytest.raises(ValueError, match="qk_promote must be 0 or 1"):
+    with pytest.raises(ValueError, match=r"qk_promote must be one of \(0, 1\)"):
         tdb.config_from_dict({**data, "qk_promote": 2})
-    old = {k: v for k, v in data.items() if k not in ("kernel_version", "qk_promote", "pv_promote")}
+    with pytest.raises(ValueError, match="wg_mode must be one of"):
+        tdb.config_from_dict({**data, "wg_mode": -1})
+    old = {k: v for k, v in data.items() if k not in ("kernel_version", "qk_promote", "pv_promote", "wg_mode")}
     assert tdb.config_from_dict(old).kernel_version == dc.FP8_MMA_SYNC  # pre-wgmma entries
 
 
@@ -593,3 +605,17 @@ def test_tune_on_gpu_end_to_end(isolated_db):
     [stored] = section.entries
     assert stored.time_us > 0 and stored.default_time_us > 0 and stored.candidates >= 2
     assert not list(user.glob("*.partial.json"))
+
+
+def test_config_from_spec_parses_the_kernel_scripts_format():
+    """``bench_decode.py --sweep`` and ``precompile.py`` name configs as
+    version:row_groups:kv_split:stages:ctas[:qk:pv[:wg_mode]]; omitted switches keep defaults."""
+    cfg = dc.config_from_spec("3:4:1:3:1:1:1:2")
+    assert (cfg.kernel_version, cfg.row_groups, cfg.stages, cfg.min_ctas_per_sm) == (3, 4, 3, 1)
+    assert (cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) == (1, 1, dc.WG_PINGPONG)
+    short = dc.config_from_spec("2:1:2:2:2")
+    assert short.kv_split == 2 and short.split.ctas_per_sm == 2
+    assert (short.qk_promote, short.pv_promote, short.wg_mode) == dc.WGMMA_SWITCH_DEFAULTS
+    for bad in ("3:4", "3:4:1:x:1", "3:4:1:4:1:1:1:0:9"):
+        with pytest.raises(ValueError, match="kernel spec"):
+            dc.config_from_spec(bad)

@@ -324,6 +324,7 @@ SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 8, "wgmma.mma_async.sync.aligned.m64n16k16.f32.b
 SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 16, "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16", ", 1, 1, 0, 0", "16", "17", "18")
 SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 32, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 0, 0", "32", "33", "34")
 // PV: V^T fragments from registers.
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 4, "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3", "4, %5, %6, %7", "8", "9")
 SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 8, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", "8, %9, %10, %11", "12", "13")
 SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 16, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "16, %17, %18, %19", "20", "21")
 SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 32, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "32, %33, %34, %35", "36", "37")
@@ -358,6 +359,10 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 // Named barrier over `count` threads (a multiple of 32); id 0 is __syncthreads'.
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// Arrive at named barrier `id` (counting `count` threads in all) without waiting.
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 }  // namespace snapmla

@@ -99,30 +99,42 @@ def run_flash_mla(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
                                             causal=problem.causal)
 
 
-FP8_KERNEL_SPECS = ("default", "v2", "v3", "v3+pq", "v3+pv", "v3+pqv")
+# name -> (kernel version, DecodeConfig overrides of the wgmma kernel's heuristic)
+FP8_KERNEL_VARIANTS: dict[str, tuple[int, dict[str, int]]] = {
+    "v2": (2, {}),
+    "v3": (3, {}),
+    "v3-rows": (3, {"wg_mode": 1}),
+    "v3-pingpong": (3, {"wg_mode": 2}),
+    "v3-unpromoted": (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 0}),
+    "v3-pq": (3, {"wg_mode": 0, "qk_promote": 1, "pv_promote": 0}),
+    "v3-pv": (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 1}),
+}
+FP8_KERNEL_SPECS = ("default", *FP8_KERNEL_VARIANTS)
 
 
 def fp8_kernel_implementation(spec: str) -> Implementation:
     """The FP8 kernel named by ``spec``: ``default`` (what ``flash_mla_with_kvcache`` picks:
-    tuning database, else heuristic), ``v2`` (mma.sync), ``v3`` (wgmma), ``v3+pq`` / ``v3+pv`` /
-    ``v3+pqv`` (wgmma with float32 promotion of the QK / PV / both accumulations)."""
+    tuning database, else heuristic), ``v2`` (mma.sync), ``v3`` (wgmma, at its heuristic),
+    ``v3-rows`` / ``v3-pingpong`` (wgmma in its other warpgroup modes, see
+    ``DecodeConfig.wg_mode``), and the diagnostic wgmma
+    kernels without float32 promotion of both accumulations: ``v3-unpromoted``, ``v3-pq`` (QK
+    promoted only), ``v3-pv`` (PV only)."""
     if spec not in FP8_KERNEL_SPECS:
         raise SnapmlaError(f"--fp8-kernel: {spec!r} is not one of {', '.join(FP8_KERNEL_SPECS)}")
     if spec == "default":
         return Implementation("fp8-kernel", "fp8", run_fp8_kernel)
-    version, _, promote = spec.partition("+")
+    version, overrides = FP8_KERNEL_VARIANTS[spec]
 
     def run(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
         from dataclasses import replace
 
         from ..ops.decode import decode_fp8, get_mla_metadata
-        from ..ops.decode_config import FP8_MMA_SYNC, FP8_WGMMA, heuristic_config
+        from ..ops.decode_config import heuristic_config
         from ..ops.prep import quantize_q
 
         layout = problem.layout
         _b, s_q, h_q, _ = problem.q.shape
-        cfg = heuristic_config(s_q * h_q, True, FP8_WGMMA if version == "v3" else FP8_MMA_SYNC)
-        cfg = replace(cfg, qk_promote=int("q" in promote), pv_promote=int("v" in promote))
+        cfg = replace(heuristic_config(s_q * h_q, True, version), **overrides)
         cfg = cfg.with_sms(torch.cuda.get_device_properties(problem.q.device).multi_processor_count)
         meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, config=cfg)
         return decode_fp8(quantize_q(problem.q), problem.fp8_cache(), layout.block_table,

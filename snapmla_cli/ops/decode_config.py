@@ -30,11 +30,16 @@ MAX_WARPS = 8
 FP8_MMA_SYNC = 2
 FP8_WGMMA = 3
 FP8_KERNEL_VERSIONS = (FP8_MMA_SYNC, FP8_WGMMA)
-# What runs when nothing is asked for. The wgmma kernel is 1.5-1.8x faster but, on the H200,
-# `snapmla verify --ctx 32k` failed the SPEC section 6 gates in 5 of 6 cases with it (it passes
-# the random-data GPU tests); until that is understood and fixed (docs/DESIGN.md, "wgmma
-# kernel: open numerics problem") it is opt-in: DecodeConfig(kernel_version=FP8_WGMMA).
-DEFAULT_FP8_KERNEL = FP8_MMA_SYNC
+# What runs when nothing is asked for: the wgmma kernel, with float32 promotion of its QK and PV
+# accumulations (without promotion it failed `snapmla verify --ctx 32k` in 5 of 6 cases on the
+# H200; with it, 6 of 6 with errors as small as the mma.sync kernel's: docs/PERF.md).
+DEFAULT_FP8_KERNEL = FP8_WGMMA
+# wgmma kernel warpgroup modes (WG_MODE): the two consumer warpgroups split the 512 output dims
+# and share P; or each owns its rows (independent); or owns its rows and they take turns on
+# the tensor cores (ping-pong).
+WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG = 0, 1, 2
+WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG)
+WG_MODE_NAMES = {WG_DIMS_SPLIT: "wd", WG_OWN_ROWS: "wr", WG_PINGPONG: "wp"}
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
 WGMMA_Q_BYTES_PER_ROW = 5 * 128
@@ -47,14 +52,15 @@ SMEM_RESERVED_PER_CTA = 1024
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig:  
     """``row_groups`` 16-row groups per CTA (two warps each), ``kv_split`` token groups of
     warps sharing each page (FP8 kernel), ``stages`` pipeline depth,
     ``block_n`` tokens per stage (BF16 kernel; the FP8 kernel always uses the 64-token page,
     the P-quantization block), ``min_ctas_per_sm`` for ``__launch_bounds__``, the FP8
     ``kernel_version``, the wgmma kernel's float32 promotion flags ``qk_promote`` /
     ``pv_promote`` (0 or 1: shorter tensor-core accumulation chains, see
-    kernels/decode_fp8_wgmma.cu), and the split policy."""
+    kernels/decode_fp8_wgmma.cu), its warpgroup mode ``wg_mode`` (``WG_MODES``), and the split
+    policy."""
 
     row_groups: int = 4
     kv_split: int = 1
@@ -62,8 +68,9 @@ class DecodeConfig:
     block_n: int = 64
     min_ctas_per_sm: int = 1
     kernel_version: int = DEFAULT_FP8_KERNEL
-    qk_promote: int = 0
-    pv_promote: int = 0
+    qk_promote: int = 1
+    pv_promote: int = 1
+    wg_mode: int = WG_DIMS_SPLIT
     split: SplitPolicy = field(default_factory=SplitPolicy)
 
     @property
@@ -83,6 +90,11 @@ class DecodeConfig:
 
     def with_sms(self, num_sms: int) -> DecodeConfig:
         return replace(self, split=replace(self.split, num_sms=num_sms))
+
+
+# (qk_promote, pv_promote, wg_mode) as DecodeConfig defaults them; the mma.sync kernel has none
+# of these switches, so its configs keep the defaults (one spelling per kernel).
+WGMMA_SWITCH_DEFAULTS = (DecodeConfig.qk_promote, DecodeConfig.pv_promote, DecodeConfig.wg_mode)
 
 
 def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
@@ -114,11 +126,11 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     shared memory within the opt-in limit."""
     if cfg.kernel_version not in FP8_KERNEL_VERSIONS:
         return False
-    if not cfg.wgmma and (cfg.qk_promote or cfg.pv_promote):
-        return False  # the mma.sync kernel accumulates in float32 already
+    if not cfg.wgmma and (cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) != WGMMA_SWITCH_DEFAULTS:
+        return False  # wgmma-only switches; the mma.sync kernel accumulates in float32 already
     if cfg.wgmma:
         return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= 2
-                and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1)
+                and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1) and cfg.wg_mode in WG_MODES
                 and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
                 and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
@@ -147,7 +159,7 @@ def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
     if cfg.wgmma:  # the kernel static_asserts that its layout needs exactly this launch size
         return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
                 "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "QK_PROMOTE": cfg.qk_promote,
-                "PV_PROMOTE": cfg.pv_promote, "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
+                "PV_PROMOTE": cfg.pv_promote, "WG_MODE": cfg.wg_mode, "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
     return {"ROW_GROUPS": cfg.row_groups, "KV_SPLIT": cfg.kv_split, "STAGES": cfg.stages,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
@@ -157,9 +169,28 @@ def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
 
+SPEC_FIELDS = ("kernel_version", "row_groups", "kv_split", "stages", "min_ctas_per_sm", "qk_promote",
+               "pv_promote", "wg_mode")
+
+
+def config_from_spec(spec: str) -> DecodeConfig:
+    """A decode config from the compact text the kernel scripts take,
+    ``version:row_groups:kv_split:stages:ctas[:qk_promote:pv_promote[:wg_mode]]``; omitted
+    trailing fields keep their defaults; the split policy targets ``ctas`` CTAs per SM."""
+    try:
+        values = [int(v) for v in spec.split(":")]
+    except ValueError:
+        values = []
+    if not 5 <= len(values) <= len(SPEC_FIELDS):
+        raise ValueError(f"kernel spec {spec!r}: expected {':'.join(SPEC_FIELDS[:5])}[:{':'.join(SPEC_FIELDS[5:])}]")
+    cfg = DecodeConfig(**dict(zip(SPEC_FIELDS, values)))
+    return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
+
+
 def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KERNEL) -> DecodeConfig:
-    """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel: 16
-    rows as two CTAs per SM with two pages each; 32 and 64+ rows as one CTA four pages deep. mma.sync kernel: 16 rows as two
+    """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel (float32
+    promotion on, warpgroups splitting the output dims): 16 rows as two CTAs per SM with two
+    pages each; 32 and 64+ rows as one CTA four pages deep. mma.sync kernel: 16 rows as two
     small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as
     64-row tiles."""
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4

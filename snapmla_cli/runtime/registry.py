@@ -60,7 +60,7 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     from dataclasses import replace
 
     from ..ops.decode import COMBINE_WARPS
-    from ..ops.decode_config import (FP8_MMA_SYNC, FP8_WGMMA, bf16_defines, fp8_defines,
+    from ..ops.decode_config import (FP8_MMA_SYNC, FP8_WGMMA, WG_MODES, bf16_defines, fp8_defines,
                                      fp8_kernel, heuristic_config)
 
     rows = (16, 32, 64)
@@ -69,8 +69,11 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         configs = [heuristic_config(r, True, version) for r in rows]
         source, name = fp8_kernel(configs[0])
         variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
-    promoted = [replace(heuristic_config(r, True, FP8_WGMMA), qk_promote=1, pv_promote=1) for r in rows]
-    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in promoted)
+    # the wgmma kernel's other warpgroup modes (the tuner's other choices)
+    for mode in WG_MODES:
+        others = [replace(heuristic_config(r, True, FP8_WGMMA), wg_mode=mode) for r in rows]
+        variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c))
+                                                 for c in others if c != heuristic_config(c.block_m, True, FP8_WGMMA))
     variants["decode_bf16.cu"] = tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows)
     variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)
     return variants

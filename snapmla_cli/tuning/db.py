@@ -33,7 +33,7 @@ from typing import Any
 
 from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
-from ..ops.decode_config import FP8_MMA_SYNC, DecodeConfig
+from ..ops.decode_config import FP8_MMA_SYNC, WG_MODES, DecodeConfig
 from ..ops.schedule import SplitPolicy
 from .space import Bucket, config_problem
 
@@ -144,7 +144,8 @@ def search_dirs() -> list[tuple[str, Path]]:
 
 
 _CONFIG_FIELDS = [f.name for f in dataclasses.fields(DecodeConfig) if f.name != "split"]
-_FLAG_FIELDS = {"qk_promote", "pv_promote"}  # 0 / 1 switches; every other field is >= 1
+# fields that may be 0, with their allowed values; every other field is >= 1
+_CHOICE_FIELDS = {"qk_promote": (0, 1), "pv_promote": (0, 1), "wg_mode": WG_MODES}
 _SPLIT_FIELDS = [f.name for f in dataclasses.fields(SplitPolicy) if f.name != "num_sms"]
 
 
@@ -171,9 +172,9 @@ def config_from_dict(data: object) -> DecodeConfig:
     for key, value in [*data.items(), *split_data.items()]:
         if key == "split":
             continue
-        if key in _FLAG_FIELDS:
-            if value not in (0, 1) or isinstance(value, bool):
-                raise ValueError(f"config: {key} must be 0 or 1, got {value!r}")
+        if key in _CHOICE_FIELDS:
+            if value not in _CHOICE_FIELDS[key] or isinstance(value, bool):
+                raise ValueError(f"config: {key} must be one of {_CHOICE_FIELDS[key]}, got {value!r}")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"config: {key} must be a positive integer, got {value!r}")
     kwargs = {k: v for k, v in data.items() if k != "split"}

@@ -31,13 +31,17 @@ FORMATS = ("fp8", "bf16")
 ROW_GROUPS = (1, 2, 4)
 KV_SPLITS = (1, 2, 4)  # FP8 kernel only, when DecodeConfig has the field
 STAGES = (2, 3, 4, 5)
-# FP8 kernels the tuner searches: only the default one while the wgmma kernel fails `verify`
-# on the synthetic default (its candidates pass the tuner's short random-data check, so the
-# check cannot keep them out; see DEFAULT_FP8_KERNEL).
-FP8_VERSIONS = (dc.DEFAULT_FP8_KERNEL,)
+# FP8 kernels the tuner searches: the wgmma kernel and the mma.sync one.
+FP8_VERSIONS = (dc.FP8_WGMMA, dc.FP8_MMA_SYNC)
 BLOCK_NS = (32, 64)  # BF16 kernel only; the FP8 kernel always works on the 64-token page
 MIN_CTAS = (1, 2)
-PROMOTE = (0, 1)  # wgmma kernel: float32 promotion of the QK / PV accumulation
+# wgmma kernel: float32 promotion of the QK / PV accumulation. Always on: without it the kernel
+# fails `snapmla verify --ctx 32k` (docs/PERF.md), and a numerics switch is not a speed knob.
+PROMOTE = (1,)
+# wgmma kernel: how the two consumer warpgroups share a page's work. Only the dims split: the
+# own-rows and ping-pong modes were 4-25% slower at every shape class of the b=64 sweep
+# (docs/PERF.md, "Warpgroup modes"), so timing them would only spend the budget.
+WG_MODES = (dc.WG_DIMS_SPLIT,)
 SPLIT_CTAS = (1, 2)
 SPLIT_WAVES = (1, 2)
 MIN_BLOCKS_PER_SPLIT = (2, 4, 8, 16)
@@ -273,15 +277,17 @@ def kernel_key(cfg: DecodeConfig, fmt: str) -> tuple[str, tuple[tuple[str, int],
 
 
 def config_id(cfg: DecodeConfig, fmt: str) -> str:
-    """Short stable name, e.g. ``v3-rg4-st4-c1/1x1-mb4`` or ``v2-rg4-kv1-st2-c1/1x1-mb4`` (split: target CTAs per SM x waves,
+    """Short stable name, e.g. ``v3-rg4-wd-st4-c1/1x1-mb4`` or ``v2-rg4-kv1-st2-c1/1x1-mb4`` (split: target CTAs per SM x waves,
     minimum blocks per split)."""
     parts = [f"rg{cfg.row_groups}"]
     if fmt == "fp8":
         parts.insert(0, f"v{cfg.kernel_version}")
         if not cfg.wgmma:
             parts.append(f"kv{cfg.kv_split}")
-        elif cfg.qk_promote or cfg.pv_promote:
-            parts.append("p" + ("q" if cfg.qk_promote else "") + ("v" if cfg.pv_promote else ""))
+        else:
+            parts.append(dc.WG_MODE_NAMES[cfg.wg_mode])
+            if (cfg.qk_promote, cfg.pv_promote) != (1, 1):
+                parts.append(f"pq{cfg.qk_promote}v{cfg.pv_promote}")
     parts.append(f"st{cfg.stages}")
     if fmt == "bf16":
         parts.append(f"bn{cfg.block_n}")
@@ -309,7 +315,7 @@ def kernel_variants(rows: int, fmt: str
     if fmt == "fp8":
         for version in FP8_VERSIONS:
             extra = ({"kv_split": KV_SPLITS} if version == dc.FP8_MMA_SYNC
-                     else {"qk_promote": PROMOTE, "pv_promote": PROMOTE})
+                     else {"qk_promote": PROMOTE, "pv_promote": PROMOTE, "wg_mode": WG_MODES})
             names = [*axes, *extra]
             for values in product(*axes.values(), *extra.values()):
                 combos.append({**dict(zip(names, values)), "kernel_version": version, "block_n": 64})
