@@ -30,6 +30,8 @@
 // the 4 warps of the warpgroup through shared memory, so m, sigma and gamma are exact
 // functions of the block; P = e4m3(e * s_k / sigma) per (row, block); blocks are accumulated in
 // strictly increasing order; gamma and P pass to the other warpgroup through shared memory.
+// The macro defaults below are the host's (ops/decode_config.py DecodeConfig), which always
+// passes every one of them.
 #include "common/convert.cuh"
 #include "decode_common.cuh"
 
@@ -40,13 +42,13 @@
 #define STAGES 4  // pages in flight per CTA
 #endif
 #ifndef QK_PROMOTE
-#define QK_PROMOTE 0  // 1: each 128-dim QK chunk in a fresh accumulator, chunks summed in float32
+#define QK_PROMOTE 1  // 1: each 128-dim QK chunk in a fresh accumulator, chunks summed in float32
 #endif
 #ifndef PV_PROMOTE
-#define PV_PROMOTE 0  // 1: each page's PV in a fresh accumulator, added to O in float32
+#define PV_PROMOTE 1  // 1: each page's PV in a fresh accumulator, added to O in float32
 #endif
 #ifndef WG_MODE
-#define WG_MODE 2  // warpgroup layout / schedule, see above: 0 dims split, 1 own rows, 2 ping-pong
+#define WG_MODE 0  // warpgroup layout / schedule, see above: 0 dims split, 1 own rows, 2 ping-pong
 #endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
