@@ -29,7 +29,8 @@
 // Softmax per 64-token block (SPEC 5): block max and block max of e * s_k are combined across
 // the 4 warps of the warpgroup through shared memory, so m, sigma and gamma are exact
 // functions of the block; P = e4m3(e * s_k / sigma) per (row, block); blocks are accumulated in
-// strictly increasing order; gamma and P pass to the other warpgroup through shared memory.
+// strictly increasing order; with WG_MODE 0, gamma and P pass to the other warpgroup through
+// shared memory.
 // The macro defaults below are the host's (ops/decode_config.py DecodeConfig), which always
 // passes every one of them.
 #include "common/convert.cuh"
@@ -353,6 +354,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         fence_accumulators(s_cur);
     }
 
+    // Where block it lives: its stage's page, its valid tokens, and its P^T / gamma buffers
+    // (double-buffered by block parity; the softmax writes them, the PV reads them).
+    auto page_of = [&](int it) { return smem + kOffStages + (it % STAGES) * kStageBytes; };
+    auto valid_of = [&](int it) { return min(kPageTokens, seqlen - (block_begin + it) * kPageTokens); };
+    auto p_tile_of = [&](int it) { return smem + kOffP + (it & 1) * kPBytes; };
+    auto gamma_of = [&](int it) { return gamma_s + (it & 1) * kRows; };
+
     // QK of block it: s_cur holds its logits (kPrefetchQk: issues block it + 1's into s_next).
     auto qk_step = [&](int it) {
         if constexpr (kPrefetchQk) {
@@ -368,12 +376,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     // Softmax of block it (SPEC 5): logits, masks, block statistics, P^T into shared memory.
     auto softmax_step = [&](int it) {
         float (&s_acc)[kSAcc] = s_cur;
-        const int blk = block_begin + it;
-        unsigned char* page = smem + kOffStages + (it % STAGES) * kStageBytes;
+        unsigned char* page = page_of(it);
 
         // ---- logits, masks, warp-local block statistics --------------------------------------
-        const int page_first = blk * kPageTokens;
-        const int valid = min(kPageTokens, seqlen - page_first);
+        const int page_first = (block_begin + it) * kPageTokens;
+        const int valid = valid_of(it);
         const unsigned char* scales = page + (kContentTiles + 1) * kTileBytes;
         const float ks_a = tok_a < valid ? *reinterpret_cast<const float*>(scales + tok_a * VEC_BYTES) : 0.f;
         const float ks_b = tok_b < valid ? *reinterpret_cast<const float*>(scales + tok_b * VEC_BYTES) : 0.f;
@@ -403,8 +410,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         named_barrier_sync(kBarWg0 + wg, kWgThreads);
 
         // ---- block statistics, once per row: m, sigma, gamma and each warp's rescale factor --
-        unsigned char* p_s = smem + kOffP + (it & 1) * kPBytes;
-        float* gamma_buf = gamma_s + (it & 1) * kRows;
+        unsigned char* p_s = p_tile_of(it);
+        float* gamma_buf = gamma_of(it);
         if (wtid < kRowsPerWg) {
             float2 parts[4];
             float bmax = -INFINITY;
@@ -461,15 +468,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         }
         fence_proxy_async_shared();  // P^T (generic stores) is read by wgmma (async proxy)
         named_barrier_sync(kOwnRowsPv ? kBarWg0 + wg : kBarConsumers, kPvBarThreads);
-
     };
     // PV of block it, then the page goes back to the producer.
     auto pv_step = [&](int it) {
-        const int stage = it % STAGES;
-        unsigned char* page = smem + kOffStages + stage * kStageBytes;
-        const int valid = min(kPageTokens, seqlen - (block_begin + it) * kPageTokens);
-        unsigned char* p_s = smem + kOffP + (it & 1) * kPBytes;
-        const float* gamma_buf = gamma_s + (it & 1) * kRows;
+        unsigned char* page = page_of(it);
+        const int valid = valid_of(it);
+        const unsigned char* p_s = p_tile_of(it);
+        const float* gamma_buf = gamma_of(it);
         // ---- PV: O^T[dims x rows] = gamma O^T + V^T . P^T ------------------------------------
         float gam[kAllRows];
 #pragma unroll
@@ -571,13 +576,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         wgmma_wait<0>();
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
-        if (lane == 0) mbarrier_arrive(&empty[stage]);
+        if (lane == 0) mbarrier_arrive(&empty[it % STAGES]);
         if (kPrefetchQk && it + 1 < num_blocks) {
             fence_accumulators(s_next);
 #pragma unroll
             for (int i = 0; i < kSAcc; ++i) s_cur[i] = s_next[i];
         }
-        };
+    };
 
     if constexpr (kPingPong) {
         // The warpgroups take turns on the tensor cores: a turn is PV of the previous block and

@@ -1,5 +1,5 @@
 """A small decode sweep for compute-sanitizer (memcheck / racecheck / synccheck):
-``compute-sanitizer --tool racecheck python3 scripts/sanitize_decode.py [default,v3-dims,...]``.
+``compute-sanitizer --tool racecheck python3 scripts/sanitize_decode.py [default,v3-rows,...]``.
 Every kernel configuration the heuristic uses (16, 32, 64+ rows), both formats, odd lengths,
 empty requests; the FP8 kernels are named as in ``snapmla verify --fp8-kernel``."""
 

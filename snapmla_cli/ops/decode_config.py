@@ -52,7 +52,7 @@ SMEM_RESERVED_PER_CTA = 1024
 
 
 @dataclass(frozen=True)
-class DecodeConfig:  
+class DecodeConfig:
     """``row_groups`` 16-row groups per CTA (two warps each), ``kv_split`` token groups of
     warps sharing each page (FP8 kernel), ``stages`` pipeline depth,
     ``block_n`` tokens per stage (BF16 kernel; the FP8 kernel always uses the 64-token page,

@@ -69,11 +69,12 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         configs = [heuristic_config(r, True, version) for r in rows]
         source, name = fp8_kernel(configs[0])
         variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
-    # the wgmma kernel's other warpgroup modes (the tuner's other choices)
-    for mode in WG_MODES:
-        others = [replace(heuristic_config(r, True, FP8_WGMMA), wg_mode=mode) for r in rows]
-        variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c))
-                                                 for c in others if c != heuristic_config(c.block_m, True, FP8_WGMMA))
+    # the wgmma kernel's other warpgroup modes: not tuned, but selectable (verify --fp8-kernel
+    # v3-rows / v3-pingpong), so CI compiles them too
+    for r in rows:
+        base = heuristic_config(r, True, FP8_WGMMA)
+        variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(replace(base, wg_mode=m)))
+                                                 for m in WG_MODES if m != base.wg_mode)
     variants["decode_bf16.cu"] = tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows)
     variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)
     return variants
