@@ -22,6 +22,12 @@
 //        wait for each other (twice the V^T fragment building, PV at N = kRows / 2).
 //        WG_MODE = 2: as 1, and the warpgroups take turns on the tensor cores (ping-pong), so
 //        that one's softmax runs while the other's GEMMs do.
+//        WG_MODE = 3 (alternate pages): warpgroup wg computes QK and the softmax of the pages
+//        it = wg, wg + 2, ... for all kRows rows (QK at N = kRows reads each K page once), and
+//        PV of every page for its 256 output dims, as in mode 0. The running row state (m,
+//        sigma) passes between the warpgroups through shared memory once per page, so one
+//        warpgroup's softmax runs while the other's QK and PV keep the tensor cores busy, and
+//        blocks still enter O in strictly increasing order.
 // Pages arrive by TMA: four 64 x 128-byte content boxes and one RoPE box with 128-byte swizzle
 // (cache-line-aligned tiles) plus a 64 x 16-byte box holding the scales; STAGES deep, full /
 // empty mbarriers between the producer warpgroup (one lane issues, setmaxnreg gives its
@@ -49,7 +55,8 @@
 #define PV_PROMOTE 1  // 1: each page's PV in a fresh accumulator, added to O in float32
 #endif
 #ifndef WG_MODE
-#define WG_MODE 0  // warpgroup layout / schedule, see above: 0 dims split, 1 own rows, 2 ping-pong
+#define WG_MODE 0  // warpgroup layout / schedule, see above: 0 dims split, 1 own rows, 2 ping-pong,
+                   // 3 alternate pages
 #endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
@@ -58,10 +65,12 @@
 namespace snapmla {
 namespace fp8wg {
 
-constexpr bool kOwnRowsPv = WG_MODE != 0;
+constexpr bool kOwnRowsPv = WG_MODE == 1 || WG_MODE == 2;
 constexpr bool kPingPong = WG_MODE == 2;
+constexpr bool kAltPages = WG_MODE == 3;
 constexpr int kRows = 16 * ROW_GROUPS;
-constexpr int kRowsPerWg = kRows / 2;                  // N of QK
+constexpr int kRowsPerWg = kRows / 2;
+constexpr int kQkRows = kAltPages ? kRows : kRowsPerWg;  // N of QK: the rows of a warpgroup's softmax
 constexpr int kPvRows = kOwnRowsPv ? kRowsPerWg : kRows;  // N of PV
 constexpr int kConsumerWarps = 8;
 constexpr int kConsumerThreads = 32 * kConsumerWarps;
@@ -98,9 +107,10 @@ constexpr int kRopeKSteps = kBox / kBf16KStepBytes;    // 4
 constexpr int kPvKSteps = kPageTokens / kFp8KStep;     // 2
 constexpr int kWgDims = kOwnRowsPv ? kDimV : kDimV / 2;  // output dims per warpgroup
 constexpr int kMTiles = kWgDims / 64;                  // PV m-tiles per warpgroup
-constexpr int kSAcc = kRowsPerWg / 2;                  // S^T accumulator floats per thread
+constexpr int kSAcc = kQkRows / 2;                     // S^T accumulator floats per thread
 constexpr int kOAcc = kPvRows / 2;                     // O^T floats per thread per m-tile
-constexpr int kOwnRows = kRowsPerWg / 4;               // rows whose softmax state a thread keeps
+constexpr int kOwnRows = kQkRows / 4;                  // rows whose softmax state a thread keeps
+constexpr int kStatRows = kOwnRows < 8 ? kOwnRows : 8;  // rows whose statistics interleave
 constexpr int kAllRows = kPvRows / 4;                  // rows of O^T a thread holds
 // Accumulation precision: Hopper's FP8 tensor cores keep fewer bits than float32 when they add
 // into an accumulator, so a long chain of wgmmas into one accumulator loses precision (the
@@ -110,7 +120,11 @@ constexpr bool kQkPromote = QK_PROMOTE != 0;
 constexpr bool kPvPromote = PV_PROMOTE != 0;
 constexpr int kQkChunks = kContentTiles + 1;           // four content tiles + the RoPE tile
 // see consume(); the promoted paths wait between chunks, which the prefetch would undo
-constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote && !kPingPong;
+constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote && !kPingPong && !kAltPages;
+// Promoted QK overlaps chunk c + 1's wgmmas with adding chunk c when two temporary accumulators
+// fit (at N = 64 they would spill next to O and the logits).
+constexpr int kQkPipelineMaxAcc = 16;
+constexpr bool kQkPipelined = kSAcc <= kQkPipelineMaxAcc;
 // An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
 // there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
 constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
@@ -120,7 +134,12 @@ constexpr int kPvPipelineMaxAcc = 16;
 constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
 constexpr float kE4m3Max = E4M3_MAX;
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
-constexpr int kBarWg0 = 1, kBarConsumers = 3, kBarTurn0 = 4;  // named barrier ids (0 = __syncthreads)
+// named barrier ids (0 = __syncthreads); ping-pong's turns and alternate pages' hand-overs
+// never meet in one kernel, so they share ids
+constexpr int kBarWg0 = 1, kBarConsumers = 3, kBarTurn0 = 4, kBarPass0 = 4;
+// P^T and gamma buffers, by block: alternate pages keeps blocks it - 1 and it in use while the
+// other warpgroup writes it + 1
+constexpr int kPBuffers = kAltPages ? 4 : 2;
 // the barrier between writing P^T and the PV that reads it: only the warpgroup's own rows, or
 // both warpgroups' rows
 constexpr int kPvBarThreads = kOwnRowsPv ? kWgThreads : kConsumerThreads;
@@ -129,24 +148,27 @@ constexpr int kPvBarThreads = kOwnRowsPv ? kWgThreads : kConsumerThreads;
 constexpr int kOffQ = 0;
 constexpr int kOffStages = kOffQ + kQBytes;
 constexpr int kOffP = kOffStages + STAGES * kStageBytes;
-constexpr int kOffGamma = kOffP + 2 * kPBytes;
-constexpr int kOffStats = kOffGamma + 2 * kRows * 4;
-constexpr int kOffRowInfo = kOffStats + 2 * 4 * kRowsPerWg * 8;
-constexpr int kRowInfoFloats = 8;                      // sigma, 1/sigma, gamma, -, f per warp x 4
-constexpr int kOffLsum = kOffRowInfo + kRows * kRowInfoFloats * 4;
-constexpr int kOffRowConst = kOffLsum + 2 * 4 * kRowsPerWg * 4;
-constexpr int kOffBars = kOffRowConst + kRows * 8;
+constexpr int kOffGamma = kOffP + kPBuffers * kPBytes;
+constexpr int kOffStats = kOffGamma + kPBuffers * kRows * 4;
+constexpr int kOffRowInfo = kOffStats + 2 * 4 * kQkRows * 8;
+constexpr int kRowInfoFloats = 8;  // sigma, 1/sigma, gamma, gamma of L, f per warp x 4
+constexpr int kOffLsum = kOffRowInfo + 2 * kQkRows * kRowInfoFloats * 4;
+constexpr int kOffRowConst = kOffLsum + 2 * 4 * kQkRows * 4;
+constexpr int kOffRowState = kOffRowConst + kRows * 8;  // alternate pages: m, sigma, last gamma
+constexpr int kRowStateBytes = kAltPages ? kRows * 16 : 0;
+constexpr int kOffBars = kOffRowState + kRowStateBytes;
 constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
 constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
 constexpr int kMaxSmemPerCta = 232448;
 
-static_assert(WG_MODE >= 0 && WG_MODE <= 2, "WG_MODE is 0, 1 or 2");
+static_assert(WG_MODE >= 0 && WG_MODE <= 3, "WG_MODE is 0, 1, 2 or 3");
 static_assert(ROW_GROUPS == 1 || ROW_GROUPS == 2 || ROW_GROUPS == 4, "16, 32 or 64 rows per CTA");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES x rows exceed shared memory");
 static_assert(kQTileBytes % kSwizzleAtom128 == 0 && kStageBytes % kSwizzleAtom128 == 0, "swizzle atoms");
 static_assert(kOffP % kSwizzleAtom64 == 0 && kPBytes % kSwizzleAtom64 == 0, "P^T swizzle atoms");
 static_assert(kRowsPerWg % 8 == 0, "wgmma N is a multiple of 8");
+static_assert(kQkRows <= kWgThreads, "one thread per row keeps the row's running state");
 #ifdef SNAPMLA_EXPECT_SMEM  // the host's launch size (ops/decode_config.py wgmma_smem_bytes)
 static_assert(kSmemBytes + kSmemAlign == SNAPMLA_EXPECT_SMEM, "host shared-memory formula is out of date");
 #endif
@@ -273,12 +295,31 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem
     wgmma_commit();
 }
 
-// S^T for block `it` with float32 promotion: each chunk in a fresh accumulator (two, used in
-// turn so one chunk runs while the previous one is added), summed in chunk order. Waits.
+// S^T for block `it` with float32 promotion: each chunk in a fresh accumulator, summed in chunk
+// order. With kQkPipelined two accumulators are used in turn so one chunk runs while the
+// previous one is added; otherwise chunk 0 goes straight into `s` and each later chunk waits.
 template <int kAcc>
 __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* smem, unsigned long long* full,
                                             int it, unsigned long long q_desc_base) {
     const unsigned long long k_desc = page_k_desc(smem, full, it);
+    if constexpr (!kQkPipelined) {
+        wgmma_fence();
+        qk_chunk(s, k_desc, q_desc_base, 0, true);
+        wgmma_commit();
+#pragma unroll
+        for (int chunk = 1; chunk < kQkChunks; ++chunk) {
+            float acc[kAcc];
+            wgmma_fence();
+            qk_chunk(acc, k_desc, q_desc_base, chunk, true);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_accumulators(s);
+            fence_accumulators(acc);
+#pragma unroll
+            for (int i = 0; i < kAcc; ++i) s[i] += acc[i];
+        }
+        return;
+    }
     float acc[2][kAcc];
     wgmma_fence();
     qk_chunk(acc[0], k_desc, q_desc_base, 0, true);
@@ -302,18 +343,23 @@ __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* sme
 
 __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, unsigned long long* full,
                                         unsigned long long* empty, int block_begin, int num_blocks,
-                                        int seqlen, int rows, int row0, long row_base, const WorkItem& work,
+                                        int seqlen, int rows, int row0, long row_base,
                                         int req) {
     const int tid = threadIdx.x;
-    const int wg = tid / kWgThreads;
+    // alternate pages branches on wg around wgmmas: a shuffle from lane 0 makes it warp-uniform
+    // as far as ptxas knows, so that it does not serialize them (C7519); the other modes keep
+    // the plain division (the shuffle costs the unpromoted kernel a spill)
+    const int wg = kAltPages ? __shfl_sync(FULL_MASK, tid / kWgThreads, 0) : tid / kWgThreads;
     const int w = (tid / 32) % 4;          // warp inside the warpgroup
     const int lane = tid % 32, g = lane / 4, c = lane % 4;
     unsigned char* q_s = smem + kOffQ;
     float* gamma_s = reinterpret_cast<float*>(smem + kOffGamma);
-    float2* stats_s = reinterpret_cast<float2*>(smem + kOffStats) + wg * 4 * kRowsPerWg;
+    float2* stats_s = reinterpret_cast<float2*>(smem + kOffStats) + wg * 4 * kQkRows;
     float* lsum_s = reinterpret_cast<float*>(smem + kOffLsum);
-    float* rowinfo_s = reinterpret_cast<float*>(smem + kOffRowInfo) + wg * kRowsPerWg * kRowInfoFloats;
-    const int wtid = tid % kWgThreads;  // threads wtid < kRowsPerWg own one row's running state
+    float* rowinfo_s = reinterpret_cast<float*>(smem + kOffRowInfo) + wg * kQkRows * kRowInfoFloats;
+    float4* rowstate_s = reinterpret_cast<float4*>(smem + kOffRowState);  // alternate pages only
+    const int wtid = tid % kWgThreads;  // threads wtid < kQkRows keep one row's running state
+    const int qk_row0 = kAltPages ? 0 : wg * kRowsPerWg;  // first CTA row of this warpgroup's QK (N)
     const int pv_row0 = kOwnRowsPv ? wg * kRowsPerWg : 0;  // first CTA row of this warpgroup's PV (N)
     const int pv_dim0 = kOwnRowsPv ? 0 : wg * kWgDims;     // first output dim of its PV (M)
 
@@ -324,14 +370,16 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         const int row = row0 + tid;
         rowconst_s[tid] = make_float2(row < rows ? p.q_scale[row_base + row] * p.softmax_scale_log2 : 0.f,
                                       __int_as_float(visible_keys(row, rows, seqlen, p.shape)));
+        if constexpr (kAltPages) rowstate_s[tid] = make_float4(-INFINITY, 1.f, 1.f, 0.f);
     }
     load_q(q_s, p, row_base, row0, rows, tid);
     fence_proxy_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it
     named_barrier_sync(kBarConsumers, kConsumerThreads);
 
-    // rows of this warpgroup's softmax state held by this thread: local n = wg*kRowsPerWg + 8j + 2c + e
+    // rows of this warpgroup's softmax state held by this thread: local n = qk_row0 + 8j + 2c + e
     float l_run[kOwnRows];
-    float row_m = -INFINITY, row_sig = 1.f;  // running max / P scale of row wg*kRowsPerWg + wtid
+    // running max / P scale of row qk_row0 + wtid (alternate pages: in rowstate_s instead)
+    float row_m = -INFINITY, row_sig = 1.f;
 #pragma unroll
     for (int i = 0; i < kOwnRows; ++i) l_run[i] = 0.f;
     float o_acc[kMTiles][kOAcc];
@@ -341,7 +389,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         for (int i = 0; i < kOAcc; ++i) o_acc[mt][i] = 0.f;
 
     const unsigned long long q_desc_base =
-        make_smem_desc(q_s + wg * kRowsPerWg * kBox, kSwizzle128B, kSwizzleAtom128);
+        make_smem_desc(q_s + qk_row0 * kBox, kSwizzle128B, kSwizzleAtom128);
     const int tok_a = 16 * w + g, tok_b = tok_a + 8;  // this thread's S^T rows (tokens)
 
     // kPrefetchQk: QK of block it+1 is issued before the softmax of block it, so the tensor
@@ -358,8 +406,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     // (double-buffered by block parity; the softmax writes them, the PV reads them).
     auto page_of = [&](int it) { return smem + kOffStages + (it % STAGES) * kStageBytes; };
     auto valid_of = [&](int it) { return min(kPageTokens, seqlen - (block_begin + it) * kPageTokens); };
-    auto p_tile_of = [&](int it) { return smem + kOffP + (it & 1) * kPBytes; };
-    auto gamma_of = [&](int it) { return gamma_s + (it & 1) * kRows; };
+    auto p_tile_of = [&](int it) { return smem + kOffP + (it % kPBuffers) * kPBytes; };
+    auto gamma_of = [&](int it) { return gamma_s + (it % kPBuffers) * kRows; };
 
     // QK of block it: s_cur holds its logits (kPrefetchQk: issues block it + 1's into s_next).
     auto qk_step = [&](int it) {
@@ -384,40 +432,56 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         const unsigned char* scales = page + (kContentTiles + 1) * kTileBytes;
         const float ks_a = tok_a < valid ? *reinterpret_cast<const float*>(scales + tok_a * VEC_BYTES) : 0.f;
         const float ks_b = tok_b < valid ? *reinterpret_cast<const float*>(scales + tok_b * VEC_BYTES) : 0.f;
-        float mw[kOwnRows], etw[kOwnRows], esum[kOwnRows];
+        // s_acc turns into e = exp2(logit - warp max) in place. The rows go in groups of
+        // kStatRows whose shuffle chains interleave (the softmax is latency-bound: a store per
+        // row inside the loop serializes them, measured 30% slower), each group's (warp max,
+        // warp max of e * s_k) stored after it, so that 64-row softmaxes stay in registers.
 #pragma unroll
-        for (int i = 0; i < kOwnRows; ++i) {
-            const int j = i / 2, e = i % 2;
-            float& sa = s_acc[4 * j + e];
-            float& sb = s_acc[4 * j + 2 + e];
-            const float2 rc = rowconst_s[wg * kRowsPerWg + 8 * j + 2 * c + e];
-            const int vis = __float_as_int(rc.y);
-            sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
-            sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
-            mw[i] = warp_col_max(fmaxf(sa, sb));
-            const float ea = mw[i] > -INFINITY && sa > -INFINITY ? fast_exp2(sa - mw[i]) : 0.f;
-            const float eb = mw[i] > -INFINITY && sb > -INFINITY ? fast_exp2(sb - mw[i]) : 0.f;
-            sa = ea;
-            sb = eb;
-            esum[i] = ea + eb;
-            etw[i] = warp_col_max(fmaxf(ea * ks_a, eb * ks_b));
-        }
-        if (g == 0) {
+        for (int i0 = 0; i0 < kOwnRows; i0 += kStatRows) {
+            float mw[kStatRows], etw[kStatRows];
 #pragma unroll
-            for (int i = 0; i < kOwnRows; ++i)
-                stats_s[w * kRowsPerWg + 8 * (i / 2) + 2 * c + (i % 2)] = make_float2(mw[i], etw[i]);
+            for (int r = 0; r < kStatRows; ++r) {
+                const int i = i0 + r, j = i / 2, e = i % 2;
+                float& sa = s_acc[4 * j + e];
+                float& sb = s_acc[4 * j + 2 + e];
+                const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
+                const int vis = __float_as_int(rc.y);
+                sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
+                sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
+                mw[r] = warp_col_max(fmaxf(sa, sb));
+                const float ea = mw[r] > -INFINITY && sa > -INFINITY ? fast_exp2(sa - mw[r]) : 0.f;
+                const float eb = mw[r] > -INFINITY && sb > -INFINITY ? fast_exp2(sb - mw[r]) : 0.f;
+                sa = ea;
+                sb = eb;
+                etw[r] = warp_col_max(fmaxf(ea * ks_a, eb * ks_b));
+            }
+            if (g == 0) {
+#pragma unroll
+                for (int r = 0; r < kStatRows; ++r) {
+                    const int i = i0 + r;
+                    stats_s[w * kQkRows + 8 * (i / 2) + 2 * c + (i % 2)] = make_float2(mw[r], etw[r]);
+                }
+            }
         }
         named_barrier_sync(kBarWg0 + wg, kWgThreads);
 
         // ---- block statistics, once per row: m, sigma, gamma and each warp's rescale factor --
         unsigned char* p_s = p_tile_of(it);
         float* gamma_buf = gamma_of(it);
-        if (wtid < kRowsPerWg) {
+        if (wtid < kQkRows) {
+            // alternate pages: the row state after block it - 1 (the other warpgroup's)
+            float last_gamma = 1.f;
+            if constexpr (kAltPages) {
+                const float4 st = rowstate_s[wtid];
+                row_m = st.x;
+                row_sig = st.y;
+                last_gamma = st.z;
+            }
             float2 parts[4];
             float bmax = -INFINITY;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                parts[k] = stats_s[k * kRowsPerWg + wtid];
+                parts[k] = stats_s[k * kQkRows + wtid];
                 bmax = fmaxf(bmax, parts[k].x);
             }
             const float mnew = fmaxf(row_m, bmax);
@@ -435,10 +499,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 row_m = mnew;
                 row_sig = signew;
             }
+            // L's rescale: this warpgroup's L partials last saw block it - 2 (alternate pages)
+            const float gamma_l = kAltPages ? gamma * last_gamma : gamma;
+            if constexpr (kAltPages) rowstate_s[wtid] = make_float4(row_m, row_sig, gamma, 0.f);
             float4* info = reinterpret_cast<float4*>(rowinfo_s + wtid * kRowInfoFloats);
-            info[0] = make_float4(signew, __frcp_rn(signew), gamma, 0.f);
+            info[0] = make_float4(signew, __frcp_rn(signew), gamma, gamma_l);
             info[1] = make_float4(fk[0], fk[1], fk[2], fk[3]);
-            gamma_buf[wg * kRowsPerWg + wtid] = gamma;
+            gamma_buf[qk_row0 + wtid] = gamma;
         }
         named_barrier_sync(kBarWg0 + wg, kWgThreads);
 
@@ -453,8 +520,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 const int i = 2 * j + e;
                 const float* info = rowinfo_s + (8 * j + 2 * c + e) * kRowInfoFloats;
                 const float4 head = *reinterpret_cast<const float4*>(info);
-                const float sig = head.x, inv = head.y, gamma = head.z, f = info[4 + w];
-                l_run[i] = gamma * l_run[i] + div_rn_fast(esum[i] * f, sig, inv);
+                const float sig = head.x, inv = head.y, gamma_l = head.w, f = info[4 + w];
+                const float esum = s_acc[4 * j + e] + s_acc[4 * j + 2 + e];  // this thread's e of the row
+                l_run[i] = gamma_l * l_run[i] + div_rn_fast(esum * f, sig, inv);
                 pv[e][0] = div_rn_fast(s_acc[4 * j + e] * f * ks_a, sig, inv);
                 pv[e][1] = div_rn_fast(s_acc[4 * j + 2 + e] * f * ks_b, sig, inv);
             }
@@ -462,36 +530,51 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             const unsigned other = __shfl_xor_sync(FULL_MASK, mine, 4);
             constexpr unsigned kEvenRow = 0x6240, kOddRow = 0x3715;
             const unsigned packed = (g & 1) ? prmt(mine, other, kOddRow) : prmt(mine, other, kEvenRow);
-            const int n = wg * kRowsPerWg + 8 * j + 2 * c + (g & 1);
+            const int n = qk_row0 + 8 * j + 2 * c + (g & 1);
             const int byte = 16 * w + 4 * (g >> 1);
             *reinterpret_cast<unsigned*>(p_s + swz64(n, byte)) = packed;
         }
         fence_proxy_async_shared();  // P^T (generic stores) is read by wgmma (async proxy)
-        named_barrier_sync(kOwnRowsPv ? kBarWg0 + wg : kBarConsumers, kPvBarThreads);
+        if constexpr (kAltPages) {  // hand P^T, gamma and the row state to the other warpgroup
+            named_barrier_arrive(kBarPass0 + (wg ^ 1), kConsumerThreads);
+            named_barrier_sync(kBarWg0 + wg, kWgThreads);
+        } else {
+            named_barrier_sync(kOwnRowsPv ? kBarWg0 + wg : kBarConsumers, kPvBarThreads);
+        }
     };
     // PV of block it, then the page goes back to the producer.
     auto pv_step = [&](int it) {
+        // alternate pages: the other warpgroup waited for this page; the completed phase is
+        // this warpgroup's proof that the TMA bytes are visible (the page cannot be refilled
+        // before this PV releases it)
+        if constexpr (kAltPages) mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
         unsigned char* page = page_of(it);
         const int valid = valid_of(it);
         const unsigned char* p_s = p_tile_of(it);
         const float* gamma_buf = gamma_of(it);
         // ---- PV: O^T[dims x rows] = gamma O^T + V^T . P^T ------------------------------------
-        float gam[kAllRows];
+        // gamma of rows 8j + 2c and 8j + 2c + 1 of this warpgroup's PV: loaded once per page,
+        // except with alternate pages, which reads it where it is used (in registers for all
+        // m-tiles it spills next to a 64-row O and a 64-row softmax's L partials)
+        float2 gam[kPvRows / 8];
+        auto gamma_load = [&](int j) {
+            return *reinterpret_cast<const float2*>(gamma_buf + pv_row0 + 8 * j + 2 * c);
+        };
+        if constexpr (!kAltPages) {
 #pragma unroll
-        for (int j = 0; j < kPvRows / 8; ++j) {
-            const float2 gp = *reinterpret_cast<const float2*>(gamma_buf + pv_row0 + 8 * j + 2 * c);
-            gam[2 * j] = gp.x;
-            gam[2 * j + 1] = gp.y;
+            for (int j = 0; j < kPvRows / 8; ++j) gam[j] = gamma_load(j);
         }
+        auto gamma_pair = [&](int j) { return kAltPages ? gamma_load(j) : gam[j]; };
         if constexpr (!kPvPromote) {  // the tensor cores add P V to the rescaled O
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
                 for (int j = 0; j < kPvRows / 8; ++j) {
-                    o_acc[mt][4 * j + 0] *= gam[2 * j];
-                    o_acc[mt][4 * j + 1] *= gam[2 * j + 1];
-                    o_acc[mt][4 * j + 2] *= gam[2 * j];
-                    o_acc[mt][4 * j + 3] *= gam[2 * j + 1];
+                    const float2 gp = gamma_pair(j);
+                    o_acc[mt][4 * j + 0] *= gp.x;
+                    o_acc[mt][4 * j + 1] *= gp.y;
+                    o_acc[mt][4 * j + 2] *= gp.x;
+                    o_acc[mt][4 * j + 3] *= gp.y;
                 }
         }
         // tokens of this thread's A bytes: {2c, 2c+1, 8+2c, 9+2c} (+16, +32); mask past `valid`
@@ -547,10 +630,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 fence_accumulators(done);
 #pragma unroll
                 for (int j = 0; j < kPvRows / 8; ++j) {
-                    o_acc[mt][4 * j + 0] = fmaf(gam[2 * j], o_acc[mt][4 * j + 0], done[4 * j + 0]);
-                    o_acc[mt][4 * j + 1] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 1], done[4 * j + 1]);
-                    o_acc[mt][4 * j + 2] = fmaf(gam[2 * j], o_acc[mt][4 * j + 2], done[4 * j + 2]);
-                    o_acc[mt][4 * j + 3] = fmaf(gam[2 * j + 1], o_acc[mt][4 * j + 3], done[4 * j + 3]);
+                    const float2 gp = gamma_pair(j);
+                    o_acc[mt][4 * j + 0] = fmaf(gp.x, o_acc[mt][4 * j + 0], done[4 * j + 0]);
+                    o_acc[mt][4 * j + 1] = fmaf(gp.y, o_acc[mt][4 * j + 1], done[4 * j + 1]);
+                    o_acc[mt][4 * j + 2] = fmaf(gp.x, o_acc[mt][4 * j + 2], done[4 * j + 2]);
+                    o_acc[mt][4 * j + 3] = fmaf(gp.y, o_acc[mt][4 * j + 3], done[4 * j + 3]);
                 }
             }
         } else {
@@ -599,6 +683,19 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             softmax_step(it);
         }
         if (num_blocks > 0) pv_step(num_blocks - 1);
+    } else if constexpr (kAltPages) {
+        // Warpgroup wg owns blocks wg, wg + 2, ...; at its turn `it` it runs QK(it), waits for
+        // the other warpgroup's block it - 1 (P^T, gamma, row state), runs the softmax of it
+        // (handing it over), then PV(it - 1) and PV(it) for its dims. Each block's hand-over is
+        // arrived at once by its owner and waited for once by the other, at the turn after it.
+        for (int it = wg; it <= num_blocks; it += 2) {
+            const bool mine = it < num_blocks;
+            if (mine) qk_step(it);
+            if (it > 0) named_barrier_sync(kBarPass0 + wg, kConsumerThreads);
+            if (mine) softmax_step(it);
+            if (it > 0) pv_step(it - 1);
+            if (mine) pv_step(it);
+        }
     } else {
         for (int it = 0; it < num_blocks; ++it) {
             qk_step(it);
@@ -608,26 +705,44 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     }
 
     // ---- L per row: thread partials -> warp -> warpgroup; shared with the other warpgroup ----
+    // alternate pages: the warpgroups leave the page loop at different times; both finish it
+    // (every hand-over and shared-memory read of the loop) before either writes its L partials
+    if constexpr (kAltPages) named_barrier_sync(kBarConsumers, kConsumerThreads);
 #pragma unroll
     for (int i = 0; i < kOwnRows; ++i) {
         const float lw = warp_col_sum(l_run[i]);
-        if (g == 0) lsum_s[(wg * 4 + w) * kRowsPerWg + 8 * (i / 2) + 2 * c + (i % 2)] = lw;
+        if (g == 0) lsum_s[(wg * 4 + w) * kQkRows + 8 * (i / 2) + 2 * c + (i % 2)] = lw;
     }
     named_barrier_sync(kBarConsumers, kConsumerThreads);
+    // L of CTA row n: the sum of its warpgroup's partials; alternate pages: both warpgroups'
+    // partials, the one that did not see the last block rescaled by its gamma
+    auto row_l_total = [&](int n) {
+        auto wg_sum = [&](int owner, int nl) {
+            float total = 0.f;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) total += lsum_s[(owner * 4 + k) * kQkRows + nl];
+            return total;
+        };
+        if constexpr (kAltPages) {
+            if (num_blocks == 0) return 0.f;
+            const int last = (num_blocks - 1) & 1;
+            return wg_sum(last, n) + gamma_of(num_blocks - 1)[n] * wg_sum(last ^ 1, n);
+        } else {
+            return wg_sum(n / kRowsPerWg, n % kRowsPerWg);
+        }
+    };
     float rcp[kAllRows];
 #pragma unroll
     for (int a = 0; a < kAllRows; ++a) {
-        const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
-        const int owner = n / kRowsPerWg, nl = n % kRowsPerWg;
-        float total = 0.f;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) total += lsum_s[(owner * 4 + k) * kRowsPerWg + nl];
+        const float total = row_l_total(pv_row0 + 8 * (a / 2) + 2 * c + (a % 2));
         rcp[a] = total > 0.f ? 1.f / total : 0.f;
     }
 
     // ---- epilogue: out = O / L (dims 2g, 2g+1 of each warp's 16), lse = m ln2 + log(sigma L) --
-    const bool to_partial = work.partial >= 0;
-    const long part_rows = static_cast<long>(work.partial) * rows;
+    // the work item's partial slot is read here, not kept in a register through the page loop
+    const int partial = __ldg(&p.work[blockIdx.y].partial);
+    const bool to_partial = partial >= 0;
+    const long part_rows = static_cast<long>(partial) * rows;
 #pragma unroll
     for (int a = 0; a < kAllRows; ++a) {
         const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
@@ -642,12 +757,16 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                        o_acc[mt][4 * j + 2 + e] * rcp[a]);
         }
     }
-    if (wtid < kRowsPerWg) {
-        const int row = row0 + wg * kRowsPerWg + wtid;
+    if (wtid < kQkRows && (!kAltPages || wg == 0)) {
+        const int n = qk_row0 + wtid;
+        const int row = row0 + n;
+        if constexpr (kAltPages) {
+            const float4 st = rowstate_s[n];
+            row_m = st.x;
+            row_sig = st.y;
+        }
         if (row < rows) {
-            float total = 0.f;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) total += lsum_s[(wg * 4 + k) * kRowsPerWg + wtid];
+            const float total = row_l_total(n);
             const float value = row_m > -INFINITY ? row_m * kLn2 + logf(row_sig * total)
                                                   : (to_partial ? -INFINITY : INFINITY);
             if (to_partial) p.partial_lse[part_rows + row] = value;
@@ -685,7 +804,7 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
     const WorkItem work = p.work[blockIdx.y];
     const int req = work.request;
     consume(p, smem, full, empty, work.block_begin, work.block_end - work.block_begin,
-            p.cache_seqlens[req], rows, row0, static_cast<long>(req) * rows, work, req);
+            p.cache_seqlens[req], rows, row0, static_cast<long>(req) * rows, req);
 }
 
 }  // namespace fp8wg

@@ -10,6 +10,7 @@ import torch
 from snapmla_cli.cache.layout import random_paged_layout
 from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+from snapmla_cli.ops.decode_config import config_from_spec
 from snapmla_cli.ops.prep import append_kv, quantize_q
 
 
@@ -20,6 +21,7 @@ def main() -> None:
     ap.add_argument("--mtp", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--config", help="FP8 kernel configuration (config_from_spec format) instead of the default path")
     args = ap.parse_args()
     device = torch.device("cuda")
     layout = random_paged_layout([args.ctx] * args.batch, generator=torch.Generator().manual_seed(0), spare_blocks=0)
@@ -34,10 +36,13 @@ def main() -> None:
     else:
         cache = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
         append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache)
-        meta, splits = get_mla_metadata(lens, rows, 1, fp8=True)
+        cfg = None
+        if args.config:
+            cfg = config_from_spec(args.config).with_sms(torch.cuda.get_device_properties(device).multi_processor_count)
+        meta, splits = get_mla_metadata(lens, rows, 1, fp8=True, config=cfg)
         qq = quantize_q(q)
         for _ in range(2):
-            decode_fp8(qq, cache, table, lens, meta, splits, None, True)
+            decode_fp8(qq, cache, table, lens, meta, splits, None, True, config=cfg)
     torch.cuda.synchronize()
 
 

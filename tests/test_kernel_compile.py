@@ -361,7 +361,7 @@ def test_parse_ptxas_report_of_a_real_compile() -> None:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(("promote", "wg_mode"), [(1, 0), (1, 1), (1, 2), (0, 0)])
+@pytest.mark.parametrize(("promote", "wg_mode"), [(1, 0), (1, 1), (1, 2), (1, 3), (0, 0)])
 @pytest.mark.parametrize("rows", [16, 32, 64])
 def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, promote: int, wg_mode: int,
                                                                 tmp_path: Path) -> None:
@@ -370,15 +370,15 @@ def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, promo
     compile also proves the host's shared-memory formula (SNAPMLA_EXPECT_SMEM static_assert).
     Every warpgroup mode with promotion (what runs and what the tuner searches), and the
     diagnostic unpromoted kernel in the dims-split mode."""
-    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, fp8_kernel, heuristic_config
+    from snapmla_cli.ops.decode_config import FP8_WGMMA, fit_stages, fp8_defines, fp8_kernel, heuristic_config
 
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     from dataclasses import replace
 
-    cfg = replace(heuristic_config(rows, True, FP8_WGMMA), qk_promote=promote, pv_promote=promote,
-                  wg_mode=wg_mode)
+    cfg = fit_stages(replace(heuristic_config(rows, True, FP8_WGMMA), qk_promote=promote, pv_promote=promote,
+                             wg_mode=wg_mode))
     source, name = fp8_kernel(cfg)
     module = nvrtc.compile_module(source, fp8_defines(cfg), "sm_90a")
     assert "serialized" not in module.log, module.log  # ptxas C7510-C7520 family

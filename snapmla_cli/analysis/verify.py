@@ -103,8 +103,10 @@ def run_flash_mla(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
 FP8_KERNEL_VARIANTS: dict[str, tuple[int, dict[str, int]]] = {
     "v2": (2, {}),
     "v3": (3, {}),
+    "v3-dims": (3, {"wg_mode": 0}),
     "v3-rows": (3, {"wg_mode": 1}),
     "v3-pingpong": (3, {"wg_mode": 2}),
+    "v3-alt": (3, {"wg_mode": 3}),
     "v3-unpromoted": (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 0}),
     "v3-pq": (3, {"wg_mode": 0, "qk_promote": 1, "pv_promote": 0}),
     "v3-pv": (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 1}),
@@ -115,7 +117,7 @@ FP8_KERNEL_SPECS = ("default", *FP8_KERNEL_VARIANTS)
 def fp8_kernel_implementation(spec: str) -> Implementation:
     """The FP8 kernel named by ``spec``: ``default`` (what ``flash_mla_with_kvcache`` picks:
     tuning database, else heuristic), ``v2`` (mma.sync), ``v3`` (wgmma, at its heuristic),
-    ``v3-rows`` / ``v3-pingpong`` (wgmma in its other warpgroup modes, see
+    ``v3-dims`` / ``v3-rows`` / ``v3-pingpong`` / ``v3-alt`` (wgmma in one warpgroup mode, see
     ``DecodeConfig.wg_mode``), and the diagnostic wgmma
     kernels without float32 promotion of both accumulations: ``v3-unpromoted``, ``v3-pq`` (QK
     promoted only), ``v3-pv`` (PV only)."""
@@ -129,12 +131,12 @@ def fp8_kernel_implementation(spec: str) -> Implementation:
         from dataclasses import replace
 
         from ..ops.decode import decode_fp8, get_mla_metadata
-        from ..ops.decode_config import heuristic_config
+        from ..ops.decode_config import fit_stages, heuristic_config
         from ..ops.prep import quantize_q
 
         layout = problem.layout
         _b, s_q, h_q, _ = problem.q.shape
-        cfg = replace(heuristic_config(s_q * h_q, True, version), **overrides)
+        cfg = fit_stages(replace(heuristic_config(s_q * h_q, True, version), **overrides))
         cfg = cfg.with_sms(torch.cuda.get_device_properties(problem.q.device).multi_processor_count)
         meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, config=cfg)
         return decode_fp8(quantize_q(problem.q), problem.fp8_cache(), layout.block_table,

@@ -36,10 +36,12 @@ FP8_KERNEL_VERSIONS = (FP8_MMA_SYNC, FP8_WGMMA)
 DEFAULT_FP8_KERNEL = FP8_WGMMA
 # wgmma kernel warpgroup modes (WG_MODE): the two consumer warpgroups split the 512 output dims
 # and share P; or each owns its rows (independent); or owns its rows and they take turns on
-# the tensor cores (ping-pong).
-WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG = 0, 1, 2
-WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG)
-WG_MODE_NAMES = {WG_DIMS_SPLIT: "wd", WG_OWN_ROWS: "wr", WG_PINGPONG: "wp"}
+# the tensor cores (ping-pong); or they split the output dims and take the pages' QK and
+# softmax in turn, handing the row state over (alternate pages).
+WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES = 0, 1, 2, 3
+WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES)
+WG_MODE_NAMES = {WG_DIMS_SPLIT: "wd", WG_OWN_ROWS: "wr", WG_PINGPONG: "wp", WG_ALT_PAGES: "wa"}
+MIN_STAGES = 2  # the kernels' pipelines need two stages
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
 WGMMA_Q_BYTES_PER_ROW = 5 * 128
@@ -47,6 +49,7 @@ WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS
 WGMMA_SMEM_ALIGN = 1024
 WGMMA_ROW_INFO_BYTES = 32  # per row: sigma, 1/sigma, gamma, pad, one rescale factor per warp
 WGMMA_ROW_CONST_BYTES = 8  # per row: logit scale, visible keys
+WGMMA_ROW_STATE_BYTES = 16  # alternate pages, per row: m, sigma, last gamma, pad
 SMEM_PER_SM = 233472  # 228 KB per SM on sm_90
 SMEM_RESERVED_PER_CTA = 1024
 
@@ -100,11 +103,14 @@ WGMMA_SWITCH_DEFAULTS = (DecodeConfig.qk_promote, DecodeConfig.pv_promote, Decod
 def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     """``kSmemBytes + kSmemAlign`` of decode_fp8_wgmma.cu."""
     rows = cfg.block_m
-    half = rows // 2
+    alt_pages = cfg.wg_mode == WG_ALT_PAGES
+    qk_rows = rows if alt_pages else rows // 2  # the rows of one warpgroup's softmax
+    p_buffers = 4 if alt_pages else 2
     return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * WGMMA_STAGE_BYTES
-            + 2 * rows * WGMMA_P_BYTES_PER_ROW + 2 * rows * 4  # P^T and gamma, double-buffered
-            + 2 * 4 * half * 8 + 2 * 4 * half * 4  # per-warp (max, max e*s_k) and L partials
-            + rows * (WGMMA_ROW_INFO_BYTES + WGMMA_ROW_CONST_BYTES)
+            + p_buffers * rows * (WGMMA_P_BYTES_PER_ROW + 4)  # P^T and gamma per buffered block
+            + 2 * 4 * qk_rows * 8 + 2 * 4 * qk_rows * 4  # per-warp (max, max e*s_k) and L partials
+            + 2 * qk_rows * WGMMA_ROW_INFO_BYTES + rows * WGMMA_ROW_CONST_BYTES
+            + (rows * WGMMA_ROW_STATE_BYTES if alt_pages else 0)
             + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
 
@@ -129,7 +135,7 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     if not cfg.wgmma and (cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) != WGMMA_SWITCH_DEFAULTS:
         return False  # wgmma-only switches; the mma.sync kernel accumulates in float32 already
     if cfg.wgmma:
-        return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= 2
+        return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= MIN_STAGES
                 and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1) and cfg.wg_mode in WG_MODES
                 and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
                 and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
@@ -139,6 +145,17 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
             and cfg.row_groups in (1, 2, 4)
             and (cfg.kv_split == 1 or scratch <= cfg.stages * PAGE_TOKENS * FP8_TOKEN_BYTES)
             and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
+
+
+def fit_stages(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with its pipeline as deep as it can be up to ``cfg.stages`` while the shared
+    memory fits: a warpgroup mode or promotion switch laid over a heuristic configuration may
+    need more buffers than the configuration was chosen for (alternate pages at 64 rows holds
+    three pages, not four). Unchanged when it already fits or nothing smaller fits."""
+    fitted = cfg
+    while not fp8_config_valid(fitted) and fitted.stages > MIN_STAGES:
+        fitted = replace(fitted, stages=fitted.stages - 1)
+    return fitted if fp8_config_valid(fitted) else cfg
 
 
 def bf16_smem_bytes(cfg: DecodeConfig) -> int:
@@ -189,8 +206,9 @@ def config_from_spec(spec: str) -> DecodeConfig:
 
 def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KERNEL) -> DecodeConfig:
     """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel (float32
-    promotion on, warpgroups splitting the output dims): 16 rows as two CTAs per SM with two
-    pages each; 32 and 64+ rows as one CTA four pages deep. mma.sync kernel: 16 rows as two
+    promotion on): 16 rows as two CTAs per SM with two pages each, warpgroups splitting the
+    output dims; 32 and 64+ rows as one CTA with the warpgroups taking alternate pages, four
+    and three pages deep (the most that fits). mma.sync kernel: 16 rows as two
     small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as
     64-row tiles."""
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
@@ -198,7 +216,8 @@ def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KER
         if row_groups == 1:  # two CTAs per SM interleave their per-page latency chains
             cfg = DecodeConfig(row_groups=1, stages=2, min_ctas_per_sm=2, kernel_version=FP8_WGMMA)
         else:  # 32 rows x 2 CTAs per SM lack registers (ptxas serializes the wgmmas)
-            cfg = DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1, kernel_version=FP8_WGMMA)
+            cfg = DecodeConfig(row_groups=row_groups, stages=4 if row_groups == 2 else 3, min_ctas_per_sm=1,
+                               kernel_version=FP8_WGMMA, wg_mode=WG_ALT_PAGES)
     elif fp8:
         v2 = {"kernel_version": FP8_MMA_SYNC}
         if row_groups == 1:

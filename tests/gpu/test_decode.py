@@ -33,6 +33,7 @@ CASES = [
     ([777, 2048, 65], 2, 128, True),
     ([5000] * 3 + [0], 1, 16, False),
     ([100, 200], 4, 32, True),
+    ([130, 0, 2500], 1, 24, True),
 ]
 
 
@@ -57,9 +58,9 @@ def _config(rows, version, device, **kernel):
 
     from snapmla_cli.ops.decode_config import heuristic_config
 
-    from snapmla_cli.ops.decode_config import fp8_config_valid
+    from snapmla_cli.ops.decode_config import fit_stages, fp8_config_valid
 
-    cfg = replace(heuristic_config(rows, True, version), **kernel)
+    cfg = fit_stages(replace(heuristic_config(rows, True, version), **kernel))
     if not fp8_config_valid(cfg):  # e.g. two 64-row CTAs per SM do not fit: one
         cfg = replace(cfg, min_ctas_per_sm=1)
     cfg = replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
@@ -69,11 +70,13 @@ def _config(rows, version, device, **kernel):
 # (kernel version, overrides): the wgmma kernel at its heuristic, at its smallest pipeline /
 # two CTAs per SM, in its other warpgroup layout, and unpromoted (diagnostic); the mma.sync kernel
 KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (3, {"wg_mode": 1}), (3, {"wg_mode": 2}),
+           (3, {"wg_mode": 3}), (3, {"wg_mode": 3, "stages": 2}),
            (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 0}), (2, {})]
 
 
 @pytest.mark.parametrize("version,kernel", KERNELS,
-                         ids=["v3", "v3-st2-c2", "v3-rows", "v3-pingpong", "v3-unpromoted", "v2"])
+                         ids=["v3", "v3-st2-c2", "v3-rows", "v3-pingpong", "v3-alt", "v3-alt-st2",
+                              "v3-unpromoted", "v2"])
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
 def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, version, kernel):
     device = torch.device("cuda")
@@ -105,8 +108,8 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
             assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
 
 
-@pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2)] + [(2, {})],
-                         ids=["v3-dims", "v3-rows", "v3-pingpong", "v2"])
+@pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2, 3)] + [(2, {})],
+                         ids=["v3-dims", "v3-rows", "v3-pingpong", "v3-alt", "v2"])
 def test_fp8_decode_bitwise_deterministic_and_split_invariant(version, kernel):
     from dataclasses import replace
 
