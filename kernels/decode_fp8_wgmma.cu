@@ -10,7 +10,8 @@
 //        k-steps (QGMMA m64nNk32) and four bf16 RoPE k-steps (HGMMA m64nNk16) run into one
 //        float32 accumulator: the RoPE halves are pre-scaled by 1/scale (pre-scaled domain
 //        alignment), so content and RoPE sum before the per-row / per-token scales.
-//        Consumer warpgroup wg computes rows [wg * kRows/2, (wg + 1) * kRows/2).
+//        Consumer warpgroup wg computes rows [wg * kRows/2, (wg + 1) * kRows/2) (WG_MODE 3:
+//        all rows of every other page).
 //   PV:  O^T[512 dims x rows] += V^T[dims x 64 tokens] . P^T. V is the same E4M3 content; its
 //        K-major (token-contiguous) A fragments are built in registers from the swizzled page
 //        with ldmatrix.trans on byte pairs + byte permutes, so no transposed copy is stored.
@@ -403,7 +404,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     }
 
     // Where block it lives: its stage's page, its valid tokens, and its P^T / gamma buffers
-    // (double-buffered by block parity; the softmax writes them, the PV reads them).
+    // (kPBuffers deep, by block; the softmax writes them, the PV reads them).
     auto page_of = [&](int it) { return smem + kOffStages + (it % STAGES) * kStageBytes; };
     auto valid_of = [&](int it) { return min(kPageTokens, seqlen - (block_begin + it) * kPageTokens); };
     auto p_tile_of = [&](int it) { return smem + kOffP + (it % kPBuffers) * kPBytes; };

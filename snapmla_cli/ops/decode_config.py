@@ -216,8 +216,8 @@ def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KER
         if row_groups == 1:  # two CTAs per SM interleave their per-page latency chains
             cfg = DecodeConfig(row_groups=1, stages=2, min_ctas_per_sm=2, kernel_version=FP8_WGMMA)
         else:  # 32 rows x 2 CTAs per SM lack registers (ptxas serializes the wgmmas)
-            cfg = DecodeConfig(row_groups=row_groups, stages=4 if row_groups == 2 else 3, min_ctas_per_sm=1,
-                               kernel_version=FP8_WGMMA, wg_mode=WG_ALT_PAGES)
+            cfg = fit_stages(DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1,
+                                          kernel_version=FP8_WGMMA, wg_mode=WG_ALT_PAGES))
     elif fp8:
         v2 = {"kernel_version": FP8_MMA_SYNC}
         if row_groups == 1:
