@@ -29,6 +29,13 @@
 //        sigma) passes between the warpgroups through shared memory once per page, so one
 //        warpgroup's softmax runs while the other's QK and PV keep the tensor cores busy, and
 //        blocks still enter O in strictly increasing order.
+//        WG_MODE = 4 (alternate pages, rows = M; 64 rows only): as 3, but QK runs unswapped,
+//        S[64 rows x 64 tokens] = Q . K^T (A = Q, B = the page's K, both from shared memory),
+//        so that each row's 64 logits sit in the 4 threads of one quad: the block statistics
+//        are two quad shuffles, with no shared-memory exchange and no barrier inside the
+//        softmax. P^T goes to shared memory in PV's permuted token order straight from the
+//        accumulator (each thread's tokens 16h + {2c, 2c+1, 2c+8, 2c+9} are the 4 bytes at
+//        16h + 4c); PV and O are those of mode 3.
 // Pages arrive by TMA: four 64 x 128-byte content boxes and one RoPE box with 128-byte swizzle
 // (cache-line-aligned tiles) plus a 64 x 16-byte box holding the scales; STAGES deep, full /
 // empty mbarriers between the producer warpgroup (one lane issues, setmaxnreg gives its
@@ -57,7 +64,7 @@
 #endif
 #ifndef WG_MODE
 #define WG_MODE 0  // warpgroup layout / schedule, see above: 0 dims split, 1 own rows, 2 ping-pong,
-                   // 3 alternate pages
+                   // 3 alternate pages, 4 alternate pages with rows = M in QK
 #endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
@@ -68,7 +75,8 @@ namespace fp8wg {
 
 constexpr bool kOwnRowsPv = WG_MODE == 1 || WG_MODE == 2;
 constexpr bool kPingPong = WG_MODE == 2;
-constexpr bool kAltPages = WG_MODE == 3;
+constexpr bool kRowsM = WG_MODE == 4;
+constexpr bool kAltPages = WG_MODE == 3 || kRowsM;
 constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;
 constexpr int kQkRows = kAltPages ? kRows : kRowsPerWg;  // N of QK: the rows of a warpgroup's softmax
@@ -110,7 +118,8 @@ constexpr int kWgDims = kOwnRowsPv ? kDimV : kDimV / 2;  // output dims per warp
 constexpr int kMTiles = kWgDims / 64;                  // PV m-tiles per warpgroup
 constexpr int kSAcc = kQkRows / 2;                     // S^T accumulator floats per thread
 constexpr int kOAcc = kPvRows / 2;                     // O^T floats per thread per m-tile
-constexpr int kOwnRows = kQkRows / 4;                  // rows whose softmax state a thread keeps
+// rows whose softmax state (L partial) a thread keeps: rows = M holds rows 16w + g and + 8
+constexpr int kOwnRows = kRowsM ? 2 : kQkRows / 4;
 constexpr int kStatRows = kOwnRows < 8 ? kOwnRows : 8;  // rows whose statistics interleave
 constexpr int kAllRows = kPvRows / 4;                  // rows of O^T a thread holds
 // Accumulation precision: Hopper's FP8 tensor cores keep fewer bits than float32 when they add
@@ -123,9 +132,10 @@ constexpr int kQkChunks = kContentTiles + 1;           // four content tiles + t
 // see consume(); the promoted paths wait between chunks, which the prefetch would undo
 constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote && !kPingPong && !kAltPages;
 // Promoted QK overlaps chunk c + 1's wgmmas with adding chunk c when two temporary accumulators
-// fit (at N = 64 they would spill next to O and the logits).
+// fit (at N = 64 they would spill next to O and the logits, except with rows = M, whose softmax
+// keeps 2 rows' state per thread instead of 16).
 constexpr int kQkPipelineMaxAcc = 16;
-constexpr bool kQkPipelined = kSAcc <= kQkPipelineMaxAcc;
+constexpr bool kQkPipelined = kSAcc <= kQkPipelineMaxAcc || kRowsM;
 // An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
 // there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
 constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
@@ -141,6 +151,9 @@ constexpr int kBarWg0 = 1, kBarConsumers = 3, kBarTurn0 = 4, kBarPass0 = 4;
 // P^T and gamma buffers, by block: alternate pages keeps blocks it - 1 and it in use while the
 // other warpgroup writes it + 1
 constexpr int kPBuffers = kAltPages ? 4 : 2;
+// alternate pages zero the tokens past a partial last page in shared memory (clear_tail) instead
+// of masking PV's V^T fragments; not mode 3 at 64 rows, whose registers that costs a spill
+constexpr bool kClearTail = kAltPages && (kRowsM || kRows < 64);
 // the barrier between writing P^T and the PV that reads it: only the warpgroup's own rows, or
 // both warpgroups' rows
 constexpr int kPvBarThreads = kOwnRowsPv ? kWgThreads : kConsumerThreads;
@@ -150,10 +163,13 @@ constexpr int kOffQ = 0;
 constexpr int kOffStages = kOffQ + kQBytes;
 constexpr int kOffP = kOffStages + STAGES * kStageBytes;
 constexpr int kOffGamma = kOffP + kPBuffers * kPBytes;
-constexpr int kOffStats = kOffGamma + kPBuffers * kRows * 4;
-constexpr int kOffRowInfo = kOffStats + 2 * 4 * kQkRows * 8;
+// the per-warp statistics exchange (stats, rowinfo); rows = M needs none
+constexpr int kStatsBytes = kRowsM ? 0 : 2 * 4 * kQkRows * 8;
 constexpr int kRowInfoFloats = 8;  // sigma, 1/sigma, gamma, gamma of L, f per warp x 4
-constexpr int kOffLsum = kOffRowInfo + 2 * kQkRows * kRowInfoFloats * 4;
+constexpr int kRowInfoBytes = kRowsM ? 0 : 2 * kQkRows * kRowInfoFloats * 4;
+constexpr int kOffStats = kOffGamma + kPBuffers * kRows * 4;
+constexpr int kOffRowInfo = kOffStats + kStatsBytes;
+constexpr int kOffLsum = kOffRowInfo + kRowInfoBytes;
 constexpr int kOffRowConst = kOffLsum + 2 * 4 * kQkRows * 4;
 constexpr int kOffRowState = kOffRowConst + kRows * 8;  // alternate pages: m, sigma, last gamma
 constexpr int kRowStateBytes = kAltPages ? kRows * 16 : 0;
@@ -162,7 +178,8 @@ constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
 constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
 constexpr int kMaxSmemPerCta = 232448;
 
-static_assert(WG_MODE >= 0 && WG_MODE <= 3, "WG_MODE is 0, 1, 2 or 3");
+static_assert(WG_MODE >= 0 && WG_MODE <= 4, "WG_MODE is 0, 1, 2, 3 or 4");
+static_assert(!kRowsM || kRows == 64, "rows = M QK (WG_MODE 4) fills wgmma's M = 64 with 64 rows");
 static_assert(ROW_GROUPS == 1 || ROW_GROUPS == 2 || ROW_GROUPS == 4, "16, 32 or 64 rows per CTA");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES x rows exceed shared memory");
@@ -244,6 +261,11 @@ __device__ __forceinline__ void load_q(unsigned char* q_s, const Params& p, long
     cp_async_wait<0>();
 }
 
+template <bool kValue>
+struct BoolTag {  // a compile-time flag for generic lambdas
+    static constexpr bool value = kValue;
+};
+
 __device__ __forceinline__ float warp_col_max(float v) {  // over the 8 lanes of equal lane % 4
     v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 4));
     v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 8));
@@ -256,7 +278,8 @@ __device__ __forceinline__ float warp_col_sum(float v) {
 }
 
 // The wgmmas of one QK chunk (chunk < 4: a 128-dim E4M3 content tile, 4 QGMMA k-steps; chunk 4:
-// the bf16 RoPE tile, 4 HGMMA k-steps) into `acc`; `fresh` overwrites instead of accumulating.
+// the bf16 RoPE tile, 4 HGMMA k-steps) into `acc`: S^T = K . Q^T (rows = M: S = Q . K^T);
+// `fresh` overwrites instead of accumulating.
 template <int kAcc>
 __device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long k_desc,
                                          unsigned long long q_desc_base, int chunk, bool fresh) {
@@ -265,14 +288,16 @@ __device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long 
         for (int kk = 0; kk < kKStepsPerBox; ++kk) {
             const unsigned long long step = (chunk * kTileBytes + kk * kFp8KStep) >> 4;
             const unsigned long long qstep = (chunk * kQTileBytes + kk * kFp8KStep) >> 4;
-            wgmma_fp8_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
+            if constexpr (kRowsM) wgmma_fp8_ss(acc, q_desc_base + qstep, k_desc + step, !(fresh && kk == 0));
+            else wgmma_fp8_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
         }
     } else {
 #pragma unroll
         for (int kk = 0; kk < kRopeKSteps; ++kk) {
             const unsigned long long step = (kContentTiles * kTileBytes + kk * kBf16KStepBytes) >> 4;
             const unsigned long long qstep = (kContentTiles * kQTileBytes + kk * kBf16KStepBytes) >> 4;
-            wgmma_bf16_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
+            if constexpr (kRowsM) wgmma_bf16_ss(acc, q_desc_base + qstep, k_desc + step, !(fresh && kk == 0));
+            else wgmma_bf16_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
         }
     }
 }
@@ -392,6 +417,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     const unsigned long long q_desc_base =
         make_smem_desc(q_s + qk_row0 * kBox, kSwizzle128B, kSwizzleAtom128);
     const int tok_a = 16 * w + g, tok_b = tok_a + 8;  // this thread's S^T rows (tokens)
+    // keys every real row of the CTA sees (the causal mask hides up to s_q - 1 of them)
+    const int min_visible = p.shape.causal ? seqlen - p.shape.s_q + 1 : seqlen;
 
     // kPrefetchQk: QK of block it+1 is issued before the softmax of block it, so the tensor
     // cores work while the CUDA cores do the softmax; s_cur holds block it's logits, s_next
@@ -422,6 +449,102 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             fence_accumulators(s_cur);
         }
     };
+    // P^T, gamma (and the row state) of a block are written: make them visible to the PV wgmmas
+    auto publish_p = [&]() {
+        fence_proxy_async_shared();  // P^T (generic stores) is read by wgmma (async proxy)
+        if constexpr (kAltPages) {  // hand P^T, gamma and the row state to the other warpgroup
+            named_barrier_arrive(kBarPass0 + (wg ^ 1), kConsumerThreads);
+            named_barrier_sync(kBarWg0 + wg, kWgThreads);
+        } else {
+            named_barrier_sync(kOwnRowsPv ? kBarWg0 + wg : kBarConsumers, kPvBarThreads);
+        }
+    };
+    // Softmax of block it with rows = M (WG_MODE 4, SPEC 5 as written): thread (w, g, c) holds
+    // rows 16w + g + 8h (h = 0, 1) at tokens 8j + 2c + e (s_cur[4j + 2h + e]), so a row's block
+    // max and block max of e * s_k are quad reductions and every thread of the quad derives the
+    // row's m, sigma and gamma itself; the state of the row after block it - 1 comes from the
+    // other warpgroup through rowstate_s.
+    auto softmax_rows_m = [&](int it) {
+        float (&s_acc)[kSAcc] = s_cur;
+        const unsigned char* scales = page_of(it) + (kContentTiles + 1) * kTileBytes;
+        const int page_first = (block_begin + it) * kPageTokens;
+        const int valid = valid_of(it);
+        unsigned char* p_s = p_tile_of(it);
+        float* gamma_buf = gamma_of(it);
+        constexpr int kTokens = kSAcc / 2;  // tokens of this thread: 8j + 2c + e
+        float ks[kTokens];                  // their scales s_k, 0 past the valid tokens
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t) {
+            const int tok = 8 * (t / 2) + 2 * c + t % 2;
+            ks[t] = tok < valid ? *reinterpret_cast<const float*>(scales + tok * VEC_BYTES) : 0.f;
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = 16 * w + g + 8 * h;
+            const float4 st = rowstate_s[n];  // m, sigma, gamma of the block before
+            const float2 rc = rowconst_s[n];
+            const int vis = __float_as_int(rc.y);
+            auto logit = [&](int t) -> float& { return s_acc[4 * (t / 2) + 2 * h + t % 2]; };
+            // a page the row sees whole (every page but a request's last, or a causal row's)
+            // skips the masks: the softmax is issue-bound at 64 rows
+            const bool whole = page_first + kPageTokens <= vis;
+            float bmax = -INFINITY;
+            if (whole) {
+#pragma unroll
+                for (int t = 0; t < kTokens; ++t) {
+                    float& x = logit(t);
+                    x *= rc.x * ks[t];
+                    bmax = fmaxf(bmax, x);
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < kTokens; ++t) {
+                    float& x = logit(t);
+                    x = page_first + 8 * (t / 2) + 2 * c + t % 2 < vis ? x * (rc.x * ks[t]) : -INFINITY;
+                    bmax = fmaxf(bmax, x);
+                }
+            }
+            bmax = quad_max(bmax);
+            const bool act = bmax > -INFINITY;
+            const float mnew = fmaxf(st.x, bmax);
+            float esum = 0.f, etmax = 0.f;
+            if (whole) {  // x turns into e = exp2(x - m_new)
+#pragma unroll
+                for (int t = 0; t < kTokens; ++t) {
+                    float& x = logit(t);
+                    x = fast_exp2(x - mnew);
+                    esum += x;
+                    etmax = fmaxf(etmax, x * ks[t]);
+                }
+            } else {
+#pragma unroll
+                for (int t = 0; t < kTokens; ++t) {
+                    float& x = logit(t);
+                    x = act && x > -INFINITY ? fast_exp2(x - mnew) : 0.f;
+                    esum += x;
+                    etmax = fmaxf(etmax, x * ks[t]);
+                }
+            }
+            etmax = quad_max(etmax);
+            const float signew = act ? fmaxf(__fdiv_rn(etmax, kE4m3Max), kPScaleFloor) : st.y;
+            const float gamma = !act ? 1.f : (st.x == -INFINITY ? 0.f : fast_exp2(st.x - mnew) * __fdiv_rn(st.y, signew));
+            const float inv = __frcp_rn(signew);
+            // this warpgroup's L partial last saw block it - 2: rescale by both gammas
+            l_run[h] = gamma * st.z * l_run[h] + div_rn_fast(esum, signew, inv);
+            if (c == 0) {
+                rowstate_s[n] = make_float4(mnew, signew, gamma, 0.f);
+                gamma_buf[n] = gamma;
+            }
+            // P^T row n: bytes 16 q + 4c + {0, 1, 2, 3} hold tokens 16 q + {2c, 2c+1, 2c+8, 2c+9}
+#pragma unroll
+            for (int q = 0; q < kTokens / 4; ++q) {
+                auto p_of = [&](int t) { return div_rn_fast(logit(t) * ks[t], signew, inv); };
+                const unsigned packed = f32x4_to_e4m3x4(p_of(4 * q), p_of(4 * q + 1), p_of(4 * q + 2), p_of(4 * q + 3));
+                *reinterpret_cast<unsigned*>(p_s + swz64(n, 16 * q + 4 * c)) = packed;
+            }
+        }
+        publish_p();
+    };
     // Softmax of block it (SPEC 5): logits, masks, block statistics, P^T into shared memory.
     auto softmax_step = [&](int it) {
         float (&s_acc)[kSAcc] = s_cur;
@@ -437,9 +560,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // kStatRows whose shuffle chains interleave (the softmax is latency-bound: a store per
         // row inside the loop serializes them, measured 30% slower), each group's (warp max,
         // warp max of e * s_k) stored after it, so that 64-row softmaxes stay in registers.
-#pragma unroll
-        for (int i0 = 0; i0 < kOwnRows; i0 += kStatRows) {
-            float mw[kStatRows], etw[kStatRows];
+        // A page every real row sees whole (CTA-uniform; padding rows have a zero logit scale)
+        // skips the masks and the exp guards (below 64 rows: the second copy of the loop costs
+        // the 64-row layouts a spill; rows = M has its own).
+        auto stats_group = [&](int i0, auto whole_tag, float (&mw)[kStatRows], float (&etw)[kStatRows]) {
+            constexpr bool kWhole = decltype(whole_tag)::value;
 #pragma unroll
             for (int r = 0; r < kStatRows; ++r) {
                 const int i = i0 + r, j = i / 2, e = i % 2;
@@ -447,14 +572,31 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 float& sb = s_acc[4 * j + 2 + e];
                 const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
                 const int vis = __float_as_int(rc.y);
-                sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
-                sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
+                if constexpr (kWhole) {
+                    sa *= rc.x * ks_a;
+                    sb *= rc.x * ks_b;
+                } else {
+                    sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
+                    sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
+                }
                 mw[r] = warp_col_max(fmaxf(sa, sb));
-                const float ea = mw[r] > -INFINITY && sa > -INFINITY ? fast_exp2(sa - mw[r]) : 0.f;
-                const float eb = mw[r] > -INFINITY && sb > -INFINITY ? fast_exp2(sb - mw[r]) : 0.f;
+                const float ea = kWhole || (mw[r] > -INFINITY && sa > -INFINITY) ? fast_exp2(sa - mw[r]) : 0.f;
+                const float eb = kWhole || (mw[r] > -INFINITY && sb > -INFINITY) ? fast_exp2(sb - mw[r]) : 0.f;
                 sa = ea;
                 sb = eb;
                 etw[r] = warp_col_max(fmaxf(ea * ks_a, eb * ks_b));
+            }
+        };
+        constexpr bool kWholePath = kRows < 64;
+        const bool whole = kWholePath && page_first + kPageTokens <= min_visible;
+#pragma unroll
+        for (int i0 = 0; i0 < kOwnRows; i0 += kStatRows) {
+            float mw[kStatRows], etw[kStatRows];
+            if constexpr (kWholePath) {
+                if (whole) stats_group(i0, BoolTag<true>{}, mw, etw);
+                else stats_group(i0, BoolTag<false>{}, mw, etw);
+            } else {
+                stats_group(i0, BoolTag<false>{}, mw, etw);
             }
             if (g == 0) {
 #pragma unroll
@@ -535,13 +677,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             const int byte = 16 * w + 4 * (g >> 1);
             *reinterpret_cast<unsigned*>(p_s + swz64(n, byte)) = packed;
         }
-        fence_proxy_async_shared();  // P^T (generic stores) is read by wgmma (async proxy)
-        if constexpr (kAltPages) {  // hand P^T, gamma and the row state to the other warpgroup
-            named_barrier_arrive(kBarPass0 + (wg ^ 1), kConsumerThreads);
-            named_barrier_sync(kBarWg0 + wg, kWgThreads);
-        } else {
-            named_barrier_sync(kOwnRowsPv ? kBarWg0 + wg : kBarConsumers, kPvBarThreads);
-        }
+        publish_p();
     };
     // PV of block it, then the page goes back to the producer.
     auto pv_step = [&](int it) {
@@ -561,11 +697,12 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         auto gamma_load = [&](int j) {
             return *reinterpret_cast<const float2*>(gamma_buf + pv_row0 + 8 * j + 2 * c);
         };
-        if constexpr (!kAltPages) {
+        constexpr bool kGammaInRegs = !kAltPages || kRowsM;
+        if constexpr (kGammaInRegs) {
 #pragma unroll
             for (int j = 0; j < kPvRows / 8; ++j) gam[j] = gamma_load(j);
         }
-        auto gamma_pair = [&](int j) { return kAltPages ? gamma_load(j) : gam[j]; };
+        auto gamma_pair = [&](int j) { return kGammaInRegs ? gam[j] : gamma_load(j); };
         if constexpr (!kPvPromote) {  // the tensor cores add P V to the rescaled O
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
@@ -579,6 +716,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 }
         }
         // tokens of this thread's A bytes: {2c, 2c+1, 8+2c, 9+2c} (+16, +32); mask past `valid`
+        // (kClearTail: those tokens' bytes were zeroed in shared memory instead)
         unsigned vmask[kPvKSteps][2];
 #pragma unroll
         for (int ks = 0; ks < kPvKSteps; ++ks)
@@ -596,10 +734,14 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             unsigned r[4];
             ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
             constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
-            frag[0] = prmt(r[0], r[1], kEvenDim) & vmask[ks][0];
-            frag[1] = prmt(r[0], r[1], kOddDim) & vmask[ks][0];
-            frag[2] = prmt(r[2], r[3], kEvenDim) & vmask[ks][1];
-            frag[3] = prmt(r[2], r[3], kOddDim) & vmask[ks][1];
+            frag[0] = prmt(r[0], r[1], kEvenDim);
+            frag[1] = prmt(r[0], r[1], kOddDim);
+            frag[2] = prmt(r[2], r[3], kEvenDim);
+            frag[3] = prmt(r[2], r[3], kOddDim);
+            if constexpr (!kClearTail) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];
+            }
         };
         if constexpr (kPvPromote) {  // each m-tile's P V in a fresh accumulator, O = gamma O + it
             // with kPvPipelined, two accumulators in turn: m-tile mt + 1 runs on the tensor cores
@@ -615,11 +757,24 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 }
                 wgmma_commit();
             };
+            // without the second accumulator, m-tile mt + 1's V^T fragments are built while mt's
+            // wgmmas run (two fragment sets: an in-flight wgmma keeps its registers)
+            unsigned frags[2][kPvKSteps][4];
+            auto build_frags = [&](int mt) {
+#pragma unroll
+                for (int ks = 0; ks < kPvKSteps; ++ks) v_fragment(mt, ks, frags[mt % 2][ks]);
+            };
             if constexpr (kPvPipelined) issue_pv(0, t[0]);
+            else build_frags(0);
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
                 if constexpr (!kPvPipelined) {
-                    issue_pv(mt, t[0]);
+                    wgmma_fence();
+#pragma unroll
+                    for (int ks = 0; ks < kPvKSteps; ++ks)
+                        wgmma_fp8_rs(t[0], frags[mt % 2][ks], p_desc + ((kFp8KStep * ks) >> 4), ks > 0);
+                    wgmma_commit();
+                    if (mt + 1 < kMTiles) build_frags(mt + 1);
                     wgmma_wait<0>();
                 } else if (mt + 1 < kMTiles) {
                     issue_pv(mt + 1, t[(mt + 1) % 2]);
@@ -669,6 +824,25 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         }
     };
 
+    // Alternate pages: the owner of a request's last page, when it is partial, zeroes the
+    // content bytes of its tokens past the end before the page's QK (unused cache rows may hold
+    // NaN patterns; P is 0 there, but 0 x NaN is NaN), so that PV needs no per-token masks.
+    // Its warpgroup meets once after; the other warpgroup reads the page after the hand-over.
+    auto clear_tail = [&](int it) {
+        const int valid = valid_of(it);
+        if (!kClearTail || it != num_blocks - 1 || valid >= kPageTokens) return;
+        mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
+        uint4* page = reinterpret_cast<uint4*>(page_of(it));
+        constexpr int kChunksPerRow = kBox / 16;  // a swizzled 128-byte row is still 128 bytes
+        const int chunks = (kPageTokens - valid) * kChunksPerRow;
+        for (int i = wtid; i < kContentTiles * chunks; i += kWgThreads) {
+            const int tile = i / chunks, k = i % chunks;
+            page[(tile * kTileBytes + valid * kBox) / 16 + k] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        fence_proxy_async_shared();  // generic stores, read by the QK wgmmas (async proxy)
+        named_barrier_sync(kBarWg0 + wg, kWgThreads);
+    };
+
     if constexpr (kPingPong) {
         // The warpgroups take turns on the tensor cores: a turn is PV of the previous block and
         // QK of this one; the softmax runs outside the turn, while the other warpgroup has it.
@@ -691,9 +865,14 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // arrived at once by its owner and waited for once by the other, at the turn after it.
         for (int it = wg; it <= num_blocks; it += 2) {
             const bool mine = it < num_blocks;
+            if (mine) clear_tail(it);
             if (mine) qk_step(it);
             if (it > 0) named_barrier_sync(kBarPass0 + wg, kConsumerThreads);
-            if (mine) softmax_step(it);
+            if constexpr (kRowsM) {
+                if (mine) softmax_rows_m(it);
+            } else {
+                if (mine) softmax_step(it);
+            }
             if (it > 0) pv_step(it - 1);
             if (mine) pv_step(it);
         }
@@ -709,10 +888,18 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     // alternate pages: the warpgroups leave the page loop at different times; both finish it
     // (every hand-over and shared-memory read of the loop) before either writes its L partials
     if constexpr (kAltPages) named_barrier_sync(kBarConsumers, kConsumerThreads);
+    if constexpr (kRowsM) {  // row 16w + g + 8h: the quad's sum in slot 0, slots 1-3 zero
 #pragma unroll
-    for (int i = 0; i < kOwnRows; ++i) {
-        const float lw = warp_col_sum(l_run[i]);
-        if (g == 0) lsum_s[(wg * 4 + w) * kQkRows + 8 * (i / 2) + 2 * c + (i % 2)] = lw;
+        for (int h = 0; h < kOwnRows; ++h) {
+            const float lq = quad_sum(l_run[h]);
+            lsum_s[(wg * 4 + c) * kQkRows + 16 * w + g + 8 * h] = c == 0 ? lq : 0.f;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < kOwnRows; ++i) {
+            const float lw = warp_col_sum(l_run[i]);
+            if (g == 0) lsum_s[(wg * 4 + w) * kQkRows + 8 * (i / 2) + 2 * c + (i % 2)] = lw;
+        }
     }
     named_barrier_sync(kBarConsumers, kConsumerThreads);
     // L of CTA row n: the sum of its warpgroup's partials; alternate pages: both warpgroups'

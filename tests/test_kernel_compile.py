@@ -361,16 +361,23 @@ def test_parse_ptxas_report_of_a_real_compile() -> None:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize(("promote", "wg_mode"), [(1, 0), (1, 1), (1, 2), (1, 3), (0, 0)])
-@pytest.mark.parametrize("rows", [16, 32, 64])
+@pytest.mark.parametrize(("rows", "promote", "wg_mode"),
+                         [(r, p, m) for r in (16, 32, 64) for p, m in [(1, 0), (1, 1), (1, 2), (1, 3), (0, 0)]]
+                         + [(64, 1, 4)])  # rows = M: 64-row tiles only
 def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, promote: int, wg_mode: int,
                                                                 tmp_path: Path) -> None:
     """Issue 7: the Hopper decode kernel runs its FP8 GEMMs on QGMMA and the RoPE tile on HGMMA,
     ptxas did not serialize the wgmmas (info C751x) and nothing touches local memory. The
     compile also proves the host's shared-memory formula (SNAPMLA_EXPECT_SMEM static_assert).
-    Every warpgroup mode with promotion (what runs and what the tuner searches), and the
-    diagnostic unpromoted kernel in the dims-split mode."""
-    from snapmla_cli.ops.decode_config import FP8_WGMMA, fit_stages, fp8_defines, fp8_kernel, heuristic_config
+    Every warpgroup mode with promotion (what runs and what the tuner searches; rows = M at
+    its 64 rows), and the diagnostic unpromoted kernel in the dims-split mode."""
+    from snapmla_cli.ops.decode_config import (
+        FP8_WGMMA,
+        fit_stages,
+        fp8_defines,
+        fp8_kernel,
+        heuristic_config,
+    )
 
     tool = _cuobjdump()
     if tool is None:

@@ -161,8 +161,10 @@ def test_kernel_versions_and_wgmma_switches():
     valid, _ = kernel_variants(64, "fp8")
     assert {c.kernel_version for c in valid} == set(FP8_VERSIONS) == {dc.FP8_WGMMA, dc.FP8_MMA_SYNC}
     wgmma = [c for c in valid if c.wgmma]
-    # own rows and ping-pong lost everywhere; dims split and alternate pages each win somewhere
-    assert {c.wg_mode for c in wgmma} == {dc.WG_DIMS_SPLIT, dc.WG_ALT_PAGES}
+    # own rows and ping-pong lost everywhere; dims split and alternate pages each win somewhere;
+    # rows = M only at 64-row tiles
+    assert {c.wg_mode for c in wgmma} == {dc.WG_DIMS_SPLIT, dc.WG_ALT_PAGES, dc.WG_ALT_ROWS_M}
+    assert {c.row_groups for c in wgmma if c.wg_mode == dc.WG_ALT_ROWS_M} == {4}
     assert all(c.qk_promote == c.pv_promote == 1 for c in wgmma)
     v3 = DecodeConfig(row_groups=4, stages=4, kernel_version=dc.FP8_WGMMA)
     assert (v3.qk_promote, v3.pv_promote) == (1, 1)  # the defaults
@@ -175,7 +177,11 @@ def test_kernel_versions_and_wgmma_switches():
     v2 = replace(v3, kernel_version=dc.FP8_MMA_SYNC, stages=2)
     assert dc.fp8_config_valid(v2) and not dc.fp8_config_valid(replace(v2, wg_mode=dc.WG_PINGPONG))
     assert not dc.fp8_config_valid(replace(v3, qk_promote=2))
-    assert not dc.fp8_config_valid(replace(v3, wg_mode=4))
+    assert not dc.fp8_config_valid(replace(v3, wg_mode=5))
+    rows_m = replace(v3, wg_mode=dc.WG_ALT_ROWS_M)  # four pages fit: no statistics exchange
+    assert dc.fp8_config_valid(rows_m) and not dc.fp8_config_valid(replace(v3, wg_mode=dc.WG_ALT_PAGES))
+    assert not dc.fp8_config_valid(replace(rows_m, row_groups=2))
+    assert config_id(rows_m, "fp8").startswith("v3-rg4-wm-st4")
     assert tdb.config_from_dict(tdb.config_to_dict(unpromoted)) == unpromoted
     data = tdb.config_to_dict(v3)
     with pytest.raises(ValueError, match=r"qk_promote must be one of \(0, 1\)"):

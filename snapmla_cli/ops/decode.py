@@ -5,11 +5,15 @@ already-quantized Q so that an engine quantizes once per step.
 Every argument is checked once per call (shape, dtype, device, contiguity) with a one-line
 :class:`SnapmlaError`; the launch path itself does no host synchronisation (the output and
 split buffers are sized from shapes only), so a decode step can be captured in a CUDA graph.
+The configuration is chosen once per step, in ``get_mla_metadata`` (which reads the lengths
+anyway, so it knows the context), and travels with the metadata tensor to the decode calls.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,7 +37,7 @@ from .decode_config import (
     fp8_smem_bytes,
     heuristic_config,
 )
-from .schedule import WORK_FIELDS, build_metadata
+from .schedule import WORK_FIELDS, build_metadata, host_seqlens
 
 COMBINE_WARPS = 4
 LOG2E = 1.4426950408889634
@@ -45,20 +49,92 @@ def _runtime():
     return launch
 
 
-def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None) -> DecodeConfig:
+def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None,
+                  context: float | None = None) -> DecodeConfig:
     """Tuning-database entry for this GPU and shape if any, else the heuristic; with this
-    GPU's SM count filled in. Cached lookups, no I/O on the hot path."""
+    GPU's SM count filled in. Cached lookups, no I/O on the hot path. ``context`` is the mean
+    cached tokens per request (:func:`mean_context`); None (unknown) lets the lookup take the
+    configuration most of the shape's context buckets agree on."""
     cfg = heuristic_config(rows, fp8)
     try:
         from ..tuning.lookup import lookup_decode_config
     except ImportError:
         lookup_decode_config = None
     if lookup_decode_config is not None:
-        tuned = lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch)
+        tuned = lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch,
+                                     context=context)
         if tuned is not None:
             cfg = tuned
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else cfg.split.num_sms
     return cfg.with_sms(sms)
+
+
+def mean_context(seqlens: list[int]) -> float | None:
+    """Mean cached tokens per request: the ``context`` the tuning lookup expects (its buckets
+    are timed with every request at one length); None for an empty batch."""
+    return sum(seqlens) / len(seqlens) if seqlens else None
+
+
+@dataclass(frozen=True)
+class MetadataPlan:
+    """What ``get_mla_metadata`` built a work list for: the rows and format it was asked for,
+    the mean context it saw, and the configuration whose row tile and split policy it used."""
+
+    rows: int
+    fp8: bool
+    context: float | None
+    config: DecodeConfig
+
+
+# Work list tensor -> its MetadataPlan, so that the decode call runs the configuration the
+# metadata was built for without reading anything from the device. Why a map keyed by the
+# tensor's identity with a weak reference, and not a Python attribute on the tensor: the entry
+# dies with the tensor (no leak; the reference check means a reused id or allocator address
+# never hits), and the user's tensor is left as torch made it (a DecodeConfig in its __dict__
+# would travel into torch.save / deepcopy, and torch.load(weights_only=True) would refuse the
+# file). Not weakref.WeakKeyDictionary: it compares keys with ==, elementwise on tensors; and
+# torch.utils.weak.WeakIdKeyDictionary (not public API) costs ~1.7 us per lookup, this ~0.3 us.
+# Dict operations are atomic under the GIL; a lookup is safe inside CUDA graph capture.
+_PLANS: dict[int, tuple[weakref.ref[torch.Tensor], MetadataPlan]] = {}
+
+
+def _record_plan(metadata: torch.Tensor, plan: MetadataPlan) -> None:
+    key = id(metadata)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _PLANS.get(key)
+        if entry is not None and entry[0] is ref:  # not a newer tensor's entry under the same id
+            del _PLANS[key]
+
+    _PLANS[key] = (weakref.ref(metadata, forget), plan)
+
+
+def metadata_plan(tile_scheduler_metadata: object) -> MetadataPlan | None:
+    """The plan ``get_mla_metadata`` recorded for this very tensor, or None (built otherwise,
+    or a copy / view of it: e.g. a static buffer for CUDA graphs, for which an engine can pass
+    ``config=metadata_plan(meta).config`` to the decode call)."""
+    entry = _PLANS.get(id(tile_scheduler_metadata))
+    if entry is None or entry[0]() is not tile_scheduler_metadata:
+        return None
+    return entry[1]
+
+
+def decode_config_for(config: DecodeConfig | None, tile_scheduler_metadata: object, rows: int,
+                      fp8: bool, device: torch.device, batch: int) -> DecodeConfig:
+    """The decode call's configuration: an explicit ``config`` wins; else the one the metadata
+    was built for (same row tile and split policy, context-aware); else, for metadata built for
+    other rows or the other format (e.g. FlashMLA-style ``get_mla_metadata`` defaulting to FP8
+    before a BF16 decode), a fresh choice at the recorded context; else, for metadata snapmla
+    did not build, today's context-blind choice. Any of these is correct with any work list
+    (the work items do not depend on the row tile), only possibly slower."""
+    if config is not None:
+        return config
+    plan = metadata_plan(tile_scheduler_metadata)
+    if plan is None:
+        return choose_config(rows, fp8, device, batch)
+    if plan.rows == rows and plan.fp8 == fp8:
+        return plan.config
+    return choose_config(rows, fp8, device, batch, plan.context)
 
 
 def get_mla_metadata(
@@ -72,13 +148,24 @@ def get_mla_metadata(
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV work list and cumulative split counts (see :mod:`snapmla_cli.ops.schedule`).
-    ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA; ``num_heads_k`` must be 1."""
+    ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA; ``num_heads_k`` must be 1.
+
+    ``cache_seqlens`` is read to the host once; its mean length is the context of the
+    configuration choice (unless ``config`` is given). The chosen configuration is recorded for
+    the returned work list (:func:`metadata_plan`), and a decode call given that tensor and no
+    ``config`` runs it: the two calls cannot disagree, and the decode needs no host read."""
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
     if num_heads_per_head_k < 1:
         raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
-    cfg = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, cache_seqlens.shape[0])
-    return build_metadata(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split)
+    seqlens = host_seqlens(cache_seqlens)
+    context = mean_context(seqlens)
+    cfg = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, len(seqlens),
+                                  context)
+    metadata, num_splits = build_metadata(cache_seqlens, num_heads_per_head_k, cfg.block_m,
+                                          cfg.split, seqlens)
+    _record_plan(metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg))
+    return metadata, num_splits
 
 
 def _require_cuda(t: torch.Tensor, name: str, device: torch.device | None) -> None:
@@ -206,7 +293,9 @@ def decode_fp8(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 decode on an already-quantized Q (``quantize_q`` output, ``[b, s_q, h_q]`` rows)."""
+    """FP8 decode on an already-quantized Q (``quantize_q`` output, ``[b, s_q, h_q]`` rows).
+    Without ``config``, the configuration ``get_mla_metadata`` built the metadata for
+    (:func:`decode_config_for`)."""
     if q.scale.dim() != 3:
         raise SnapmlaError(f"q.scale: expected [b, s_q, h_q], got {list(q.scale.shape)}")
     b, s_q, h_q = q.scale.shape
@@ -217,7 +306,7 @@ def decode_fp8(
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
     cache = _fp8_cache_rows(k_cache)
     _require_cuda(cache, "k_cache", device)
-    cfg = config or choose_config(s_q * h_q, True, device, b)
+    cfg = decode_config_for(config, tile_scheduler_metadata, s_q * h_q, True, device, b)
     if cfg.wgmma:
         from ..runtime.tensor_map import fp8_cache_tensor_maps
 
@@ -240,7 +329,8 @@ def decode_bf16(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """BF16 decode on the bf16 cache ``[blocks, 64, 1, 576]`` (the baseline)."""
+    """BF16 decode on the bf16 cache ``[blocks, 64, 1, 576]`` (the baseline). Without ``config``,
+    the configuration ``get_mla_metadata`` built the metadata for (:func:`decode_config_for`)."""
     if q.dim() != 4:
         raise SnapmlaError(f"q: expected [b, s_q, h_q, {D_QK}], got {list(q.shape)}")
     b, s_q, h_q, _ = q.shape
@@ -249,7 +339,7 @@ def decode_bf16(
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
-    cfg = config or choose_config(s_q * h_q, False, device, b)
+    cfg = decode_config_for(config, tile_scheduler_metadata, s_q * h_q, False, device, b)
     return _split_kv_decode(False, (q, k_cache), (b, s_q, h_q), device, block_table,
                             cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
                             causal, cfg, out, lse)

@@ -37,10 +37,13 @@ DEFAULT_FP8_KERNEL = FP8_WGMMA
 # wgmma kernel warpgroup modes (WG_MODE): the two consumer warpgroups split the 512 output dims
 # and share P; or each owns its rows (independent); or owns its rows and they take turns on
 # the tensor cores (ping-pong); or they split the output dims and take the pages' QK and
-# softmax in turn, handing the row state over (alternate pages).
-WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES = 0, 1, 2, 3
-WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES)
-WG_MODE_NAMES = {WG_DIMS_SPLIT: "wd", WG_OWN_ROWS: "wr", WG_PINGPONG: "wp", WG_ALT_PAGES: "wa"}
+# softmax in turn, handing the row state over (alternate pages); or the same with the query
+# rows as wgmma's M in QK, so that a row's statistics are a quad's (64-row tiles only).
+WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M = 0, 1, 2, 3, 4
+WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M)
+WG_MODE_NAMES = {WG_DIMS_SPLIT: "wd", WG_OWN_ROWS: "wr", WG_PINGPONG: "wp", WG_ALT_PAGES: "wa",
+                 WG_ALT_ROWS_M: "wm"}
+ROWS_M_ROW_GROUPS = 4  # rows = M fills wgmma's M = 64 with the CTA's rows
 MIN_STAGES = 2  # the kernels' pipelines need two stages
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
@@ -103,13 +106,16 @@ WGMMA_SWITCH_DEFAULTS = (DecodeConfig.qk_promote, DecodeConfig.pv_promote, Decod
 def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     """``kSmemBytes + kSmemAlign`` of decode_fp8_wgmma.cu."""
     rows = cfg.block_m
-    alt_pages = cfg.wg_mode == WG_ALT_PAGES
+    alt_pages = cfg.wg_mode in (WG_ALT_PAGES, WG_ALT_ROWS_M)
     qk_rows = rows if alt_pages else rows // 2  # the rows of one warpgroup's softmax
     p_buffers = 4 if alt_pages else 2
+    # the per-warp statistics exchange: (max, max e*s_k) per warp and row, row info; rows = M
+    # reduces inside quads and needs neither
+    exchange = 0 if cfg.wg_mode == WG_ALT_ROWS_M else 2 * 4 * qk_rows * 8 + 2 * qk_rows * WGMMA_ROW_INFO_BYTES
     return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * WGMMA_STAGE_BYTES
             + p_buffers * rows * (WGMMA_P_BYTES_PER_ROW + 4)  # P^T and gamma per buffered block
-            + 2 * 4 * qk_rows * 8 + 2 * 4 * qk_rows * 4  # per-warp (max, max e*s_k) and L partials
-            + 2 * qk_rows * WGMMA_ROW_INFO_BYTES + rows * WGMMA_ROW_CONST_BYTES
+            + exchange + 2 * 4 * qk_rows * 4  # L partials per warp and row
+            + rows * WGMMA_ROW_CONST_BYTES
             + (rows * WGMMA_ROW_STATE_BYTES if alt_pages else 0)
             + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
@@ -137,6 +143,7 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     if cfg.wgmma:
         return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= MIN_STAGES
                 and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1) and cfg.wg_mode in WG_MODES
+                and (cfg.wg_mode != WG_ALT_ROWS_M or cfg.row_groups == ROWS_M_ROW_GROUPS)
                 and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
                 and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
@@ -207,8 +214,9 @@ def config_from_spec(spec: str) -> DecodeConfig:
 def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KERNEL) -> DecodeConfig:
     """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel (float32
     promotion on): 16 rows as two CTAs per SM with two pages each, warpgroups splitting the
-    output dims; 32 and 64+ rows as one CTA with the warpgroups taking alternate pages, four
-    and three pages deep (the most that fits). mma.sync kernel: 16 rows as two
+    output dims; 32 rows as one CTA with the warpgroups taking alternate pages, four pages deep;
+    64+ rows the same with the rows as QK's M (rows = M: 20-30% faster than alternate pages
+    alone at 64 rows, docs/PERF.md). mma.sync kernel: 16 rows as two
     small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as
     64-row tiles."""
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
@@ -216,8 +224,9 @@ def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KER
         if row_groups == 1:  # two CTAs per SM interleave their per-page latency chains
             cfg = DecodeConfig(row_groups=1, stages=2, min_ctas_per_sm=2, kernel_version=FP8_WGMMA)
         else:  # 32 rows x 2 CTAs per SM lack registers (ptxas serializes the wgmmas)
+            mode = WG_ALT_ROWS_M if row_groups == ROWS_M_ROW_GROUPS else WG_ALT_PAGES
             cfg = fit_stages(DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1,
-                                          kernel_version=FP8_WGMMA, wg_mode=WG_ALT_PAGES))
+                                          kernel_version=FP8_WGMMA, wg_mode=mode))
     elif fp8:
         v2 = {"kernel_version": FP8_MMA_SYNC}
         if row_groups == 1:

@@ -62,12 +62,10 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
     return plans
 
 
-def build_metadata(
-    cache_seqlens: torch.Tensor, rows: int, block_m: int, policy: SplitPolicy
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Work list int32 ``[num_work, 4]`` and cumulative ``num_splits`` int32 ``[b + 1]``, both on
-    the device of ``cache_seqlens``. Partial slot of split ``s`` of request ``i`` is
-    ``num_splits[i] + s``; a request with one split writes its output directly (slot -1)."""
+def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
+    """``cache_seqlens`` checked (int32 ``[b]``, lengths >= 0) and read to the host. This is the
+    one device-to-host copy of a decode step's scheduling: ``get_mla_metadata`` reads it once and
+    uses the list both for the configuration choice (the context) and for the work list."""
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
         raise SnapmlaError(
             f"cache_seqlens: expected int32 [b], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
@@ -75,6 +73,20 @@ def build_metadata(
     seqlens = cache_seqlens.tolist()
     if any(n < 0 for n in seqlens):
         raise SnapmlaError("cache_seqlens: lengths must be >= 0")
+    return seqlens
+
+
+def build_metadata(
+    cache_seqlens: torch.Tensor, rows: int, block_m: int, policy: SplitPolicy,
+    seqlens: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Work list int32 ``[num_work, 4]`` and cumulative ``num_splits`` int32 ``[b + 1]``, both on
+    the device of ``cache_seqlens``. Partial slot of split ``s`` of request ``i`` is
+    ``num_splits[i] + s``; a request with one split writes its output directly (slot -1).
+    ``seqlens``: ``host_seqlens(cache_seqlens)`` when the caller has read it already (no second
+    device-to-host copy); read here otherwise."""
+    if seqlens is None:
+        seqlens = host_seqlens(cache_seqlens)
     plans = plan_splits(seqlens, rows, block_m, policy)
     work: list[tuple[int, int, int, int]] = []
     cumulative = [0]

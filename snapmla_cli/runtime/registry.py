@@ -60,8 +60,17 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     from dataclasses import replace
 
     from ..ops.decode import COMBINE_WARPS
-    from ..ops.decode_config import (FP8_MMA_SYNC, FP8_WGMMA, WG_MODES, bf16_defines, fit_stages,
-                                     fp8_defines, fp8_kernel, heuristic_config)
+    from ..ops.decode_config import (
+        FP8_MMA_SYNC,
+        FP8_WGMMA,
+        WG_MODES,
+        bf16_defines,
+        fit_stages,
+        fp8_config_valid,
+        fp8_defines,
+        fp8_kernel,
+        heuristic_config,
+    )
 
     rows = (16, 32, 64)
     variants: dict[str, tuple[Variant, ...]] = {}
@@ -70,10 +79,12 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         source, name = fp8_kernel(configs[0])
         variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
     # the wgmma kernel's other warpgroup modes: selectable (verify --fp8-kernel v3-rows /
-    # v3-pingpong / v3-alt), so CI compiles them too, as the verifier builds them
+    # v3-pingpong / v3-alt / v3-rows-m), so CI compiles them too, as the verifier builds them
+    # (rows = M only where it is valid, at 64 rows)
     for r in rows:
         base = heuristic_config(r, True, FP8_WGMMA)
-        others = (fit_stages(replace(base, wg_mode=m)) for m in WG_MODES if m != base.wg_mode)
+        modes = (fit_stages(replace(base, wg_mode=m)) for m in WG_MODES if m != base.wg_mode)
+        others = (c for c in modes if fp8_config_valid(c))
         variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in others)
     variants["decode_bf16.cu"] = tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows)
     variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)

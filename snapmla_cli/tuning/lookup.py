@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..ops.decode_config import DecodeConfig
+from ..ops.decode_config import WG_ALT_PAGES, WG_ALT_ROWS_M, DecodeConfig
 from .db import (
     DbError,
     Entry,
@@ -238,10 +238,12 @@ def select_entry(located: list[Located], rows: int, fmt: str, batch: float | Non
 
 
 def adapt_config(cfg: DecodeConfig, rows: int, fmt: str) -> DecodeConfig | None:
-    """Narrow the row groups to what ``rows`` needs; None if the result is not launchable."""
+    """Narrow the row groups to what ``rows`` needs; None if the result is not launchable.
+    Rows = M needs 64-row tiles: narrowed, it becomes plain alternate pages."""
     limit = max_row_groups(rows)
     if cfg.row_groups > limit:
-        cfg = replace(cfg, row_groups=limit)
+        mode = WG_ALT_PAGES if cfg.wg_mode == WG_ALT_ROWS_M else cfg.wg_mode
+        cfg = replace(cfg, row_groups=limit, wg_mode=mode)
     return None if config_problem(cfg, fmt, rows) else cfg
 
 

@@ -13,7 +13,6 @@ candidate's for the bucket's representative shape are dropped (they would time t
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass, replace
@@ -39,9 +38,10 @@ MIN_CTAS = (1, 2)
 # fails `snapmla verify --ctx 32k` (docs/PERF.md), and a numerics switch is not a speed knob.
 PROMOTE = (1,)
 # wgmma kernel: how the two consumer warpgroups share a page's work: the dims split and
-# alternate pages. The own-rows and ping-pong modes were 4-25% slower at every shape class of
-# the b=64 sweep (docs/PERF.md, "Warpgroup modes"), so timing them would only spend the budget.
-WG_MODES = (dc.WG_DIMS_SPLIT, dc.WG_ALT_PAGES)
+# alternate pages (rows = M too, valid at 64-row tiles only). The own-rows and ping-pong modes
+# were 4-25% slower at every shape class of the b=64 sweep (docs/PERF.md, "Warpgroup modes"),
+# so timing them would only spend the budget.
+WG_MODES = (dc.WG_DIMS_SPLIT, dc.WG_ALT_PAGES, dc.WG_ALT_ROWS_M)
 SPLIT_CTAS = (1, 2)
 SPLIT_WAVES = (1, 2)
 MIN_BLOCKS_PER_SPLIT = (2, 4, 8, 16)

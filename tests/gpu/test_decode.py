@@ -56,9 +56,7 @@ def _run_fp8(prob, device, split=None):
 def _config(rows, version, device, **kernel):
     from dataclasses import replace
 
-    from snapmla_cli.ops.decode_config import heuristic_config
-
-    from snapmla_cli.ops.decode_config import fit_stages, fp8_config_valid
+    from snapmla_cli.ops.decode_config import fit_stages, fp8_config_valid, heuristic_config
 
     cfg = fit_stages(replace(heuristic_config(rows, True, version), **kernel))
     if not fp8_config_valid(cfg):  # e.g. two 64-row CTAs per SM do not fit: one
@@ -70,13 +68,14 @@ def _config(rows, version, device, **kernel):
 # (kernel version, overrides): the wgmma kernel at its heuristic, at its smallest pipeline /
 # two CTAs per SM, in its other warpgroup layout, and unpromoted (diagnostic); the mma.sync kernel
 KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (3, {"wg_mode": 1}), (3, {"wg_mode": 2}),
-           (3, {"wg_mode": 3}), (3, {"wg_mode": 3, "stages": 2}),
+           (3, {"wg_mode": 3}), (3, {"wg_mode": 3, "stages": 2}), (3, {"wg_mode": 4, "row_groups": 4}),
+           (3, {"wg_mode": 4, "row_groups": 4, "stages": 2}),
            (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 0}), (2, {})]
 
 
 @pytest.mark.parametrize("version,kernel", KERNELS,
                          ids=["v3", "v3-st2-c2", "v3-rows", "v3-pingpong", "v3-alt", "v3-alt-st2",
-                              "v3-unpromoted", "v2"])
+                              "v3-rows-m", "v3-rows-m-st2", "v3-unpromoted", "v2"])
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
 def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, version, kernel):
     device = torch.device("cuda")
@@ -108,8 +107,8 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
             assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
 
 
-@pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2, 3)] + [(2, {})],
-                         ids=["v3-dims", "v3-rows", "v3-pingpong", "v3-alt", "v2"])
+@pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2, 3, 4)] + [(2, {})],
+                         ids=["v3-dims", "v3-rows", "v3-pingpong", "v3-alt", "v3-rows-m", "v2"])
 def test_fp8_decode_bitwise_deterministic_and_split_invariant(version, kernel):
     from dataclasses import replace
 
@@ -171,8 +170,13 @@ def test_fp8_decode_meets_verify_gates_on_synthetic_default(spec, heads, mtp):
     last layer, 4 requests of 32k tokens, SPEC section 6 gates against float64 and the
     emulation. The random-data tests above are not enough: their attention is peaky, while the
     synthetic layer spreads it over many tokens, which exposes accumulation error."""
-    from snapmla_cli.analysis.verify import (fp8_kernel_implementation, make_problem, request_tokens,
-                                             run_case, synthetic_source)
+    from snapmla_cli.analysis.verify import (
+        fp8_kernel_implementation,
+        make_problem,
+        request_tokens,
+        run_case,
+        synthetic_source,
+    )
 
     device = torch.device("cuda")
     source = synthetic_source(None)

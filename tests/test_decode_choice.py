@@ -1,0 +1,186 @@
+"""Context-aware configuration choice: ``get_mla_metadata`` reads the lengths once, looks the
+configuration up at their mean (the tuning buckets are per context), and records it for the
+returned work list; ``decode_fp8`` / ``decode_bf16`` then run that configuration. CPU only: the
+tuning lookup answers for CPU tensors as for a pretend GPU, and the decode launch is replaced by
+a probe recording the configuration it was handed."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+
+import pytest
+import torch
+
+from snapmla_cli.numerics.formats import FP8_TOKEN_BYTES, PAGE_SIZE
+from snapmla_cli.numerics.quant import QuantizedRows
+from snapmla_cli.ops import decode
+from snapmla_cli.ops.decode import (
+    choose_config,
+    decode_bf16,
+    decode_fp8,
+    get_mla_metadata,
+    metadata_plan,
+)
+from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
+from snapmla_cli.ops.schedule import build_metadata
+from snapmla_cli.tuning import db as tdb
+from snapmla_cli.tuning import lookup
+from snapmla_cli.tuning.db import Entry, GpuKey, save_entries
+from snapmla_cli.tuning.space import Bucket
+
+GPU = GpuKey("Test GPU X100", 132, (9, 0), 13)
+H_Q, S_Q, BATCH = 64, 2, 64
+ROWS = H_Q * S_Q
+CPU = torch.device("cpu")
+
+
+def _split_variant(waves: int, min_blocks: int) -> DecodeConfig:
+    """The heuristic kernel with another split policy: valid whatever the kernels' current
+    constraints, and visible in the work list."""
+    base = heuristic_config(ROWS)
+    return replace(base, split=replace(base.split, waves=waves, min_blocks_per_split=min_blocks))
+
+
+C16K, C128K = _split_variant(2, 2), _split_variant(4, 8)
+
+
+def _entry(context: int, cfg: DecodeConfig) -> Entry:
+    return Entry(bucket=Bucket(H_Q, S_Q, (BATCH, BATCH), (context, context), "fp8"), config=cfg,
+                 time_us=100.0, default_time_us=120.0, date="2026-12-01",
+                 snapmla_version="0.1.0", command="snapmla tune", default_config=heuristic_config(ROWS),
+                 kernels="abc123", timed_at={"batch": BATCH, "context": context}, candidates=7)
+
+
+@pytest.fixture(autouse=True)
+def tuned_db(tmp_path, monkeypatch):
+    """A user database with two FP8 entries for 128 rows that differ only in the context bucket
+    (16k, 128k); the lookup treats CPU tensors as if on that GPU (``_device_index``)."""
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(user))
+    monkeypatch.setattr(tdb, "shipped_dir", lambda: shipped)
+    monkeypatch.setattr(lookup, "_device_key_hook", lambda index: GPU)
+    monkeypatch.setattr(lookup, "_device_index", lambda device: 0)
+    lookup.clear_cache(reset_warnings=True)
+    save_entries(user, GPU, [_entry(16384, C16K), _entry(131072, C128K)])
+    yield
+    lookup.clear_cache(reset_warnings=True)
+
+
+def _lens(n: int, batch: int = BATCH) -> torch.Tensor:
+    return torch.full((batch,), n, dtype=torch.int32)
+
+
+def test_context_buckets_give_different_configs():
+    assert C16K != C128K and heuristic_config(ROWS) not in (C16K, C128K)
+    assert choose_config(ROWS, True, CPU, BATCH, context=16384) == C16K
+    assert choose_config(ROWS, True, CPU, BATCH, context=131072) == C128K
+
+
+def test_metadata_context_reaches_the_lookup(monkeypatch):
+    calls: list[dict] = []
+    real = lookup.lookup_decode_config
+
+    def spy(**kw):
+        calls.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(lookup, "lookup_decode_config", spy)
+    get_mla_metadata(torch.tensor([1000, 3000, 0, 4000], dtype=torch.int32), ROWS, 1)
+    assert calls[-1]["context"] == 2000.0 and calls[-1]["batch"] == 4
+    get_mla_metadata(torch.zeros(0, dtype=torch.int32), ROWS, 1)  # empty batch: context unknown
+    assert calls[-1]["context"] is None and calls[-1]["batch"] == 0
+
+
+def test_metadata_built_for_the_context_config():
+    plans = {}
+    for ctx, want in ((16384, C16K), (131072, C128K)):
+        lens = _lens(ctx)
+        meta, splits = get_mla_metadata(lens, ROWS, 1)
+        plan = metadata_plan(meta)
+        assert plan is not None and plan.config == want and plan.context == float(ctx)
+        assert (plan.rows, plan.fp8) == (ROWS, True)
+        ref_meta, ref_splits = build_metadata(lens, ROWS, want.block_m, want.split)
+        assert torch.equal(meta, ref_meta) and torch.equal(splits, ref_splits)
+        plans[ctx] = meta
+    assert plans[16384].shape != plans[131072].shape or not torch.equal(plans[16384], plans[131072])
+    # an explicit config is what the metadata is built for, and recorded as such
+    meta, _ = get_mla_metadata(_lens(16384), ROWS, 1, config=C128K)
+    assert metadata_plan(meta).config == C128K
+
+
+def test_metadata_reads_the_lengths_once(monkeypatch):
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def counting_tolist(self):
+        reads.append(tuple(self.shape))
+        return real_tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counting_tolist)
+    get_mla_metadata(_lens(50000), ROWS, 1)
+    assert reads == [(BATCH,)]  # one device-to-host read: context and work list share it
+
+
+def test_metadata_plan_dies_with_the_tensor():
+    before = len(decode._PLANS)
+    meta, _ = get_mla_metadata(_lens(16384), ROWS, 1)
+    assert len(decode._PLANS) == before + 1
+    assert metadata_plan(meta.clone()) is None and metadata_plan("not a tensor") is None
+    del meta
+    gc.collect()
+    assert len(decode._PLANS) == before
+
+
+@pytest.fixture
+def launch_probe(monkeypatch):
+    """The decode calls run on CPU tensors up to the launch, which records the config instead."""
+    seen: list[DecodeConfig] = []
+    monkeypatch.setattr(decode, "_require_cuda", lambda t, name, device: None)
+    monkeypatch.setattr(decode, "_split_kv_decode", lambda *args: seen.append(args[10]))
+    from snapmla_cli.runtime import tensor_map
+
+    monkeypatch.setattr(tensor_map, "fp8_cache_tensor_maps", lambda cache: cache)
+    return seen
+
+
+def _fp8_inputs():
+    q = QuantizedRows(torch.zeros(BATCH, S_Q, H_Q, 512, dtype=torch.uint8),
+                      torch.ones(BATCH, S_Q, H_Q, dtype=torch.float32),
+                      torch.zeros(BATCH, S_Q, H_Q, 64, dtype=torch.bfloat16))
+    cache = torch.zeros(1, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    table = torch.zeros(BATCH, 1, dtype=torch.int32)
+    return q, cache, table
+
+
+def test_decode_runs_the_metadata_config(launch_probe, monkeypatch):
+    q, cache, table = _fp8_inputs()
+    lens16, lens128 = _lens(16384), _lens(131072)
+    meta16, splits16 = get_mla_metadata(lens16, ROWS, 1)
+    meta128, splits128 = get_mla_metadata(lens128, ROWS, 1)
+    decode_fp8(q, cache, table, lens16, meta16, splits16)
+    decode_fp8(q, cache, table, lens128, meta128, splits128)
+    assert launch_probe == [C16K, C128K]
+    explicit = _split_variant(1, 16)
+    decode_fp8(q, cache, table, lens128, meta128, splits128, config=explicit)
+    assert launch_probe[-1] == explicit  # an explicit config still wins
+    # metadata snapmla did not build (here a copy): today's context-blind choice
+    decode_fp8(q, cache, table, lens16, meta16.clone(), splits16)
+    assert launch_probe[-1] == choose_config(ROWS, True, CPU, BATCH)
+
+    # FP8-built metadata before a BF16 decode: a BF16 choice, still at the recorded context
+    choices = []
+    real_choose = decode.choose_config
+
+    def spy(*args):
+        choices.append(args)
+        return real_choose(*args)
+
+    monkeypatch.setattr(decode, "choose_config", spy)
+    q16 = torch.zeros(BATCH, S_Q, H_Q, 576, dtype=torch.bfloat16)
+    cache16 = torch.zeros(1, PAGE_SIZE, 1, 576, dtype=torch.bfloat16)
+    decode_bf16(q16, cache16, table, lens128, meta128, splits128)
+    assert choices == [(ROWS, False, CPU, BATCH, 131072.0)]
+    assert launch_probe[-1] == heuristic_config(ROWS, False)  # no BF16 entries
