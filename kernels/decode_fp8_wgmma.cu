@@ -261,11 +261,6 @@ __device__ __forceinline__ void load_q(unsigned char* q_s, const Params& p, long
     cp_async_wait<0>();
 }
 
-template <bool kValue>
-struct BoolTag {  // a compile-time flag for generic lambdas
-    static constexpr bool value = kValue;
-};
-
 __device__ __forceinline__ float warp_col_max(float v) {  // over the 8 lanes of equal lane % 4
     v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 4));
     v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 8));
@@ -563,8 +558,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // A page every real row sees whole (CTA-uniform; padding rows have a zero logit scale)
         // skips the masks and the exp guards (below 64 rows: the second copy of the loop costs
         // the 64-row layouts a spill; rows = M has its own).
-        auto stats_group = [&](int i0, auto whole_tag, float (&mw)[kStatRows], float (&etw)[kStatRows]) {
-            constexpr bool kWhole = decltype(whole_tag)::value;
+        // (whole_page is a literal at both call sites, so each inlined copy folds it; the device's
+        // NVRTC rejects generic lambdas, so it is not a template parameter)
+        auto stats_group = [&](int i0, const bool whole_page, float (&mw)[kStatRows], float (&etw)[kStatRows]) {
 #pragma unroll
             for (int r = 0; r < kStatRows; ++r) {
                 const int i = i0 + r, j = i / 2, e = i % 2;
@@ -572,7 +568,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 float& sb = s_acc[4 * j + 2 + e];
                 const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
                 const int vis = __float_as_int(rc.y);
-                if constexpr (kWhole) {
+                if (whole_page) {
                     sa *= rc.x * ks_a;
                     sb *= rc.x * ks_b;
                 } else {
@@ -580,8 +576,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                     sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
                 }
                 mw[r] = warp_col_max(fmaxf(sa, sb));
-                const float ea = kWhole || (mw[r] > -INFINITY && sa > -INFINITY) ? fast_exp2(sa - mw[r]) : 0.f;
-                const float eb = kWhole || (mw[r] > -INFINITY && sb > -INFINITY) ? fast_exp2(sb - mw[r]) : 0.f;
+                const float ea = whole_page || (mw[r] > -INFINITY && sa > -INFINITY) ? fast_exp2(sa - mw[r]) : 0.f;
+                const float eb = whole_page || (mw[r] > -INFINITY && sb > -INFINITY) ? fast_exp2(sb - mw[r]) : 0.f;
                 sa = ea;
                 sb = eb;
                 etw[r] = warp_col_max(fmaxf(ea * ks_a, eb * ks_b));
@@ -593,10 +589,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         for (int i0 = 0; i0 < kOwnRows; i0 += kStatRows) {
             float mw[kStatRows], etw[kStatRows];
             if constexpr (kWholePath) {
-                if (whole) stats_group(i0, BoolTag<true>{}, mw, etw);
-                else stats_group(i0, BoolTag<false>{}, mw, etw);
+                if (whole) stats_group(i0, true, mw, etw);
+                else stats_group(i0, false, mw, etw);
             } else {
-                stats_group(i0, BoolTag<false>{}, mw, etw);
+                stats_group(i0, false, mw, etw);
             }
             if (g == 0) {
 #pragma unroll
