@@ -151,9 +151,6 @@ constexpr int kBarWg0 = 1, kBarConsumers = 3, kBarTurn0 = 4, kBarPass0 = 4;
 // P^T and gamma buffers, by block: alternate pages keeps blocks it - 1 and it in use while the
 // other warpgroup writes it + 1
 constexpr int kPBuffers = kAltPages ? 4 : 2;
-// alternate pages zero the tokens past a partial last page in shared memory (clear_tail) instead
-// of masking PV's V^T fragments; not mode 3 at 64 rows, whose registers that costs a spill
-constexpr bool kClearTail = kAltPages && (kRowsM || kRows < 64);
 // the barrier between writing P^T and the PV that reads it: only the warpgroup's own rows, or
 // both warpgroups' rows
 constexpr int kPvBarThreads = kOwnRowsPv ? kWgThreads : kConsumerThreads;
@@ -526,6 +523,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             const float inv = __frcp_rn(signew);
             // this warpgroup's L partial last saw block it - 2: rescale by both gammas
             l_run[h] = gamma * st.z * l_run[h] + div_rn_fast(esum, signew, inv);
+            __syncwarp();  // the quad's other lanes read rowstate_s[n] above
             if (c == 0) {
                 rowstate_s[n] = make_float4(mnew, signew, gamma, 0.f);
                 gamma_buf[n] = gamma;
@@ -712,7 +710,6 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 }
         }
         // tokens of this thread's A bytes: {2c, 2c+1, 8+2c, 9+2c} (+16, +32); mask past `valid`
-        // (kClearTail: those tokens' bytes were zeroed in shared memory instead)
         unsigned vmask[kPvKSteps][2];
 #pragma unroll
         for (int ks = 0; ks < kPvKSteps; ++ks)
@@ -730,14 +727,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             unsigned r[4];
             ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
             constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
-            frag[0] = prmt(r[0], r[1], kEvenDim);
-            frag[1] = prmt(r[0], r[1], kOddDim);
-            frag[2] = prmt(r[2], r[3], kEvenDim);
-            frag[3] = prmt(r[2], r[3], kOddDim);
-            if constexpr (!kClearTail) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];
-            }
+            frag[0] = prmt(r[0], r[1], kEvenDim) & vmask[ks][0];
+            frag[1] = prmt(r[0], r[1], kOddDim) & vmask[ks][0];
+            frag[2] = prmt(r[2], r[3], kEvenDim) & vmask[ks][1];
+            frag[3] = prmt(r[2], r[3], kOddDim) & vmask[ks][1];
         };
         if constexpr (kPvPromote) {  // each m-tile's P V in a fresh accumulator, O = gamma O + it
             // with kPvPipelined, two accumulators in turn: m-tile mt + 1 runs on the tensor cores
@@ -820,25 +813,6 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         }
     };
 
-    // Alternate pages: the owner of a request's last page, when it is partial, zeroes the
-    // content bytes of its tokens past the end before the page's QK (unused cache rows may hold
-    // NaN patterns; P is 0 there, but 0 x NaN is NaN), so that PV needs no per-token masks.
-    // Its warpgroup meets once after; the other warpgroup reads the page after the hand-over.
-    auto clear_tail = [&](int it) {
-        const int valid = valid_of(it);
-        if (!kClearTail || it != num_blocks - 1 || valid >= kPageTokens) return;
-        mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
-        uint4* page = reinterpret_cast<uint4*>(page_of(it));
-        constexpr int kChunksPerRow = kBox / 16;  // a swizzled 128-byte row is still 128 bytes
-        const int chunks = (kPageTokens - valid) * kChunksPerRow;
-        for (int i = wtid; i < kContentTiles * chunks; i += kWgThreads) {
-            const int tile = i / chunks, k = i % chunks;
-            page[(tile * kTileBytes + valid * kBox) / 16 + k] = make_uint4(0u, 0u, 0u, 0u);
-        }
-        fence_proxy_async_shared();  // generic stores, read by the QK wgmmas (async proxy)
-        named_barrier_sync(kBarWg0 + wg, kWgThreads);
-    };
-
     if constexpr (kPingPong) {
         // The warpgroups take turns on the tensor cores: a turn is PV of the previous block and
         // QK of this one; the softmax runs outside the turn, while the other warpgroup has it.
@@ -861,7 +835,6 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // arrived at once by its owner and waited for once by the other, at the turn after it.
         for (int it = wg; it <= num_blocks; it += 2) {
             const bool mine = it < num_blocks;
-            if (mine) clear_tail(it);
             if (mine) qk_step(it);
             if (it > 0) named_barrier_sync(kBarPass0 + wg, kConsumerThreads);
             if constexpr (kRowsM) {
