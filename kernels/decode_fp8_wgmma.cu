@@ -673,8 +673,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         }
         publish_p();
     };
-    // PV of block it, then the page goes back to the producer.
-    auto pv_step = [&](int it) {
+    // PV of block it, then the page goes back to the producer. `masked`: the page is partial
+    // (a request's last), so V^T's bytes past `valid` are masked (unused cache rows may hold
+    // NaN patterns; P is 0 there, but 0 x NaN is NaN); a literal at both call sites of pv_page,
+    // so a whole page's PV carries no mask instructions.
+    auto pv_page = [&](int it, const bool masked) {
         // alternate pages: the other warpgroup waited for this page; the completed phase is
         // this warpgroup's proof that the TMA bytes are visible (the page cannot be refilled
         // before this PV releases it)
@@ -716,8 +719,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int t0 = kFp8KStep * ks + 16 * h + 2 * c;
-                vmask[ks][h] = (t0 < valid ? 0x000000ffu : 0u) | (t0 + 1 < valid ? 0x0000ff00u : 0u) |
-                               (t0 + 8 < valid ? 0x00ff0000u : 0u) | (t0 + 9 < valid ? 0xff000000u : 0u);
+                vmask[ks][h] = !masked ? ~0u
+                                       : (t0 < valid ? 0x000000ffu : 0u) | (t0 + 1 < valid ? 0x0000ff00u : 0u) |
+                                             (t0 + 8 < valid ? 0x00ff0000u : 0u) | (t0 + 9 < valid ? 0xff000000u : 0u);
             }
         const unsigned long long p_desc = make_smem_desc(p_s + pv_row0 * kPRowBytes, kSwizzle64B, kSwizzleAtom64);
         const int ld_token = 8 * (lane / 8) + (lane % 8);  // ldmatrix row address of this lane
@@ -727,10 +731,14 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             unsigned r[4];
             ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
             constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
-            frag[0] = prmt(r[0], r[1], kEvenDim) & vmask[ks][0];
-            frag[1] = prmt(r[0], r[1], kOddDim) & vmask[ks][0];
-            frag[2] = prmt(r[2], r[3], kEvenDim) & vmask[ks][1];
-            frag[3] = prmt(r[2], r[3], kOddDim) & vmask[ks][1];
+            frag[0] = prmt(r[0], r[1], kEvenDim);
+            frag[1] = prmt(r[0], r[1], kOddDim);
+            frag[2] = prmt(r[2], r[3], kEvenDim);
+            frag[3] = prmt(r[2], r[3], kOddDim);
+            if (masked) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];
+            }
         };
         if constexpr (kPvPromote) {  // each m-tile's P V in a fresh accumulator, O = gamma O + it
             // with kPvPipelined, two accumulators in turn: m-tile mt + 1 runs on the tensor cores
@@ -811,6 +819,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
             for (int i = 0; i < kSAcc; ++i) s_cur[i] = s_next[i];
         }
+    };
+    // (the second copy of the PV code costs the 64-row layouts a spill: they always mask)
+    auto pv_step = [&](int it) {
+        if (kRows == 64 || valid_of(it) < kPageTokens) pv_page(it, true);
+        else pv_page(it, false);
     };
 
     if constexpr (kPingPong) {

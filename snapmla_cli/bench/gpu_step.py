@@ -33,7 +33,7 @@ from .ceilings import measure_ceilings
 from .plan import FP8, TOKEN_BYTES, distinct_caches
 from .results import StepTiming
 from .roofline import Ceilings, DecodeWork
-from .timing import time_cuda
+from .timing import capture_graph, time_cuda
 from .worker import StepSpec
 
 FILL_TOKENS = 1 << 20  # tokens per chunk when filling a cache with random data
@@ -98,18 +98,6 @@ def _fp8_cache(num_blocks: int, device: torch.device, gen: torch.Generator) -> t
 def _bf16_cache(num_blocks: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     return torch.randn((num_blocks, PAGE_SIZE, 1, D_QK), generator=gen, device=device,
                        dtype=torch.bfloat16)
-
-
-def _capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up on a side stream before capture, as torch.cuda.graphs asks
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
 
 
 class GpuStepRunner:
@@ -199,7 +187,7 @@ class GpuStepRunner:
         note = ""
         if self.graphs:
             try:
-                graph = _capture(step)
+                graph = capture_graph(step)
             except Exception as exc:  # noqa: BLE001 - any capture failure: time eagerly instead
                 torch.cuda.synchronize(self.device)
                 note = f"CUDA graph capture failed ({_one_line(exc)}); timed eager launches"

@@ -28,3 +28,29 @@ def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds:
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / per_round)
     return statistics.median(times)
+
+
+def capture_graph(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``step`` captured in a CUDA graph (its kernels must already be loaded). An engine replays
+    its decode step as a graph, so the graph's replay time is the step's device time without
+    the Python launch path (which at short contexts can take longer than the kernels)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up on a side stream before capture, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def time_graph(step: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:
+    """:func:`time_cuda` of the replay of ``step`` captured in a CUDA graph (seconds)."""
+    step()  # compiles and loads the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = capture_graph(step)
+    try:
+        return time_cuda(graph.replay, reps=reps, warmup=warmup)
+    finally:
+        del graph
