@@ -470,72 +470,91 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             const int tok = 8 * (t / 2) + 2 * c + t % 2;
             ks[t] = tok < valid ? *reinterpret_cast<const float*>(scales + tok * VEC_BYTES) : 0.f;
         }
+        // The thread's two rows go side by side, so that their dependency chains (shuffles,
+        // divisions) interleave: the softmax is latency-bound (too few warps per scheduler).
+        constexpr int kRowsPerThread = 2;
+        float4 st[kRowsPerThread];  // m, sigma, gamma of the block before
+        float2 rc[kRowsPerThread];  // logit scale, visible keys
+        int row_of[kRowsPerThread];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int n = 16 * w + g + 8 * h;
-            const float4 st = rowstate_s[n];  // m, sigma, gamma of the block before
-            const float2 rc = rowconst_s[n];
-            const int vis = __float_as_int(rc.y);
-            auto logit = [&](int t) -> float& { return s_acc[4 * (t / 2) + 2 * h + t % 2]; };
-            // a page the row sees whole (every page but a request's last, or a causal row's)
-            // skips the masks: the softmax is issue-bound at 64 rows
-            const bool whole = page_first + kPageTokens <= vis;
-            float bmax = -INFINITY;
-            if (whole) {
+        for (int h = 0; h < kRowsPerThread; ++h) {
+            row_of[h] = 16 * w + g + 8 * h;
+            st[h] = rowstate_s[row_of[h]];
+            rc[h] = rowconst_s[row_of[h]];
+        }
+        auto logit = [&](int h, int t) -> float& { return s_acc[4 * (t / 2) + 2 * h + t % 2]; };
+        // a page both rows see whole (every page but a request's last, or a causal row's) skips
+        // the masks
+        const int vis_min = min(__float_as_int(rc[0].y), __float_as_int(rc[1].y));
+        const bool whole = page_first + kPageTokens <= vis_min;
+        float bmax[kRowsPerThread] = {-INFINITY, -INFINITY};
+        if (whole) {
 #pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    float& x = logit(t);
-                    x *= rc.x * ks[t];
-                    bmax = fmaxf(bmax, x);
+            for (int t = 0; t < kTokens; ++t)
+#pragma unroll
+                for (int h = 0; h < kRowsPerThread; ++h) {
+                    float& x = logit(h, t);
+                    x *= rc[h].x * ks[t];
+                    bmax[h] = fmaxf(bmax[h], x);
                 }
-            } else {
+        } else {
 #pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    float& x = logit(t);
-                    x = page_first + 8 * (t / 2) + 2 * c + t % 2 < vis ? x * (rc.x * ks[t]) : -INFINITY;
-                    bmax = fmaxf(bmax, x);
+            for (int t = 0; t < kTokens; ++t)
+#pragma unroll
+                for (int h = 0; h < kRowsPerThread; ++h) {
+                    float& x = logit(h, t);
+                    const bool seen = page_first + 8 * (t / 2) + 2 * c + t % 2 < __float_as_int(rc[h].y);
+                    x = seen ? x * (rc[h].x * ks[t]) : -INFINITY;
+                    bmax[h] = fmaxf(bmax[h], x);
                 }
+        }
+        quad_max2(bmax[0], bmax[1]);
+        bool act[kRowsPerThread];
+        float mnew[kRowsPerThread], esum[kRowsPerThread] = {0.f, 0.f}, etmax[kRowsPerThread] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < kRowsPerThread; ++h) {
+            act[h] = bmax[h] > -INFINITY;
+            mnew[h] = fmaxf(st[h].x, bmax[h]);
+        }
+#pragma unroll
+        for (int t = 0; t < kTokens; ++t)  // x turns into e = exp2(x - m_new)
+#pragma unroll
+            for (int h = 0; h < kRowsPerThread; ++h) {
+                float& x = logit(h, t);
+                x = whole || (act[h] && x > -INFINITY) ? fast_exp2(x - mnew[h]) : 0.f;
+                esum[h] += x;
+                etmax[h] = fmaxf(etmax[h], x * ks[t]);
             }
-            bmax = quad_max(bmax);
-            const bool act = bmax > -INFINITY;
-            const float mnew = fmaxf(st.x, bmax);
-            float esum = 0.f, etmax = 0.f;
-            if (whole) {  // x turns into e = exp2(x - m_new)
+        quad_max2(etmax[0], etmax[1]);
+        float signew[kRowsPerThread], inv[kRowsPerThread];
 #pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    float& x = logit(t);
-                    x = fast_exp2(x - mnew);
-                    esum += x;
-                    etmax = fmaxf(etmax, x * ks[t]);
-                }
-            } else {
-#pragma unroll
-                for (int t = 0; t < kTokens; ++t) {
-                    float& x = logit(t);
-                    x = act && x > -INFINITY ? fast_exp2(x - mnew) : 0.f;
-                    esum += x;
-                    etmax = fmaxf(etmax, x * ks[t]);
-                }
-            }
-            etmax = quad_max(etmax);
-            const float signew = act ? fmaxf(__fdiv_rn(etmax, kE4m3Max), kPScaleFloor) : st.y;
-            const float gamma = !act ? 1.f : (st.x == -INFINITY ? 0.f : fast_exp2(st.x - mnew) * __fdiv_rn(st.y, signew));
-            const float inv = __frcp_rn(signew);
+        for (int h = 0; h < kRowsPerThread; ++h) {
+            signew[h] = act[h] ? fmaxf(__fdiv_rn(etmax[h], kE4m3Max), kPScaleFloor) : st[h].y;
+            const float gamma = !act[h] ? 1.f
+                                        : (st[h].x == -INFINITY ? 0.f
+                                                                : fast_exp2(st[h].x - mnew[h]) * __fdiv_rn(st[h].y, signew[h]));
+            inv[h] = __frcp_rn(signew[h]);
             // this warpgroup's L partial last saw block it - 2: rescale by both gammas
-            l_run[h] = gamma * st.z * l_run[h] + div_rn_fast(esum, signew, inv);
-            __syncwarp();  // the quad's other lanes read rowstate_s[n] above
-            if (c == 0) {
-                rowstate_s[n] = make_float4(mnew, signew, gamma, 0.f);
-                gamma_buf[n] = gamma;
-            }
-            // P^T row n: bytes 16 q + 4c + {0, 1, 2, 3} hold tokens 16 q + {2c, 2c+1, 2c+8, 2c+9}
+            l_run[h] = gamma * st[h].z * l_run[h] + div_rn_fast(esum[h], signew[h], inv[h]);
+            st[h] = make_float4(mnew[h], signew[h], gamma, 0.f);
+        }
+        __syncwarp();  // the quad's other lanes read rowstate_s above
+        if (c == 0) {
 #pragma unroll
-            for (int q = 0; q < kTokens / 4; ++q) {
-                auto p_of = [&](int t) { return div_rn_fast(logit(t) * ks[t], signew, inv); };
-                const unsigned packed = f32x4_to_e4m3x4(p_of(4 * q), p_of(4 * q + 1), p_of(4 * q + 2), p_of(4 * q + 3));
-                *reinterpret_cast<unsigned*>(p_s + swz64(n, 16 * q + 4 * c)) = packed;
+            for (int h = 0; h < kRowsPerThread; ++h) {
+                rowstate_s[row_of[h]] = st[h];
+                gamma_buf[row_of[h]] = st[h].z;
             }
         }
+        // P^T row n: bytes 16 q + 4c + {0, 1, 2, 3} hold tokens 16 q + {2c, 2c+1, 2c+8, 2c+9}
+#pragma unroll
+        for (int q = 0; q < kTokens / 4; ++q)
+#pragma unroll
+            for (int h = 0; h < kRowsPerThread; ++h) {
+                auto p_of = [&](int t) { return div_rn_fast(logit(h, t) * ks[t], signew[h], inv[h]); };
+                const unsigned packed = f32x4_to_e4m3x4(p_of(4 * q), p_of(4 * q + 1), p_of(4 * q + 2), p_of(4 * q + 3));
+                *reinterpret_cast<unsigned*>(p_s + swz64(row_of[h], 16 * q + 4 * c)) = packed;
+            }
         publish_p();
     };
     // Softmax of block it (SPEC 5): logits, masks, block statistics, P^T into shared memory.
@@ -677,11 +696,12 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     // (a request's last), so V^T's bytes past `valid` are masked (unused cache rows may hold
     // NaN patterns; P is 0 there, but 0 x NaN is NaN); a literal at both call sites of pv_page,
     // so a whole page's PV carries no mask instructions.
-    auto pv_page = [&](int it, const bool masked) {
+    // `seen`: this warpgroup waited for the page's bytes already (its own QK of the page).
+    auto pv_page = [&](int it, const bool masked, const bool seen) {
         // alternate pages: the other warpgroup waited for this page; the completed phase is
         // this warpgroup's proof that the TMA bytes are visible (the page cannot be refilled
         // before this PV releases it)
-        if constexpr (kAltPages) mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
+        if (kAltPages && !seen) mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
         unsigned char* page = page_of(it);
         const int valid = valid_of(it);
         const unsigned char* p_s = p_tile_of(it);
@@ -821,9 +841,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         }
     };
     // (the second copy of the PV code costs the 64-row layouts a spill: they always mask)
-    auto pv_step = [&](int it) {
-        if (kRows == 64 || valid_of(it) < kPageTokens) pv_page(it, true);
-        else pv_page(it, false);
+    auto pv_step = [&](int it, bool seen = false) {
+        if (kRows == 64 || valid_of(it) < kPageTokens) pv_page(it, true, seen);
+        else pv_page(it, false, seen);
     };
 
     if constexpr (kPingPong) {
@@ -856,7 +876,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 if (mine) softmax_step(it);
             }
             if (it > 0) pv_step(it - 1);
-            if (mine) pv_step(it);
+            if (mine) pv_step(it, true);
         }
     } else {
         for (int it = 0; it < num_blocks; ++it) {

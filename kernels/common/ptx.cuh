@@ -197,6 +197,15 @@ __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
+// Two independent quad maxima with their shuffles interleaved (two rows' chains in flight).
+__device__ __forceinline__ void quad_max2(float& a, float& b) {
+    const float a1 = __shfl_xor_sync(0xffffffffu, a, 1), b1 = __shfl_xor_sync(0xffffffffu, b, 1);
+    a = fmaxf(a, a1);
+    b = fmaxf(b, b1);
+    const float a2 = __shfl_xor_sync(0xffffffffu, a, 2), b2 = __shfl_xor_sync(0xffffffffu, b, 2);
+    a = fmaxf(a, a2);
+    b = fmaxf(b, b2);
+}
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
