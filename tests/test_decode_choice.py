@@ -14,7 +14,7 @@ import torch
 
 from snapmla_cli.numerics.formats import FP8_TOKEN_BYTES, PAGE_SIZE
 from snapmla_cli.numerics.quant import QuantizedRows
-from snapmla_cli.ops import decode
+from snapmla_cli.ops import config_choice, decode
 from snapmla_cli.ops.decode import (
     choose_config,
     decode_bf16,
@@ -125,13 +125,13 @@ def test_metadata_reads_the_lengths_once(monkeypatch):
 
 
 def test_metadata_plan_dies_with_the_tensor():
-    before = len(decode._PLANS)
+    before = len(config_choice._PLANS)
     meta, _ = get_mla_metadata(_lens(16384), ROWS, 1)
-    assert len(decode._PLANS) == before + 1
+    assert len(config_choice._PLANS) == before + 1
     assert metadata_plan(meta.clone()) is None and metadata_plan("not a tensor") is None
     del meta
     gc.collect()
-    assert len(decode._PLANS) == before
+    assert len(config_choice._PLANS) == before
 
 
 @pytest.fixture
@@ -172,13 +172,13 @@ def test_decode_runs_the_metadata_config(launch_probe, monkeypatch):
 
     # FP8-built metadata before a BF16 decode: a BF16 choice, still at the recorded context
     choices = []
-    real_choose = decode.choose_config
+    real_choose = config_choice.choose_config
 
     def spy(*args):
         choices.append(args)
         return real_choose(*args)
 
-    monkeypatch.setattr(decode, "choose_config", spy)
+    monkeypatch.setattr(config_choice, "choose_config", spy)
     q16 = torch.zeros(BATCH, S_Q, H_Q, 576, dtype=torch.bfloat16)
     cache16 = torch.zeros(1, PAGE_SIZE, 1, 576, dtype=torch.bfloat16)
     decode_bf16(q16, cache16, table, lens128, meta128, splits128)

@@ -1,0 +1,100 @@
+"""Which decode configuration runs: the tuning database's entry for this GPU, shape and
+context, else the built-in heuristic; and the configuration a work list was built for, so that
+``get_mla_metadata`` and the decode calls cannot disagree (the metadata carries it)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .decode_config import DecodeConfig, heuristic_config
+
+
+def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None,
+                  context: float | None = None) -> DecodeConfig:
+    """Tuning-database entry for this GPU and shape if any, else the heuristic; with this
+    GPU's SM count filled in. Cached lookups, no I/O on the hot path. ``context`` is the mean
+    cached tokens per request (:func:`mean_context`); None (unknown) lets the lookup take the
+    configuration most of the shape's context buckets agree on."""
+    cfg = heuristic_config(rows, fp8)
+    try:
+        from ..tuning.lookup import lookup_decode_config
+    except ImportError:
+        lookup_decode_config = None
+    if lookup_decode_config is not None:
+        tuned = lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch,
+                                     context=context)
+        if tuned is not None:
+            cfg = tuned
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else cfg.split.num_sms
+    return cfg.with_sms(sms)
+
+
+def mean_context(seqlens: list[int]) -> float | None:
+    """Mean cached tokens per request: the ``context`` the tuning lookup expects (its buckets
+    are timed with every request at one length); None for an empty batch."""
+    return sum(seqlens) / len(seqlens) if seqlens else None
+
+
+@dataclass(frozen=True)
+class MetadataPlan:
+    """What ``get_mla_metadata`` built a work list for: the rows and format it was asked for,
+    the mean context it saw, and the configuration whose row tile and split policy it used."""
+
+    rows: int
+    fp8: bool
+    context: float | None
+    config: DecodeConfig
+
+
+# Work list tensor -> its MetadataPlan, so that the decode call runs the configuration the
+# metadata was built for without reading anything from the device. Why a map keyed by the
+# tensor's identity with a weak reference, and not a Python attribute on the tensor: the entry
+# dies with the tensor (no leak; the reference check means a reused id or allocator address
+# never hits), and the user's tensor is left as torch made it (a DecodeConfig in its __dict__
+# would travel into torch.save / deepcopy, and torch.load(weights_only=True) would refuse the
+# file). Not weakref.WeakKeyDictionary: it compares keys with ==, elementwise on tensors; and
+# torch.utils.weak.WeakIdKeyDictionary (not public API) costs ~1.7 us per lookup, this ~0.3 us.
+# Dict operations are atomic under the GIL; a lookup is safe inside CUDA graph capture.
+_PLANS: dict[int, tuple[weakref.ref[torch.Tensor], MetadataPlan]] = {}
+
+
+def record_plan(metadata: torch.Tensor, plan: MetadataPlan) -> None:
+    key = id(metadata)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        entry = _PLANS.get(key)
+        if entry is not None and entry[0] is ref:  # not a newer tensor's entry under the same id
+            del _PLANS[key]
+
+    _PLANS[key] = (weakref.ref(metadata, forget), plan)
+
+
+def metadata_plan(tile_scheduler_metadata: object) -> MetadataPlan | None:
+    """The plan ``get_mla_metadata`` recorded for this very tensor, or None (built otherwise,
+    or a copy / view of it: e.g. a static buffer for CUDA graphs, for which an engine can pass
+    ``config=metadata_plan(meta).config`` to the decode call)."""
+    entry = _PLANS.get(id(tile_scheduler_metadata))
+    if entry is None or entry[0]() is not tile_scheduler_metadata:
+        return None
+    return entry[1]
+
+
+def decode_config_for(config: DecodeConfig | None, tile_scheduler_metadata: object, rows: int,
+                      fp8: bool, device: torch.device, batch: int) -> DecodeConfig:
+    """The decode call's configuration: an explicit ``config`` wins; else the one the metadata
+    was built for (same row tile and split policy, context-aware); else, for metadata built for
+    other rows or the other format (e.g. FlashMLA-style ``get_mla_metadata`` defaulting to FP8
+    before a BF16 decode), a fresh choice at the recorded context; else, for metadata snapmla
+    did not build, today's context-blind choice. Any of these is correct with any work list
+    (the work items do not depend on the row tile), only possibly slower."""
+    if config is not None:
+        return config
+    plan = metadata_plan(tile_scheduler_metadata)
+    if plan is None:
+        return choose_config(rows, fp8, device, batch)
+    if plan.rows == rows and plan.fp8 == fp8:
+        return plan.config
+    return choose_config(rows, fp8, device, batch, plan.context)
