@@ -10,7 +10,7 @@
 //        k-steps (QGMMA m64nNk32) and four bf16 RoPE k-steps (HGMMA m64nNk16) run into one
 //        float32 accumulator: the RoPE halves are pre-scaled by 1/scale (pre-scaled domain
 //        alignment), so content and RoPE sum before the per-row / per-token scales.
-//        Consumer warpgroup wg computes rows [wg * kRows/2, (wg + 1) * kRows/2) (WG_MODE 3:
+//        Consumer warpgroup wg computes rows [wg * kRows/2, (wg + 1) * kRows/2) (WG_MODE 3 / 4:
 //        all rows of every other page).
 //   PV:  O^T[512 dims x rows] += V^T[dims x 64 tokens] . P^T. V is the same E4M3 content; its
 //        K-major (token-contiguous) A fragments are built in registers from the swizzled page
@@ -41,10 +41,10 @@
 // empty mbarriers between the producer warpgroup (one lane issues, setmaxnreg gives its
 // registers to the consumers) and the 8 consumer warps.
 // Softmax per 64-token block (SPEC 5): block max and block max of e * s_k are combined across
-// the 4 warps of the warpgroup through shared memory, so m, sigma and gamma are exact
-// functions of the block; P = e4m3(e * s_k / sigma) per (row, block); blocks are accumulated in
-// strictly increasing order; with WG_MODE 0, gamma and P pass to the other warpgroup through
-// shared memory.
+// the 4 warps of the warpgroup through shared memory (WG_MODE 4: inside a quad), so m, sigma
+// and gamma are exact functions of the block; P = e4m3(e * s_k / sigma) per (row, block); blocks
+// are accumulated in strictly increasing order; with WG_MODE 0, gamma and P pass to the other
+// warpgroup through shared memory.
 // The macro defaults below are the host's (ops/decode_config.py DecodeConfig), which always
 // passes every one of them.
 #include "common/convert.cuh"
