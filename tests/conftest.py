@@ -1,10 +1,16 @@
-"""Shared pytest setup: tests marked ``gpu`` are skipped when torch sees no CUDA GPU.
+"""Shared pytest setup: tests marked ``gpu`` are skipped when torch sees no CUDA GPU, and a
+fixture gives a test its own tuning-database folders.
 
 Why here and not in each file: CI machines have no GPU, and every GPU test module should skip
-the same way (one reason line in ``-ra``), while still being collected so import errors show.
+the same way (one reason line in ``-ra``), while still being collected so import errors show;
+the tuning tests and the decode-choice tests need the same isolation from the user's and the
+shipped databases.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,3 +23,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def isolated_tuning_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, Path]]:
+    """(user, shipped) tuning-database folders under tmp_path, in place of the real ones, with the
+    lookup's memo cleared before and after."""
+    from snapmla_cli.tuning import db as tdb
+    from snapmla_cli.tuning import lookup
+
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(user))
+    monkeypatch.setattr(tdb, "shipped_dir", lambda: shipped)
+    lookup.clear_cache(reset_warnings=True)
+    yield user, shipped
+    lookup.clear_cache(reset_warnings=True)

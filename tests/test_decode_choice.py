@@ -24,7 +24,6 @@ from snapmla_cli.ops.decode import (
 )
 from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
 from snapmla_cli.ops.schedule import build_metadata
-from snapmla_cli.tuning import db as tdb
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, save_entries
 from snapmla_cli.tuning.space import Bucket
@@ -53,20 +52,14 @@ def _entry(context: int, cfg: DecodeConfig) -> Entry:
 
 
 @pytest.fixture(autouse=True)
-def tuned_db(tmp_path, monkeypatch):
+def tuned_db(isolated_tuning_dirs, monkeypatch):
     """A user database with two FP8 entries for 128 rows that differ only in the context bucket
     (16k, 128k); the lookup treats CPU tensors as if on that GPU (``_device_index``)."""
-    user, shipped = tmp_path / "user", tmp_path / "shipped"
-    user.mkdir()
-    shipped.mkdir()
-    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(user))
-    monkeypatch.setattr(tdb, "shipped_dir", lambda: shipped)
+    user, _shipped = isolated_tuning_dirs
     monkeypatch.setattr(lookup, "_device_key_hook", lambda index: GPU)
     monkeypatch.setattr(lookup, "_device_index", lambda device: 0)
     lookup.clear_cache(reset_warnings=True)
     save_entries(user, GPU, [_entry(16384, C16K), _entry(131072, C128K)])
-    yield
-    lookup.clear_cache(reset_warnings=True)
 
 
 def _lens(n: int, batch: int = BATCH) -> torch.Tensor:

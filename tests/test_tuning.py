@@ -50,17 +50,10 @@ CTX = [(16384, 16384), (65536, 65536), (131072, 131072)]
 
 
 @pytest.fixture(autouse=True)
-def isolated_db(tmp_path, monkeypatch):
-    """User folder and shipped folder both under tmp_path; fresh lookup state."""
-    user, shipped = tmp_path / "user", tmp_path / "shipped"
-    user.mkdir()
-    shipped.mkdir()
-    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(user))
-    monkeypatch.setattr(tdb, "shipped_dir", lambda: shipped)
+def isolated_db(isolated_tuning_dirs, monkeypatch):
+    """User folder and shipped folder both under tmp_path; fresh lookup state; this GPU is GPU."""
     monkeypatch.setattr(lookup, "_device_key_hook", lambda index: GPU)
-    lookup.clear_cache(reset_warnings=True)
-    yield user, shipped
-    lookup.clear_cache(reset_warnings=True)
+    return isolated_tuning_dirs
 
 
 def entry(h_q=64, s_q=2, batch=(64, 64), context=(16384, 16384), fmt="fp8", t=100.0,
