@@ -275,21 +275,23 @@ __device__ __forceinline__ float warp_col_sum(float v) {
 template <int kAcc>
 __device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long k_desc,
                                          unsigned long long q_desc_base, int chunk, bool fresh) {
+    // (A, B) descriptors of one k-step at byte offsets into the K page and the Q tiles
+    auto operands = [&](int k_bytes, int q_bytes) {
+        const unsigned long long k = k_desc + (k_bytes >> 4), q = q_desc_base + (q_bytes >> 4);
+        return kRowsM ? make_ulonglong2(q, k) : make_ulonglong2(k, q);
+    };
     if (chunk < kContentTiles) {
 #pragma unroll
         for (int kk = 0; kk < kKStepsPerBox; ++kk) {
-            const unsigned long long step = (chunk * kTileBytes + kk * kFp8KStep) >> 4;
-            const unsigned long long qstep = (chunk * kQTileBytes + kk * kFp8KStep) >> 4;
-            if constexpr (kRowsM) wgmma_fp8_ss(acc, q_desc_base + qstep, k_desc + step, !(fresh && kk == 0));
-            else wgmma_fp8_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
+            const ulonglong2 ab = operands(chunk * kTileBytes + kk * kFp8KStep, chunk * kQTileBytes + kk * kFp8KStep);
+            wgmma_fp8_ss(acc, ab.x, ab.y, !(fresh && kk == 0));
         }
     } else {
 #pragma unroll
         for (int kk = 0; kk < kRopeKSteps; ++kk) {
-            const unsigned long long step = (kContentTiles * kTileBytes + kk * kBf16KStepBytes) >> 4;
-            const unsigned long long qstep = (kContentTiles * kQTileBytes + kk * kBf16KStepBytes) >> 4;
-            if constexpr (kRowsM) wgmma_bf16_ss(acc, q_desc_base + qstep, k_desc + step, !(fresh && kk == 0));
-            else wgmma_bf16_ss(acc, k_desc + step, q_desc_base + qstep, !(fresh && kk == 0));
+            const ulonglong2 ab = operands(kContentTiles * kTileBytes + kk * kBf16KStepBytes,
+                                           kContentTiles * kQTileBytes + kk * kBf16KStepBytes);
+            wgmma_bf16_ss(acc, ab.x, ab.y, !(fresh && kk == 0));
         }
     }
 }

@@ -11,13 +11,18 @@ from dataclasses import replace
 
 import torch
 
-from snapmla_cli.analysis.verify import FP8_KERNEL_VARIANTS, make_problem, request_tokens, run_emulation, synthetic_source
+from snapmla_cli.analysis.verify import (
+    FP8_KERNEL_VARIANTS,
+    make_problem,
+    request_tokens,
+    synthetic_source,
+)
 from snapmla_cli.numerics.decode_ref import decode_reference
+from snapmla_cli.numerics.emulation import emulate_fp8_decode
 from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
 from snapmla_cli.ops.decode_config import heuristic_config
 from snapmla_cli.ops.schedule import split_token_bounds
-from snapmla_cli.numerics.emulation import emulate_fp8_decode
 
 
 def main() -> None:
@@ -39,7 +44,7 @@ def main() -> None:
             label += "-fine"
             cfg = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=4096, max_splits_per_request=512))
         meta, splits = get_mla_metadata(lay.cache_seqlens, heads * mtp, 1, config=cfg)
-        out, lse = decode_fp8(q8, cache, lay.block_table, lay.cache_seqlens, meta, splits, prob.softmax_scale,
+        out, _lse = decode_fp8(q8, cache, lay.block_table, lay.cache_seqlens, meta, splits, prob.softmax_scale,
                               prob.causal, config=cfg)
         bounds = split_token_bounds(splits, meta, lay.cache_seqlens)
         emul, _ = emulate_fp8_decode(q8, cache, lay.block_table, lay.cache_seqlens, prob.softmax_scale,

@@ -120,34 +120,29 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- ldmatrix ------------------------------------------------------------------------------
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* smem_row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(smem_row)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* smem_row) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(smem_row)));
-}
+// Four 8x8 b16 matrices per warp (x4), plain or transposed; one instruction each, so stamped out.
+#define SNAPMLA_LDMATRIX_X4(name, shape)                                                          \
+    __device__ __forceinline__ void name(unsigned (&r)[4], const void* smem_row) {                \
+        asm volatile("ldmatrix.sync.aligned." shape ".shared.b16 {%0,%1,%2,%3}, [%4];\n"          \
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                              \
+                     : "r"(smem_addr(smem_row)));                                                  \
+    }
+SNAPMLA_LDMATRIX_X4(ldmatrix_x4, "m8n8.x4")
+SNAPMLA_LDMATRIX_X4(ldmatrix_x4_trans, "m8n8.x4.trans")
+#undef SNAPMLA_LDMATRIX_X4
 
 // ---- MMA: D[16x8] += A[16x16] * B[16x8], float32 accumulate --------------------------------
-__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                              unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0,
-                                               unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// One m16n8k16 per call, f16 or bf16 inputs; stamped out per input type.
+#define SNAPMLA_MMA_16816(name, type)                                                              \
+    __device__ __forceinline__ void name(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) { \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." type "." type ".f32 {%0,%1,%2,%3}, "  \
+                     "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"                                     \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));                \
+    }
+SNAPMLA_MMA_16816(mma_f16_16816, "f16")
+SNAPMLA_MMA_16816(mma_bf16_16816, "bf16")
+#undef SNAPMLA_MMA_16816
 
 // ---- conversions ---------------------------------------------------------------------------
 // Two E4M3 bytes (low 16 bits of `pair`) -> f16x2, exact. Byte 0 becomes the low half.
