@@ -144,6 +144,7 @@ constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
 constexpr int kPvPipelineMaxAcc = 16;
 constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
 constexpr float kE4m3Max = E4M3_MAX;
+constexpr float kInvE4m3Max = 1.f / E4M3_MAX;
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 // named barrier ids (0 = __syncthreads); ping-pong's turns and alternate pages' hand-overs
 // never meet in one kernel, so they share ids
@@ -531,16 +532,18 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 etmax[h] = fmaxf(etmax[h], x);
             }
         quad_max2(etmax[0], etmax[1]);
+        // The divisions by 448 and by sigma are multiplications by reciprocals here (each within
+        // an ulp of the quotient; the exponentials are approximate anyway): the correctly
+        // rounded divisions' fix-up code sat on the softmax's critical path.
         float signew[kRowsPerThread], inv[kRowsPerThread];
 #pragma unroll
         for (int h = 0; h < kRowsPerThread; ++h) {
-            signew[h] = act[h] ? fmaxf(__fdiv_rn(etmax[h], kE4m3Max), kPScaleFloor) : st[h].y;
+            signew[h] = act[h] ? fmaxf(etmax[h] * kInvE4m3Max, kPScaleFloor) : st[h].y;
+            inv[h] = fast_rcp(signew[h]);
             const float gamma = !act[h] ? 1.f
-                                        : (st[h].x == -INFINITY ? 0.f
-                                                                : fast_exp2(st[h].x - mnew[h]) * __fdiv_rn(st[h].y, signew[h]));
-            inv[h] = __frcp_rn(signew[h]);
+                                        : (st[h].x == -INFINITY ? 0.f : fast_exp2(st[h].x - mnew[h]) * (st[h].y * inv[h]));
             // this warpgroup's L partial last saw block it - 2: rescale by both gammas
-            l_run[h] = gamma * st[h].z * l_run[h] + div_rn_fast(esum[h], signew[h], inv[h]);
+            l_run[h] = gamma * st[h].z * l_run[h] + esum[h] * inv[h];
             st[h] = make_float4(mnew[h], signew[h], gamma, 0.f);
         }
         __syncwarp();  // the quad's other lanes read rowstate_s above

@@ -187,6 +187,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// 1 / x from the SFU (rcp.approx: within an ulp or so; flushes denormals)
+__device__ __forceinline__ float fast_rcp(float x) {
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Reductions over the 4 threads of an MMA row quad (lanes 4g .. 4g+3).
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
