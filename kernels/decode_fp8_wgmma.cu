@@ -658,9 +658,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 etmax = fmaxf(etmax, fk[k] * parts[k].y);
             }
             const bool act = bmax > -INFINITY;
-            const float signew = act ? fmaxf(__fdiv_rn(etmax, kE4m3Max), kPScaleFloor) : row_sig;
-            const float gamma = !act ? 1.f
-                                     : (row_m == -INFINITY ? 0.f : fast_exp2(row_m - mnew) * __fdiv_rn(row_sig, signew));
+            // reciprocals instead of correctly rounded divisions, as in the rows = M softmax
+            const float signew = act ? fmaxf(etmax * kInvE4m3Max, kPScaleFloor) : row_sig;
+            const float inv = __frcp_rn(signew);
+            const float gamma = !act ? 1.f : (row_m == -INFINITY ? 0.f : fast_exp2(row_m - mnew) * (row_sig * inv));
             if (act) {
                 row_m = mnew;
                 row_sig = signew;
@@ -669,7 +670,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             const float gamma_l = kAltPages ? gamma * last_gamma : gamma;
             if constexpr (kAltPages) rowstate_s[wtid] = make_float4(row_m, row_sig, gamma, 0.f);
             float4* info = reinterpret_cast<float4*>(rowinfo_s + wtid * kRowInfoFloats);
-            info[0] = make_float4(signew, __frcp_rn(signew), gamma, gamma_l);
+            info[0] = make_float4(signew, inv, gamma, gamma_l);
             info[1] = make_float4(fk[0], fk[1], fk[2], fk[3]);
             gamma_buf[qk_row0 + wtid] = gamma;
         }
@@ -686,11 +687,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 const int i = 2 * j + e;
                 const float* info = rowinfo_s + (8 * j + 2 * c + e) * kRowInfoFloats;
                 const float4 head = *reinterpret_cast<const float4*>(info);
-                const float sig = head.x, inv = head.y, gamma_l = head.w, f = info[4 + w];
+                const float gamma_l = head.w, f_inv = info[4 + w] * head.y;  // f / sigma
                 const float esum = s_acc[4 * j + e] + s_acc[4 * j + 2 + e];  // this thread's e of the row
-                l_run[i] = gamma_l * l_run[i] + div_rn_fast(esum * f, sig, inv);
-                pv[e][0] = div_rn_fast(s_acc[4 * j + e] * f * ks_a, sig, inv);
-                pv[e][1] = div_rn_fast(s_acc[4 * j + 2 + e] * f * ks_b, sig, inv);
+                l_run[i] = gamma_l * l_run[i] + esum * f_inv;
+                pv[e][0] = s_acc[4 * j + e] * ks_a * f_inv;
+                pv[e][1] = s_acc[4 * j + 2 + e] * ks_b * f_inv;
             }
             const unsigned mine = f32x4_to_e4m3x4(pv[0][0], pv[1][0], pv[0][1], pv[1][1]);
             const unsigned other = __shfl_xor_sync(FULL_MASK, mine, 4);
