@@ -507,6 +507,29 @@ def test_tuner_confirmation_medians_decide():
     assert result.best.cid != lucky
 
 
+def test_tuner_keeps_the_default_when_confirmation_favours_it():
+    """A candidate that looked faster in the search but loses the interleaved re-timing to the
+    heuristic default is not stored: the entry is the default's configuration at 1.0x."""
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    default_cid = fake.ids[0]
+    seen: dict[str, int] = {}
+    orig = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        cid = config_id(cfg, "fp8")
+        seen[cid] = seen.get(cid, 0) + 1
+        if seen[cid] == 1:
+            return orig(bucket, cfg, cutoff)  # the search: every candidate beats nothing yet
+        return 1e-6 if cid == default_cid else 1.0  # re-timing: the default is fastest
+
+    fake.time = time
+    result = Tuner(fake, Budget(count=1000), INFO).tune(space)
+    assert result.best.cid == default_cid
+    assert result.speedup == pytest.approx(1.0)
+    assert result.entry.config == tdb.strip_sms(space.default)
+
+
 def test_resume_after_interrupt(tmp_path):
     space = small_space()
     path = partial_path(tmp_path, GPU)

@@ -377,7 +377,10 @@ class Tuner:
         if self.confirm_rounds > 0:  # the confirmation samples alone, taken back to back
             samples = {cid: v[1:] if len(v) > 1 else v for cid, v in samples.items()}
         medians = {cid: statistics.median(v) for cid, v in samples.items()}
-        best = min(top, key=lambda m: (medians[m.cid], m.cid))
+        # the default competes too: where none of the top few beats it on the confirmation
+        # medians, the heuristic's own configuration is the bucket's answer (ties keep it), so a
+        # stored entry is never slower than the default it was measured against
+        best = min(contenders, key=lambda m: (medians[m.cid], m.cid != default.cid, m.cid))
         result.best = best
         result.best_time_s = medians[best.cid]
         result.default_time_s = medians[default.cid]
