@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
 # Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|bench|prep|decode ...]
-# With no argument everything but `ship` runs (`ship`: re-tune the shipped database from scratch, every
-# bucket of the decode issues' sweep, about 3 minutes; the new file lands in $OUT). Full logs land in $OUT; a short summary prints last.
+# With no argument everything but `ship` runs (`ship`: re-tune the shipped database from scratch,
+# every bucket of the decode issues' sweep, about 3 minutes; the new file lands in $OUT).
+# Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 OUT="${OUT:-/tmp/snapmla_out}"; mkdir -p "$OUT"
