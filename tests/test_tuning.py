@@ -642,3 +642,24 @@ def test_config_from_spec_parses_the_kernel_scripts_format():
     for bad in ("3:4", "3:4:1:x:1", "3:4:1:4:1:1:1:0:9"):
         with pytest.raises(ValueError, match="kernel spec"):
             dc.config_from_spec(bad)
+
+
+def test_shipped_databases_are_clean_measurements():
+    """Issue 5: the shipped tuning_db/ holds real `snapmla tune` results. Every file parses with
+    no skipped entry, sits under its GPU's file name, has one entry per bucket, and every entry
+    records its command, kernels hash and date and is never slower than the heuristic default
+    it was measured against (tuned beats or equals the default)."""
+    files = sorted((pathlib.Path(__file__).resolve().parents[1] / "tuning_db").glob("*.yaml"))  # (tests isolate shipped_dir)
+    assert files, "no shipped tuning database"
+    for path in files:
+        loaded = load_file(path)
+        assert loaded.problems == [], loaded.problems
+        assert loaded.sections
+        for section in loaded.sections:
+            assert path.name == tdb.db_filename(section.gpu.name)
+            buckets = [e.bucket.id for e in section.entries]
+            assert section.entries and len(buckets) == len(set(buckets)), path
+            for e in section.entries:
+                assert e.command.startswith("snapmla tune "), e.command
+                assert e.kernels and e.date and e.default_config is not None and e.candidates > 0
+                assert e.time_us <= e.default_time_us, (e.bucket.id, e.time_us, e.default_time_us)
