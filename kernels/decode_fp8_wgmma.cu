@@ -69,9 +69,22 @@
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
 #endif
+// Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
+// at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
+// global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
+#ifndef TRACE_PHASES
+#define TRACE_PHASES 0
+#endif
+
+#if TRACE_PHASES
+// [2 warpgroups][kTraceTurns][kTracePoints]: turn start, QK done, row state received, softmax
+// done, PV of the other warpgroup's page done, PV of its own page done
+extern "C" __device__ long long snapmla_phase_trace[2 * 64 * 6];
+#endif
 
 namespace snapmla {
 namespace fp8wg {
+constexpr int kTraceTurns = 64, kTracePoints = 6;
 
 constexpr bool kOwnRowsPv = WG_MODE == 1 || WG_MODE == 2;
 constexpr bool kPingPong = WG_MODE == 2;
@@ -877,17 +890,29 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // the other warpgroup's block it - 1 (P^T, gamma, row state), runs the softmax of it
         // (handing it over), then PV(it - 1) and PV(it) for its dims. Each block's hand-over is
         // arrived at once by its owner and waited for once by the other, at the turn after it.
+        auto trace = [&](int it, int point) {  // TRACE_PHASES only (see the top of the file)
+#if TRACE_PHASES
+            if (blockIdx.x == 0 && blockIdx.y == 0 && wtid == 0 && it / 2 < kTraceTurns)
+                snapmla_phase_trace[(wg * kTraceTurns + it / 2) * kTracePoints + point] = clock64();
+#endif
+        };
         for (int it = wg; it <= num_blocks; it += 2) {
             const bool mine = it < num_blocks;
+            trace(it, 0);
             if (mine) qk_step(it);
+            trace(it, 1);
             if (it > 0) named_barrier_sync(kBarPass0 + wg, kConsumerThreads);
+            trace(it, 2);
             if constexpr (kRowsM) {
                 if (mine) softmax_rows_m(it);
             } else {
                 if (mine) softmax_step(it);
             }
+            trace(it, 3);
             if (it > 0) pv_step(it - 1);
+            trace(it, 4);
             if (mine) pv_step(it, true);
+            trace(it, 5);
         }
     } else {
         for (int it = 0; it < num_blocks; ++it) {

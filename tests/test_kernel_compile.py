@@ -400,6 +400,20 @@ def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, promo
 
 
 @needs_nvrtc
+def test_wgmma_phase_trace_build_compiles_and_exports_its_buffer() -> None:
+    """scripts/trace_decode.py's build (TRACE_PHASES=1) compiles for the default 64-row layout
+    and exports the buffer the script reads back by name."""
+    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config
+
+    defines = {**fp8_defines(heuristic_config(64, True, FP8_WGMMA)), "TRACE_PHASES": 1}
+    module = nvrtc.compile_module("decode_fp8_wgmma.cu", defines, "sm_90a")
+    assert b"snapmla_phase_trace" in module.cubin
+    plain = nvrtc.compile_module("decode_fp8_wgmma.cu", fp8_defines(heuristic_config(64, True, FP8_WGMMA)),
+                                 "sm_90a")
+    assert b"snapmla_phase_trace" not in plain.cubin  # the shipped build carries no trace
+
+
+@needs_nvrtc
 def test_wgmma_smem_mirror_is_checked_by_the_kernel() -> None:
     """A wrong host-side shared-memory size must be a compile error, not a silent overflow."""
     from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config

@@ -1,0 +1,104 @@
+"""Per-phase timeline of the wgmma decode kernel's alternate-pages loop (WG_MODE 3 and 4).
+
+Builds the kernel with ``TRACE_PHASES=1`` (kernels/decode_fp8_wgmma.cu: CTA (0, 0) stores
+``clock64()`` at each phase boundary of every warpgroup turn), runs one decode call on a benchmark
+shape and prints, per turn of two pages, the cycles spent in QK, waiting for the other
+warpgroup's row state, the softmax and the two PVs, then the medians of the steady-state turns.
+A diagnostic: the trace build may keep a few more registers than the real one (see docs/PERF.md,
+"Softmax latency, ablations, timeline").
+
+    python3 scripts/trace_decode.py --heads 64 --mtp 1 --ctx 32768 [--config 3:4:1:4:1:1:1:4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import numpy as np
+import torch
+
+from snapmla_cli.cache.layout import random_paged_layout
+from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
+from snapmla_cli.ops import decode as decode_ops
+from snapmla_cli.ops.decode_config import config_from_spec
+from snapmla_cli.ops.prep import append_kv, quantize_q
+from snapmla_cli.runtime import launch
+
+TRACE_SYMBOL = "snapmla_phase_trace"
+TURNS, POINTS = 64, 6  # kTraceTurns, kTracePoints of the kernel
+PHASES = ("qk", "wait", "softmax", "pv other", "pv own")
+WARMUP_TURNS = 4  # the pipeline fills during the first turns
+
+
+original_defines = decode_ops.fp8_defines
+
+
+def traced_defines(cfg) -> dict[str, int]:
+    """The decode op's defines plus the trace switch (the kernel cache keys on them)."""
+    return {**original_defines(cfg), "TRACE_PHASES": 1}
+
+
+def read_trace() -> np.ndarray:
+    """The trace array of the loaded module that has one, as [warpgroup, turn, point] cycles."""
+    import cupy
+
+    for module in launch._MODULES.values():
+        try:
+            ptr = module.get_global_var(TRACE_SYMBOL)
+        except cupy.cuda.driver.CUDADriverError:
+            continue
+        host = np.zeros((2, TURNS, POINTS), np.int64)
+        cupy.cuda.runtime.memcpy(host.ctypes.data, ptr, host.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
+        if host.any():
+            return host
+    raise SystemExit("trace_decode: nothing traced: the configuration is not an alternate-pages "
+                     "one (WG_MODE 3 or 4), or CTA (0, 0) had no pages")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--mtp", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--config", help="FP8 kernel configuration (config_from_spec format), default: the heuristic")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    decode_ops.fp8_defines = traced_defines
+    layout = random_paged_layout([args.ctx] * args.batch, generator=torch.Generator().manual_seed(0), spare_blocks=0)
+    table, lens = layout.block_table.to(device), layout.cache_seqlens.to(device)
+    q = (torch.randn(args.batch, args.mtp, args.heads, D_QK, device=device) * 0.5).to(torch.bfloat16)
+    kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
+    cache = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
+    append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache)
+    cfg = None
+    if args.config:
+        cfg = config_from_spec(args.config).with_sms(torch.cuda.get_device_properties(device).multi_processor_count)
+    meta, splits = decode_ops.get_mla_metadata(lens, args.mtp * args.heads, 1, fp8=True, config=cfg)
+    qq = quantize_q(q)
+    for _ in range(2):  # the second call's trace is read (the first compiles and warms up)
+        decode_ops.decode_fp8(qq, cache, table, lens, meta, splits, None, True, config=cfg)
+    torch.cuda.synchronize()
+    trace = read_trace()
+    start = trace[0, 0, 0]
+    steady: dict[str, list[int]] = {name: [] for name in PHASES}
+    print("turn wg | start cycle | " + " ".join(f"{name:>9s}" for name in PHASES))
+    for turn in range(TURNS):
+        for wg in range(2):
+            points = trace[wg, turn]
+            if not points.any():
+                continue
+            spans = np.diff(points)
+            print(f"{2 * turn + wg:4d} {wg:2d} | {points[0] - start:11d} | " + " ".join(f"{s:9d}" for s in spans))
+            if turn >= WARMUP_TURNS:
+                for name, span in zip(PHASES, spans):
+                    steady[name].append(int(span))
+    if steady["qk"]:
+        medians = {name: statistics.median(v) for name, v in steady.items()}
+        print("median cycles per turn (two pages) from turn", 2 * WARMUP_TURNS, ": " +
+              ", ".join(f"{name} {m:.0f}" for name, m in medians.items()) + f"; total {sum(medians.values()):.0f}")
+
+
+if __name__ == "__main__":
+    main()
