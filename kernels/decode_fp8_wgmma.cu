@@ -156,8 +156,7 @@ constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
 // accumulators fit (at 64-row PV, N = 64, they would spill next to O).
 constexpr int kPvPipelineMaxAcc = 16;
 constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
-constexpr float kE4m3Max = E4M3_MAX;
-constexpr float kInvE4m3Max = 1.f / E4M3_MAX;
+constexpr float kInvE4m3Max = 1.f / E4M3_MAX;  // sigma = max(e s_k) / 448 as a product
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 // named barrier ids (0 = __syncthreads); ping-pong's turns and alternate pages' hand-overs
 // never meet in one kernel, so they share ids

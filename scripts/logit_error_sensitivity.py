@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import torch
 
-import snapmla_cli.numerics.emulation as emulation
 from snapmla_cli.analysis.verify import make_problem, request_tokens, synthetic_source
 from snapmla_cli.cache.layout import dequantize_cache
+from snapmla_cli.numerics import emulation
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem

@@ -21,7 +21,7 @@ from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
 from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
-from snapmla_cli.ops.decode_config import heuristic_config
+from snapmla_cli.ops.decode_config import variant_config
 from snapmla_cli.ops.schedule import split_token_bounds
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     variants = [(name, False) for name in FP8_KERNEL_VARIANTS] + [("v3-unpromoted", True)]
     for label, fine in variants:
         version, overrides = FP8_KERNEL_VARIANTS[label]
-        cfg = replace(heuristic_config(heads * mtp, True, version), **overrides).with_sms(sms)
+        cfg = variant_config(heads * mtp, version, **overrides).with_sms(sms)
         if fine:
             label += "-fine"
             cfg = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=4096, max_splits_per_request=512))

@@ -1,11 +1,11 @@
 """Per-phase timeline of the wgmma decode kernel's alternate-pages loop (WG_MODE 3 and 4).
 
 Builds the kernel with ``TRACE_PHASES=1`` (kernels/decode_fp8_wgmma.cu: CTA (0, 0) stores
-``clock64()`` at each phase boundary of every warpgroup turn), runs one decode call on a benchmark
-shape and prints, per turn of two pages, the cycles spent in QK, waiting for the other
-warpgroup's row state, the softmax and the two PVs, then the medians of the steady-state turns.
-A diagnostic: the trace build may keep a few more registers than the real one (see docs/PERF.md,
-"Softmax latency, ablations, timeline").
+``clock64()`` at each phase boundary of every warpgroup turn), runs profile_decode.py's decode
+call on a benchmark shape and prints, per turn of two pages, the cycles spent in QK, waiting for
+the other warpgroup's row state, the softmax and the two PVs, then the medians of the
+steady-state turns. A diagnostic: the trace build may keep a few more registers than the real
+one (see docs/PERF.md, "Softmax latency, ablations, timeline").
 
     python3 scripts/trace_decode.py --heads 64 --mtp 1 --ctx 32768 [--config 3:4:1:4:1:1:1:4]
 """
@@ -16,20 +16,15 @@ import argparse
 import statistics
 
 import numpy as np
-import torch
+from profile_decode import add_shape_args, run_decode  # this folder is sys.path[0]
 
-from snapmla_cli.cache.layout import random_paged_layout
-from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
 from snapmla_cli.ops import decode as decode_ops
-from snapmla_cli.ops.decode_config import config_from_spec
-from snapmla_cli.ops.prep import append_kv, quantize_q
 from snapmla_cli.runtime import launch
 
 TRACE_SYMBOL = "snapmla_phase_trace"
 TURNS, POINTS = 64, 6  # kTraceTurns, kTracePoints of the kernel
 PHASES = ("qk", "wait", "softmax", "pv other", "pv own")
 WARMUP_TURNS = 4  # the pipeline fills during the first turns
-
 
 original_defines = decode_ops.fp8_defines
 
@@ -58,28 +53,11 @@ def read_trace() -> np.ndarray:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=64)
-    ap.add_argument("--mtp", type=int, default=1)
-    ap.add_argument("--ctx", type=int, default=32768)
-    ap.add_argument("--config", help="FP8 kernel configuration (config_from_spec format), default: the heuristic")
+    add_shape_args(ap)
+    ap.set_defaults(heads=64)
     args = ap.parse_args()
-    device = torch.device("cuda")
     decode_ops.fp8_defines = traced_defines
-    layout = random_paged_layout([args.ctx] * args.batch, generator=torch.Generator().manual_seed(0), spare_blocks=0)
-    table, lens = layout.block_table.to(device), layout.cache_seqlens.to(device)
-    q = (torch.randn(args.batch, args.mtp, args.heads, D_QK, device=device) * 0.5).to(torch.bfloat16)
-    kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
-    cache = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
-    append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache)
-    cfg = None
-    if args.config:
-        cfg = config_from_spec(args.config).with_sms(torch.cuda.get_device_properties(device).multi_processor_count)
-    meta, splits = decode_ops.get_mla_metadata(lens, args.mtp * args.heads, 1, fp8=True, config=cfg)
-    qq = quantize_q(q)
-    for _ in range(2):  # the second call's trace is read (the first compiles and warms up)
-        decode_ops.decode_fp8(qq, cache, table, lens, meta, splits, None, True, config=cfg)
-    torch.cuda.synchronize()
+    run_decode(args)  # the second call's trace is read
     trace = read_trace()
     start = trace[0, 0, 0]
     steady: dict[str, list[int]] = {name: [] for name in PHASES}

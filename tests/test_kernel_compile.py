@@ -371,21 +371,12 @@ def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, promo
     compile also proves the host's shared-memory formula (SNAPMLA_EXPECT_SMEM static_assert).
     Every warpgroup mode with promotion (what runs and what the tuner searches; rows = M at
     its 64 rows), and the diagnostic unpromoted kernel in the dims-split mode."""
-    from snapmla_cli.ops.decode_config import (
-        FP8_WGMMA,
-        fit_stages,
-        fp8_defines,
-        fp8_kernel,
-        heuristic_config,
-    )
+    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, fp8_kernel, variant_config
 
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    from dataclasses import replace
-
-    cfg = fit_stages(replace(heuristic_config(rows, True, FP8_WGMMA), qk_promote=promote, pv_promote=promote,
-                             wg_mode=wg_mode))
+    cfg = variant_config(rows, FP8_WGMMA, qk_promote=promote, pv_promote=promote, wg_mode=wg_mode)
     source, name = fp8_kernel(cfg)
     module = nvrtc.compile_module(source, fp8_defines(cfg), "sm_90a")
     assert "serialized" not in module.log, module.log  # ptxas C7510-C7520 family
@@ -405,11 +396,10 @@ def test_wgmma_phase_trace_build_compiles_and_exports_its_buffer() -> None:
     and exports the buffer the script reads back by name."""
     from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config
 
-    defines = {**fp8_defines(heuristic_config(64, True, FP8_WGMMA)), "TRACE_PHASES": 1}
-    module = nvrtc.compile_module("decode_fp8_wgmma.cu", defines, "sm_90a")
+    defines = fp8_defines(heuristic_config(64, True, FP8_WGMMA))
+    module = nvrtc.compile_module("decode_fp8_wgmma.cu", {**defines, "TRACE_PHASES": 1}, "sm_90a")
     assert b"snapmla_phase_trace" in module.cubin
-    plain = nvrtc.compile_module("decode_fp8_wgmma.cu", fp8_defines(heuristic_config(64, True, FP8_WGMMA)),
-                                 "sm_90a")
+    plain = nvrtc.compile_module("decode_fp8_wgmma.cu", defines, "sm_90a")
     assert b"snapmla_phase_trace" not in plain.cubin  # the shipped build carries no trace
 
 

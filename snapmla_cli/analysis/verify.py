@@ -129,15 +129,13 @@ def fp8_kernel_implementation(spec: str) -> Implementation:
     version, overrides = FP8_KERNEL_VARIANTS[spec]
 
     def run(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
-        from dataclasses import replace
-
         from ..ops.decode import decode_fp8, get_mla_metadata
-        from ..ops.decode_config import fit_stages, heuristic_config
+        from ..ops.decode_config import variant_config
         from ..ops.prep import quantize_q
 
         layout = problem.layout
         _b, s_q, h_q, _ = problem.q.shape
-        cfg = fit_stages(replace(heuristic_config(s_q * h_q, True, version), **overrides))
+        cfg = variant_config(s_q * h_q, version, **overrides)
         cfg = cfg.with_sms(torch.cuda.get_device_properties(problem.q.device).multi_processor_count)
         meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, config=cfg)
         return decode_fp8(quantize_q(problem.q), problem.fp8_cache(), layout.block_table,

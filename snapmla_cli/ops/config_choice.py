@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tuning import lookup
 from .decode_config import DecodeConfig, heuristic_config
 
 
@@ -18,16 +19,8 @@ def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None 
     GPU's SM count filled in. Cached lookups, no I/O on the hot path. ``context`` is the mean
     cached tokens per request (:func:`mean_context`); None (unknown) lets the lookup take the
     configuration most of the shape's context buckets agree on."""
-    cfg = heuristic_config(rows, fp8)
-    try:
-        from ..tuning.lookup import lookup_decode_config
-    except ImportError:
-        lookup_decode_config = None
-    if lookup_decode_config is not None:
-        tuned = lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch,
-                                     context=context)
-        if tuned is not None:
-            cfg = tuned
+    tuned = lookup.lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch, context=context)
+    cfg = tuned if tuned is not None else heuristic_config(rows, fp8)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else cfg.split.num_sms
     return cfg.with_sms(sms)
 

@@ -239,3 +239,11 @@ def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KER
         block_n = 64 if row_groups == 1 else 32
         cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1)
     return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
+
+
+def variant_config(rows: int, version: int = DEFAULT_FP8_KERNEL, **overrides: int) -> DecodeConfig:
+    """An FP8 kernel variant: the heuristic configuration for ``rows`` with ``overrides`` (a
+    warpgroup mode, promotion switches, a depth) laid over it, its pipeline fitted to the shared
+    memory (:func:`fit_stages`). What ``verify --fp8-kernel``, the kernel registry and the tests
+    build for a named variant."""
+    return fit_stages(replace(heuristic_config(rows, True, version), **overrides))

@@ -57,19 +57,17 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     """The decode kernels as the built-in heuristics compile them for 16, 32 and 64+ rows: the
     wgmma FP8 kernel, the mma.sync FP8 kernel and the BF16 baseline (Hopper only; the tuner
     adds its own variants)."""
-    from dataclasses import replace
-
     from ..ops.decode import COMBINE_WARPS
     from ..ops.decode_config import (
         FP8_MMA_SYNC,
         FP8_WGMMA,
         WG_MODES,
         bf16_defines,
-        fit_stages,
         fp8_config_valid,
         fp8_defines,
         fp8_kernel,
         heuristic_config,
+        variant_config,
     )
 
     rows = (16, 32, 64)
@@ -83,7 +81,7 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     # (rows = M only where it is valid, at 64 rows)
     for r in rows:
         base = heuristic_config(r, True, FP8_WGMMA)
-        modes = (fit_stages(replace(base, wg_mode=m)) for m in WG_MODES if m != base.wg_mode)
+        modes = (variant_config(r, FP8_WGMMA, wg_mode=m) for m in WG_MODES if m != base.wg_mode)
         others = (c for c in modes if fp8_config_valid(c))
         variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in others)
     variants["decode_bf16.cu"] = tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows)

@@ -56,9 +56,9 @@ def _run_fp8(prob, device, split=None):
 def _config(rows, version, device, **kernel):
     from dataclasses import replace
 
-    from snapmla_cli.ops.decode_config import fit_stages, fp8_config_valid, heuristic_config
+    from snapmla_cli.ops.decode_config import fp8_config_valid, variant_config
 
-    cfg = fit_stages(replace(heuristic_config(rows, True, version), **kernel))
+    cfg = variant_config(rows, version, **kernel)
     if not fp8_config_valid(cfg):  # e.g. two 64-row CTAs per SM do not fit: one
         cfg = replace(cfg, min_ctas_per_sm=1)
     cfg = replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
