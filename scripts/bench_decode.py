@@ -21,6 +21,9 @@ from snapmla_cli.cache.layout import random_paged_layout
 from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
 from snapmla_cli.ops.decode_config import (
+    BF16_MMA_SYNC,
+    BF16_WGMMA,
+    DEFAULT_BF16_KERNEL,
     DEFAULT_FP8_KERNEL,
     FP8_MMA_SYNC,
     FP8_WGMMA,
@@ -61,6 +64,14 @@ def run_case(w: DecodeWork, ceilings, device, timer=time_graph) -> dict:
     cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
     meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
     t16 = timer(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True))
+    # the other BF16 kernel at its own heuristic (the mma.sync one, the wgmma one being the default)
+    other16 = BF16_MMA_SYNC if DEFAULT_BF16_KERNEL == BF16_WGMMA else BF16_WGMMA
+    alt16 = heuristic_config(w.s_q * w.h_q, False, other16).with_sms(sms)
+    meta3, splits3 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False, config=alt16)
+    t_alt16 = timer(lambda: decode_bf16(q, cache16, table, lens, meta3, splits3, None, True, config=alt16))
+    res["bf16_default_kernel"] = DEFAULT_BF16_KERNEL
+    res[f"bf16v{other16}_us"] = t_alt16 * 1e6
+    res[f"bf16v{other16}_roof_pct"] = 100 * w.t_min(False, ceilings) / t_alt16
     for name, t, fp8 in (("fp8", t8, True), ("bf16", t16, False)):
         res[f"{name}_us"] = t * 1e6
         res[f"{name}_tflops"] = w.flops / t / 1e12
@@ -130,7 +141,8 @@ def main() -> None:
                       f"{r['bf16_tflops']:6.1f}TF {r['bf16_gbs']:6.0f}GB/s {r['bf16_roof_pct']:5.1f}% | "
                       f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f} | "
                       f"fp8 eager {r['fp8_eager_us']:9.1f}us | "
-                      + " ".join(f"{k[:-3]} {v:9.1f}us" for k, v in r.items() if k.startswith("fp8v") and k.endswith("_us")),
+                      + " ".join(f"{k[:-3]} {v:9.1f}us" for k, v in r.items()
+                                 if k.startswith(("fp8v", "bf16v")) and k.endswith("_us")),
                       flush=True)
     if args.json:
         with open(args.json, "w") as fh:

@@ -136,6 +136,7 @@ def launch_probe(monkeypatch):
     from snapmla_cli.runtime import tensor_map
 
     monkeypatch.setattr(tensor_map, "fp8_cache_tensor_maps", lambda cache: cache)
+    monkeypatch.setattr(tensor_map, "bf16_cache_tensor_map", lambda cache: cache)
     return seen
 
 

@@ -391,6 +391,35 @@ def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, promo
 
 
 @needs_nvrtc
+def test_bf16_wgmma_decode_sass_has_hgmma_tma_and_no_spills(tmp_path: Path) -> None:
+    """Issue 7's BF16 baseline on Hopper instructions: QK as HGMMA m64n64k16, PV as HGMMA
+    m64n256k16 (V read in place, transposed by the instruction), pages by TMA, no local memory,
+    no serialized wgmmas; the compile proves the host's shared-memory formula too."""
+    from snapmla_cli.ops.decode_config import BF16_WGMMA, bf16_defines, bf16_kernel, heuristic_config
+
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    cfg = heuristic_config(16, False, BF16_WGMMA)
+    source, name = bf16_kernel(cfg)
+    assert source == "decode_bf16_wgmma.cu"
+    module = nvrtc.compile_module(source, bf16_defines(cfg), "sm_90a")
+    assert "serialized" not in module.log, module.log
+    cubin = tmp_path / "decode.cubin"
+    cubin.write_bytes(module.cubin)
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    body = _sass_by_function(sass)[name]
+    assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16", body), "no QK HGMMA in SASS"
+    assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16", body), "no PV HGMMA in SASS"
+    assert "QGMMA" not in body
+    assert "UTMALDG" in body, "pages are not loaded by TMA"
+    assert "LDL" not in body and "STL" not in body, "local memory traffic"
+    wrong = {**bf16_defines(cfg), "SNAPMLA_EXPECT_SMEM": bf16_defines(cfg)["SNAPMLA_EXPECT_SMEM"] + 16}
+    with pytest.raises(SnapmlaError, match="shared-memory"):
+        nvrtc.compile_module(source, wrong, "sm_90a")
+
+
+@needs_nvrtc
 def test_wgmma_phase_trace_build_compiles_and_exports_its_buffer() -> None:
     """scripts/trace_decode.py's build (TRACE_PHASES=1) compiles for the default 64-row layout
     and exports the buffer the script reads back by name."""

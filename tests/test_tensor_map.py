@@ -25,6 +25,8 @@ def test_partial_pages_are_rejected() -> None:
         tensor_map.fp8_cache_tensor_maps(torch.zeros(63, 656, dtype=torch.uint8))
     with pytest.raises(SnapmlaError, match="whole 64-token pages"):
         tensor_map.fp8_cache_tensor_maps(torch.zeros(64 * 656 + 1, dtype=torch.uint8))
+    with pytest.raises(SnapmlaError, match="whole 64-token pages of 1152 B"):
+        tensor_map.bf16_cache_tensor_map(torch.zeros(63, 1, 576, dtype=torch.bfloat16))
 
 
 @pytest.mark.skipif(_has_libcuda(), reason="the driver is installed here")

@@ -280,6 +280,17 @@ __device__ __forceinline__ unsigned long long make_smem_desc(const void* smem, i
            (static_cast<unsigned long long>(swizzle) << 62);
 }
 
+// MN-major matrix descriptor with 128-byte swizzle: `mn_block_bytes` between 64-element (128 B)
+// blocks along M / N (leading byte offset), `k_group_bytes` between 8-row groups along K (stride
+// byte offset).
+__device__ __forceinline__ unsigned long long make_smem_desc_mn(const void* smem, int mn_block_bytes,
+                                                                int k_group_bytes) {
+    const unsigned long long addr = smem_addr(smem);
+    return ((addr & 0x3FFFFull) >> 4) | (static_cast<unsigned long long>(mn_block_bytes >> 4) << 16) |
+           (static_cast<unsigned long long>(k_group_bytes >> 4) << 32) |
+           (static_cast<unsigned long long>(kSwizzle128B) << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int kPending>
@@ -299,10 +310,13 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kCount]) {
 #define SNAPMLA_ACC8(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
 #define SNAPMLA_ACC16(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define SNAPMLA_ACC32(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define SNAPMLA_ACC32_AT(d, o) "+f"(d[o + 0]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7]), "+f"(d[o + 8]), "+f"(d[o + 9]), "+f"(d[o + 10]), "+f"(d[o + 11]), "+f"(d[o + 12]), "+f"(d[o + 13]), "+f"(d[o + 14]), "+f"(d[o + 15]), "+f"(d[o + 16]), "+f"(d[o + 17]), "+f"(d[o + 18]), "+f"(d[o + 19]), "+f"(d[o + 20]), "+f"(d[o + 21]), "+f"(d[o + 22]), "+f"(d[o + 23]), "+f"(d[o + 24]), "+f"(d[o + 25]), "+f"(d[o + 26]), "+f"(d[o + 27]), "+f"(d[o + 28]), "+f"(d[o + 29]), "+f"(d[o + 30]), "+f"(d[o + 31])
+#define SNAPMLA_ACC128(d) SNAPMLA_ACC32_AT(d, 0), SNAPMLA_ACC32_AT(d, 32), SNAPMLA_ACC32_AT(d, 64), SNAPMLA_ACC32_AT(d, 96)
 #define SNAPMLA_REGS4 "{%0, %1, %2, %3}"
 #define SNAPMLA_REGS8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
 #define SNAPMLA_REGS16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define SNAPMLA_REGS32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define SNAPMLA_REGS128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
 // D[64 x N] (+)= A . B^T with A and B from shared memory (descriptors); `accumulate` = 0
 // overwrites D. INSTR: the wgmma with shape and types; TAIL: its immediate scale/transpose flags.
@@ -316,11 +330,11 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kCount]) {
     }
 // D[64 x N] (+)= A . B^T with A from registers (E4M3 ALayout 64x32: rows g, g+8 of each warp's
 // 16, k 4c..4c+3 and 16+4c..) and B from shared memory.
-#define SNAPMLA_WGMMA_RS(NAME, NACC, INSTR, A0, DB, P)                                              \
+#define SNAPMLA_WGMMA_RS(NAME, NACC, INSTR, TAIL, A0, DB, P)                                        \
     __device__ __forceinline__ void NAME(float (&d)[NACC], const unsigned (&a)[4],                   \
                                          unsigned long long desc_b, int accumulate = 1) {            \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" P ", 0;\n" INSTR " " SNAPMLA_REGS##NACC      \
-                     ", {%" A0 "}, %" DB ", p, 1, 1;\n}\n"                                              \
+                     ", {%" A0 "}, %" DB ", p" TAIL ";\n}\n"                                            \
                      : SNAPMLA_ACC##NACC(d)                                                          \
                      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));   \
     }
@@ -335,10 +349,17 @@ SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 8, "wgmma.mma_async.sync.aligned.m64n16k16.f32.b
 SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 16, "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16", ", 1, 1, 0, 0", "16", "17", "18")
 SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 32, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", ", 1, 1, 0, 0", "32", "33", "34")
 // PV: V^T fragments from registers.
-SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 4, "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3", "4, %5, %6, %7", "8", "9")
-SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 8, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", "8, %9, %10, %11", "12", "13")
-SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 16, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", "16, %17, %18, %19", "20", "21")
-SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 32, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "32, %33, %34, %35", "36", "37")
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 4, "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3", ", 1, 1", "4, %5, %6, %7", "8", "9")
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 8, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", ", 1, 1", "8, %9, %10, %11", "12", "13")
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 16, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", ", 1, 1", "16, %17, %18, %19", "20", "21")
+SNAPMLA_WGMMA_RS(wgmma_fp8_rs, 32, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", ", 1, 1", "32, %33, %34, %35", "36", "37")
+
+// BF16 PV with V as B straight from the cache page: B is [k = 16 tokens] x [N = 256 dims] with
+// the dims contiguous (MN-major), which bf16 wgmma reads with its transpose flag (imm-trans-b
+// = 1). A = P from registers (BF16 ALayout 64x16: rows g, g+8 of each warp's 16, k 2c, 2c+1
+// and 8+2c, 9+2c), or from shared memory (K-major, no transpose).
+SNAPMLA_WGMMA_RS(wgmma_bf16_rs_tb, 128, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 1, 1, 1", "128, %129, %130, %131", "132", "133")
+SNAPMLA_WGMMA_SS(wgmma_bf16_ss_tb, 128, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", ", 1, 1, 0, 1", "128", "129", "130")
 
 // ---- TMA: one 2-D box of a tensor map (in global memory) into shared memory ---------------
 __device__ __forceinline__ void tma_load_2d(void* smem_dst, const void* tensor_map, int x, int y,

@@ -37,6 +37,7 @@ from .config_choice import (
 from .decode_config import (
     DecodeConfig,
     bf16_defines,
+    bf16_kernel,
     bf16_smem_bytes,
     fp8_defines,
     fp8_kernel,
@@ -189,7 +190,7 @@ def _split_kv_decode(
             kernel = rt.get_kernel(*fp8_kernel(cfg), fp8_defines(cfg))
             smem = fp8_smem_bytes(cfg)
         else:
-            kernel = rt.get_kernel("decode_bf16.cu", "snapmla_decode_bf16", bf16_defines(cfg))
+            kernel = rt.get_kernel(*bf16_kernel(cfg), bf16_defines(cfg))
             smem = bf16_smem_bytes(cfg)
         rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads(fp8), 1, 1),
                   (*operands, block_table, cache_seqlens, tile_scheduler_metadata, out, lse,
@@ -260,7 +261,12 @@ def decode_bf16(
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
     cfg = decode_config_for(config, tile_scheduler_metadata, s_q * h_q, False, device, b)
-    return _split_kv_decode(False, (q, k_cache), (b, s_q, h_q), device, block_table,
+    cache: torch.Tensor = k_cache
+    if cfg.wgmma:
+        from ..runtime.tensor_map import bf16_cache_tensor_map
+
+        cache = bf16_cache_tensor_map(k_cache)
+    return _split_kv_decode(False, (q, cache), (b, s_q, h_q), device, block_table,
                             cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
                             causal, cfg, out, lse)
 

@@ -1,8 +1,8 @@
 """Compile-time and launch parameters of the decode kernels: the tuner's search space and the
 built-in heuristic used when the tuning database has no entry.
 
-Shared-memory sizes mirror the ``kSmemBytes`` formulas of ``kernels/decode_fp8.cu`` and
-``kernels/decode_bf16.cu`` (the kernels ``static_assert`` the same limit).
+Shared-memory sizes mirror the ``kSmemBytes`` formulas of the kernels (which ``static_assert``
+the same limit, and the wgmma kernels the host's exact launch size).
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ WGMMA_SMEM_ALIGN = 1024
 WGMMA_ROW_INFO_BYTES = 32  # per row: sigma, 1/sigma, gamma, pad, one rescale factor per warp
 WGMMA_ROW_CONST_BYTES = 8  # per row: logit scale, visible keys
 WGMMA_ROW_STATE_BYTES = 16  # alternate pages, per row: m, sigma, last gamma, pad
+# BF16 kernel versions, numbered as the FP8 ones: 2 = mma.sync (decode_bf16.cu), 3 = wgmma + TMA
+# (decode_bf16_wgmma.cu: 64 query rows as wgmma's M, a page of nine 64 x 128 B tiles per stage).
+BF16_MMA_SYNC, BF16_WGMMA = FP8_MMA_SYNC, FP8_WGMMA
+BF16_KERNEL_VERSIONS = (BF16_MMA_SYNC, BF16_WGMMA)
+# What runs for the BF16 baseline when nothing is asked for (docs/PERF.md, "Hopper BF16 kernel").
+DEFAULT_BF16_KERNEL = BF16_WGMMA
+BF16_WGMMA_ROW_GROUPS = 4  # the rows are wgmma's M = 64 (fewer rows are padded)
+BF16_WGMMA_ROW_BYTES = 576 * 2
+BF16_WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS * 2  # P[row][64 tokens] bf16, one 128-byte tile row
+BF16_WGMMA_ROW_STATE_BYTES = 8  # per row: m, gamma of the last block
 SMEM_PER_SM = 233472  # 228 KB per SM on sm_90
 SMEM_RESERVED_PER_CTA = 1024
 
@@ -85,11 +95,11 @@ class DecodeConfig:
 
     @property
     def wgmma(self) -> bool:
-        """FP8 configs only: the Hopper wgmma + TMA kernel (else the mma.sync one)."""
+        """The Hopper wgmma + TMA kernel of the config's format (else the mma.sync one)."""
         return self.kernel_version == FP8_WGMMA
 
     def threads(self, fp8: bool = True) -> int:
-        if fp8 and self.wgmma:
+        if self.wgmma:
             return WGMMA_THREADS
         groups = self.kv_split if fp8 else 1
         return 32 * WARPS_PER_GROUP * self.row_groups * groups
@@ -165,7 +175,17 @@ def fit_stages(cfg: DecodeConfig) -> DecodeConfig:
     return fitted if fp8_config_valid(fitted) else cfg
 
 
+def bf16_wgmma_smem_bytes(cfg: DecodeConfig) -> int:
+    """``kSmemBytes + kSmemAlign`` of decode_bf16_wgmma.cu."""
+    rows = cfg.block_m
+    return (rows * BF16_WGMMA_ROW_BYTES + cfg.stages * PAGE_TOKENS * BF16_WGMMA_ROW_BYTES
+            + rows * BF16_WGMMA_P_BYTES_PER_ROW + rows * BF16_WGMMA_ROW_STATE_BYTES
+            + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
+
+
 def bf16_smem_bytes(cfg: DecodeConfig) -> int:
+    if cfg.wgmma:
+        return bf16_wgmma_smem_bytes(cfg)
     warps = WARPS_PER_GROUP * cfg.row_groups
     n_tiles = cfg.block_n // 8
     return (cfg.block_m * BF16_ROW_STRIDE + cfg.stages * cfg.block_n * BF16_ROW_STRIDE
@@ -188,7 +208,33 @@ def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
 
+def bf16_config_valid(cfg: DecodeConfig) -> bool:
+    """What the BF16 kernels accept: the wgmma one 64-row tiles of whole pages, one CTA per SM
+    (two 72 KB pages and Q fill shared memory); the mma.sync one 16 to 64 rows, a tile width
+    dividing the page. Neither has the FP8 kernels' token groups or wgmma switches."""
+    if cfg.kernel_version not in BF16_KERNEL_VERSIONS or cfg.kv_split != 1:
+        return False
+    if (cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) != WGMMA_SWITCH_DEFAULTS or cfg.stages < MIN_STAGES:
+        return False
+    if cfg.wgmma:
+        return (cfg.row_groups == BF16_WGMMA_ROW_GROUPS and cfg.block_n == PAGE_TOKENS
+                and cfg.min_ctas_per_sm == 1 and bf16_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
+    return (cfg.row_groups in (1, 2, 4) and cfg.block_n in (16, 32, 64)
+            and cfg.min_ctas_per_sm * cfg.row_groups * WARPS_PER_GROUP <= MAX_WARPS
+            and bf16_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
+
+
+def bf16_kernel(cfg: DecodeConfig) -> tuple[str, str]:
+    """(source, kernel name) of the BF16 decode kernel ``cfg`` selects."""
+    if cfg.wgmma:
+        return "decode_bf16_wgmma.cu", "snapmla_decode_bf16_wgmma"
+    return "decode_bf16.cu", "snapmla_decode_bf16"
+
+
 def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
+    if cfg.wgmma:
+        return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
+                "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "SNAPMLA_EXPECT_SMEM": bf16_wgmma_smem_bytes(cfg)}
     return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages, "BLOCK_N": cfg.block_n,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
@@ -211,14 +257,17 @@ def config_from_spec(spec: str) -> DecodeConfig:
     return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
 
 
-def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KERNEL) -> DecodeConfig:
+def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) -> DecodeConfig:
     """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel (float32
     promotion on): 16 rows as two CTAs per SM with two pages each, warpgroups splitting the
     output dims; 32 rows as one CTA with the warpgroups taking alternate pages, four pages deep;
     64+ rows the same with the rows as QK's M (rows = M: 20-30% faster than alternate pages
     alone at 64 rows, docs/PERF.md). mma.sync kernel: 16 rows as two
     small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as
-    64-row tiles."""
+    64-row tiles. BF16 (``version`` defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always
+    works on 64-row tiles; the mma.sync one as before."""
+    if version is None:
+        version = DEFAULT_FP8_KERNEL if fp8 else DEFAULT_BF16_KERNEL
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
     if fp8 and version == FP8_WGMMA:
         if row_groups == 1:  # two CTAs per SM interleave their per-page latency chains
@@ -235,9 +284,13 @@ def heuristic_config(rows: int, fp8: bool = True, version: int = DEFAULT_FP8_KER
             cfg = DecodeConfig(row_groups=2, kv_split=2, stages=3, min_ctas_per_sm=1, **v2)
         else:
             cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1, **v2)
+    elif version == BF16_WGMMA:
+        cfg = DecodeConfig(row_groups=BF16_WGMMA_ROW_GROUPS, stages=MIN_STAGES, block_n=PAGE_TOKENS,
+                           min_ctas_per_sm=1, kernel_version=BF16_WGMMA)
     else:
         block_n = 64 if row_groups == 1 else 32
-        cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1)
+        cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1,
+                           kernel_version=BF16_MMA_SYNC)
     return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
 
 

@@ -55,14 +55,17 @@ PREP_DEFINES: dict[str, int] = {
 
 def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     """The decode kernels as the built-in heuristics compile them for 16, 32 and 64+ rows: the
-    wgmma FP8 kernel, the mma.sync FP8 kernel and the BF16 baseline (Hopper only; the tuner
-    adds its own variants)."""
+    wgmma FP8 kernel, the mma.sync FP8 kernel and the two BF16 baselines (Hopper only; the
+    tuner adds its own variants)."""
     from ..ops.decode import COMBINE_WARPS
     from ..ops.decode_config import (
+        BF16_MMA_SYNC,
+        BF16_WGMMA,
         FP8_MMA_SYNC,
         FP8_WGMMA,
         WG_MODES,
         bf16_defines,
+        bf16_kernel,
         fp8_config_valid,
         fp8_defines,
         fp8_kernel,
@@ -84,7 +87,10 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         modes = (variant_config(r, FP8_WGMMA, wg_mode=m) for m in WG_MODES if m != base.wg_mode)
         others = (c for c in modes if fp8_config_valid(c))
         variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in others)
-    variants["decode_bf16.cu"] = tuple(variant("snapmla_decode_bf16", **bf16_defines(heuristic_config(r, False))) for r in rows)
+    for version in (BF16_WGMMA, BF16_MMA_SYNC):  # the wgmma kernel has one tile for all rows
+        configs = {tuple(sorted(bf16_defines(c).items())): c for c in (heuristic_config(r, False, version) for r in rows)}
+        source, name = bf16_kernel(next(iter(configs.values())))
+        variants[source] = tuple(variant(name, **bf16_defines(c)) for c in configs.values())
     variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)
     return variants
 

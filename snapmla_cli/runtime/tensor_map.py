@@ -1,6 +1,6 @@
-"""TMA tensor maps of the 656-byte FP8 cache for the Hopper decode kernel.
+"""TMA tensor maps of the paged caches for the Hopper (wgmma) decode kernels.
 
-Why this module: the wgmma kernel loads each 64-token page with the Tensor Memory Accelerator,
+Why this module: the wgmma kernels load each 64-token page with the Tensor Memory Accelerator,
 which needs a ``CUtensorMap`` built by the CUDA driver (``cuTensorMapEncodeTiled``). Neither
 torch nor CuPy exposes that call, and cuda-bindings is not a dependency, so it is called through
 ``ctypes`` on ``libcuda`` (always present where a GPU is). The two 128-byte maps are copied once
@@ -9,10 +9,12 @@ memory); they are cached per (device, cache address, cache size), so the decode 
 dict lookup only. A map depends on the address and shape alone, so a cache tensor freed and
 reallocated at the same address with the same size reuses a still-correct map.
 
-The cache is viewed as a 2-D byte tensor ``[num_blocks * 64 rows, 656 bytes]``:
+The FP8 cache is viewed as a 2-D byte tensor ``[num_blocks * 64 rows, 656 bytes]``:
   * map 0: boxes of 64 rows x 128 bytes with 128-byte swizzle (the four content tiles at
     columns 0, 128, 256, 384 and the RoPE tile at column 528), the layout wgmma reads;
   * map 1: boxes of 64 rows x 16 bytes, unswizzled (the float32 scale + pad at column 512).
+The bf16 cache as ``[num_blocks * 64 rows, 1152 bytes]`` with one map: 64 rows x 128 bytes,
+128-byte swizzle (nine 64-dim tiles per page).
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from functools import lru_cache
 import torch
 
 from ..errors import NoGpuError, SnapmlaError
-from ..numerics.formats import FP8_TOKEN_BYTES, PAGE_SIZE
+from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 TENSOR_MAP_ALIGN = 64
 TILE_BOX_BYTES = 128  # content / RoPE box width: one 128-byte swizzle span
 SCALE_BOX_BYTES = 16  # scale + pad
+BF16_TOKEN_BYTES = 2 * D_QK
 MAX_CACHED_MAPS = 64
 
 # CUDA driver enums (cuda.h)
@@ -41,7 +44,7 @@ _L2_PROMOTION_256B = 3
 _OOB_FILL_NONE = 0
 _CUDA_SUCCESS = 0
 
-_maps: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+_maps: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
 
 
 class _TensorMap(ctypes.Structure):
@@ -81,28 +84,40 @@ def encode_byte_map(address: int, rows: int, row_bytes: int, box_bytes: int, box
     return bytes(tmap)
 
 
-def fp8_cache_tensor_maps(cache_rows: torch.Tensor) -> torch.Tensor:
-    """Device buffer holding the two tensor maps of a contiguous uint8 FP8 cache
-    (``[blocks, 64, 656]`` or ``[blocks, 64, 1, 656]``)."""
-    rows = cache_rows.numel() // FP8_TOKEN_BYTES
-    if rows % PAGE_SIZE or cache_rows.numel() % FP8_TOKEN_BYTES:
-        raise SnapmlaError(f"k_cache: {cache_rows.numel()} bytes is not whole 64-token pages of {FP8_TOKEN_BYTES} B")
-    address = cache_rows.data_ptr()
-    key = (cache_rows.device.index or 0, address, rows)
+def _device_maps(cache: torch.Tensor, token_bytes: int, boxes: tuple[tuple[int, bool], ...],
+                 what: str) -> torch.Tensor:
+    """Device buffer holding one tensor map per ``(box_bytes, swizzle_128b)`` over the contiguous
+    cache viewed as ``[pages * 64 rows, token_bytes]``; cached per device, address and size."""
+    total_bytes = cache.numel() * cache.element_size()
+    rows = total_bytes // token_bytes
+    if rows % PAGE_SIZE or total_bytes % token_bytes:
+        raise SnapmlaError(f"k_cache: {total_bytes} bytes is not whole 64-token pages of {token_bytes} B ({what})")
+    address = cache.data_ptr()
+    key = (cache.device.index or 0, address, rows, token_bytes)
     cached = _maps.get(key)
     if cached is not None:
         _maps.move_to_end(key)
         return cached
-    if cache_rows.is_cuda and torch.cuda.is_current_stream_capturing():
+    if cache.is_cuda and torch.cuda.is_current_stream_capturing():
         raise SnapmlaError("k_cache: its TMA tensor maps are built (and copied to the GPU) on first "
                            "use; run one decode call on this cache before CUDA graph capture")
-    blob = (encode_byte_map(address, rows, FP8_TOKEN_BYTES, TILE_BOX_BYTES, PAGE_SIZE, True)
-            + encode_byte_map(address, rows, FP8_TOKEN_BYTES, SCALE_BOX_BYTES, PAGE_SIZE, False))
+    blob = b"".join(encode_byte_map(address, rows, token_bytes, box, PAGE_SIZE, swizzle) for box, swizzle in boxes)
     host = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    device_maps = host.to(cache_rows.device)
+    device_maps = host.to(cache.device)
     if device_maps.data_ptr() % TENSOR_MAP_ALIGN:
         raise SnapmlaError("tensor map buffer is not 64-byte aligned")
     _maps[key] = device_maps
     while len(_maps) > MAX_CACHED_MAPS:
         _maps.popitem(last=False)
     return device_maps
+
+
+def fp8_cache_tensor_maps(cache_rows: torch.Tensor) -> torch.Tensor:
+    """Device buffer holding the two tensor maps of a contiguous uint8 FP8 cache
+    (``[blocks, 64, 656]`` or ``[blocks, 64, 1, 656]``)."""
+    return _device_maps(cache_rows, FP8_TOKEN_BYTES, ((TILE_BOX_BYTES, True), (SCALE_BOX_BYTES, False)), "FP8")
+
+
+def bf16_cache_tensor_map(cache: torch.Tensor) -> torch.Tensor:
+    """Device buffer holding the tensor map of a contiguous bf16 cache ``[blocks, 64, 1, 576]``."""
+    return _device_maps(cache, BF16_TOKEN_BYTES, ((TILE_BOX_BYTES, True),), "bf16")

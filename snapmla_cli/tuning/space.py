@@ -32,7 +32,9 @@ KV_SPLITS = (1, 2, 4)  # FP8 kernel only, when DecodeConfig has the field
 STAGES = (2, 3, 4, 5)
 # FP8 kernels the tuner searches: the wgmma kernel and the mma.sync one.
 FP8_VERSIONS = (dc.FP8_WGMMA, dc.FP8_MMA_SYNC)
-BLOCK_NS = (32, 64)  # BF16 kernel only; the FP8 kernel always works on the 64-token page
+BLOCK_NS = (32, 64)  # BF16 mma.sync kernel only; the others always work on the 64-token page
+# BF16 kernels the tuner searches: the wgmma kernel (64-row tiles) and the mma.sync one.
+BF16_VERSIONS = (dc.BF16_WGMMA, dc.BF16_MMA_SYNC)
 MIN_CTAS = (1, 2)
 # wgmma kernel: float32 promotion of the QK / PV accumulation. Always on: without it the kernel
 # fails `snapmla verify --ctx 32k` (docs/PERF.md), and a numerics switch is not a speed knob.
@@ -256,16 +258,17 @@ def config_problem(cfg: DecodeConfig, fmt: str, rows: int | None = None) -> str 
         return f"row_groups {cfg.row_groups} x 16 rows > {rows} rows"
     if cfg.min_ctas_per_sm < 1 or cfg.stages < 2:
         return "min_ctas_per_sm >= 1 and stages >= 2 required"
-    if fmt == "bf16" and (cfg.block_n % 16 or 64 % cfg.block_n or cfg.block_n < 16):
+    if fmt == "bf16" and not cfg.wgmma and (cfg.block_n % 16 or 64 % cfg.block_n or cfg.block_n < 16):
         return f"block_n {cfg.block_n} must be 16, 32 or 64"
     smem = smem_bytes(cfg, fmt)
     if smem > dc.MAX_SMEM_PER_CTA:
         return f"shared memory {smem} B > {dc.MAX_SMEM_PER_CTA} B per CTA"
     if cfg.min_ctas_per_sm * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
         return f"{cfg.min_ctas_per_sm} CTAs x {smem} B do not fit {SMEM_PER_SM} B per SM"
-    valid = getattr(dc, "fp8_config_valid", None) if fmt == "fp8" else None
-    if valid is not None and not valid(cfg):
+    if fmt == "fp8" and not dc.fp8_config_valid(cfg):
         return "kernel constraint (fp8_config_valid: warps per SM, token-group scratch)"
+    if fmt == "bf16" and not dc.bf16_config_valid(cfg):
+        return "kernel constraint (bf16_config_valid: the wgmma kernel's 64-row tile, one CTA per SM)"
     return None
 
 
@@ -273,15 +276,14 @@ def kernel_key(cfg: DecodeConfig, fmt: str) -> tuple[str, tuple[tuple[str, int],
     """What must be compiled for ``cfg``: the source and its sorted defines."""
     if fmt == "fp8":
         return (dc.fp8_kernel(cfg)[0], tuple(sorted(dc.fp8_defines(cfg).items())))
-    return ("decode_bf16.cu", tuple(sorted(dc.bf16_defines(cfg).items())))
+    return (dc.bf16_kernel(cfg)[0], tuple(sorted(dc.bf16_defines(cfg).items())))
 
 
 def config_id(cfg: DecodeConfig, fmt: str) -> str:
     """Short stable name, e.g. ``v3-rg4-wd-st4-c1/1x1-mb4`` or ``v2-rg4-kv1-st2-c1/1x1-mb4`` (split: target CTAs per SM x waves,
     minimum blocks per split)."""
-    parts = [f"rg{cfg.row_groups}"]
+    parts = [f"v{cfg.kernel_version}", f"rg{cfg.row_groups}"]
     if fmt == "fp8":
-        parts.insert(0, f"v{cfg.kernel_version}")
         if not cfg.wgmma:
             parts.append(f"kv{cfg.kv_split}")
         else:
@@ -289,7 +291,7 @@ def config_id(cfg: DecodeConfig, fmt: str) -> str:
             if (cfg.qk_promote, cfg.pv_promote) != (1, 1):
                 parts.append(f"pq{cfg.qk_promote}v{cfg.pv_promote}")
     parts.append(f"st{cfg.stages}")
-    if fmt == "bf16":
+    if fmt == "bf16" and not cfg.wgmma:
         parts.append(f"bn{cfg.block_n}")
     parts.append(f"c{cfg.min_ctas_per_sm}")
     s = cfg.split
@@ -320,8 +322,10 @@ def kernel_variants(rows: int, fmt: str
             for values in product(*axes.values(), *extra.values()):
                 combos.append({**dict(zip(names, values)), "kernel_version": version, "block_n": 64})
     else:
-        for values in product(*axes.values(), BLOCK_NS):
-            combos.append(dict(zip([*axes, "block_n"], values)))
+        for version in BF16_VERSIONS:
+            block_ns = BLOCK_NS if version == dc.BF16_MMA_SYNC else (dc.PAGE_TOKENS,)
+            for values in product(*axes.values(), block_ns):
+                combos.append({**dict(zip([*axes, "block_n"], values)), "kernel_version": version})
     valid: list[DecodeConfig] = []
     pruned: list[tuple[DecodeConfig, str]] = []
     for combo in combos:

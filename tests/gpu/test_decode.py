@@ -124,26 +124,58 @@ def test_fp8_decode_bitwise_deterministic_and_split_invariant(version, kernel):
     assert compare(c[0], a[0]).rel_l2 < 5e-3
 
 
-@pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
-def test_bf16_decode_matches_float64(seqlens, s_q, h_q, causal):
+def _run_bf16(prob, device, cfg):
     from snapmla_cli.ops.decode import decode_bf16, get_mla_metadata
 
-    device = torch.device("cuda")
-    prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=h_q + 5)
+    b, s_q, h_q, _ = prob.q.shape
     table = prob.layout.block_table.to(device)
     seqlens_t = prob.layout.cache_seqlens.to(device)
     cache = prob.bf16_cache().to(device)
-    meta, splits = get_mla_metadata(seqlens_t, s_q * h_q, 1, fp8=False)
-    b = len(seqlens)
+    meta, splits = get_mla_metadata(seqlens_t, s_q * h_q, 1, fp8=False, config=cfg)
     out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=device)
     out, lse = decode_bf16(prob.q.to(device), cache, table, seqlens_t, meta, splits,
-                           prob.softmax_scale, causal, out=out, lse=lse)
+                           prob.softmax_scale, prob.causal, config=cfg, out=out, lse=lse)
+    return out, lse, cache, meta
+
+
+def _bf16_config(rows, version, device):
+    from snapmla_cli.ops.decode_config import heuristic_config
+
+    return heuristic_config(rows, False, version).with_sms(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+@pytest.mark.parametrize("version", [3, 2], ids=["wgmma", "mma-sync"])
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
+def test_bf16_decode_matches_float64(seqlens, s_q, h_q, causal, version):
+    device = torch.device("cuda")
+    prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=h_q + 5)
+    out, lse, cache, _ = _run_bf16(prob, device, _bf16_config(s_q * h_q, version, device))
+    table = prob.layout.block_table.to(device)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
     ref_out, ref_lse = decode_reference(prob.q.to(device), cache.squeeze(2), table, seqlens_t,
                                         prob.softmax_scale, causal)
     err = compare(out, ref_out)
     assert err.cos_diff <= BF16_COS_GATE, err
     assert compare(lse, ref_lse).max_abs < 1e-2
+    for i, n in enumerate(seqlens):
+        if n == 0:
+            assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
+
+
+def test_bf16_wgmma_decode_bitwise_deterministic_and_split_invariant():
+    from dataclasses import replace
+
+    device = torch.device("cuda")
+    prob = random_problem([9000, 70, 0, 4097], 2, 64, causal=True, seed=11)
+    cfg = _bf16_config(128, 3, device)
+    a = _run_bf16(prob, device, cfg)
+    b = _run_bf16(prob, device, cfg)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    fine = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1, num_sms=512))
+    c = _run_bf16(prob, device, fine.with_sms(512))
+    assert c[3].shape[0] > a[3].shape[0]  # more splits
+    assert compare(c[0], a[0]).rel_l2 < 5e-3
 
 
 def test_flash_mla_with_kvcache_dispatches_on_cache_format():
