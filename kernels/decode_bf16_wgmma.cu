@@ -15,14 +15,18 @@
 //        the other.
 // Schedule (alternate pages, as the FP8 kernel's WG_MODE 4): warpgroup wg computes QK and the
 // softmax of blocks wg, wg + 2, ..., and PV of every block for its dims. A turn of warpgroup wg
-// at block it: QK(it); wait for the other warpgroup's row state after block it - 1 (m, gamma);
-// softmax(it) in registers, hand the new row state over; wait for P(it - 1) from the other
-// warpgroup, PV(it - 1) from shared memory; store P(it) (one P buffer: the other warpgroup has
-// finished reading P(it - 1)... see below), hand it over; PV(it) from registers. Blocks enter O
-// in strictly increasing order, each after O is rescaled by its gamma = exp2(m_before - m_after).
-// One P buffer suffices: P(it) is stored after this warpgroup's PV(it - 1), the only reader of
-// P(it - 1), has completed; the other warpgroup reads P(it) before it stores P(it + 1).
-// Shared memory: Q 72 KB + two 72 KB pages + P 8 KB (the 227 KB limit allows two stages).
+// at block it: QK(it); wait for the other warpgroup's hand-over of block it - 1 (P, the row
+// state m and gamma); issue PV(it - 1) with that P from shared memory and run softmax(it) in
+// registers while it runs; store P(it) and the new row state, hand them over; PV(it) from
+// registers. Blocks enter O in strictly increasing order, each after O is rescaled by its
+// gamma = exp2(m_before - m_after). One P buffer suffices: P(it) is stored after this
+// warpgroup's PV(it - 1), the only reader of P(it - 1), has completed; the other warpgroup
+// reads P(it) before it stores P(it + 1).
+// Shared memory: Q 72 KB + two 72 KB pages + P 8 KB (the 227 KB limit allows two stages). With
+// so few pages in flight, a page's parts are loaded and released separately, each as soon as
+// its last reader is done: the RoPE tile after the owner's QK, each warpgroup's 256 V dims
+// after that warpgroup's PV (which follows the owner's QK); the next page's QK takes them in
+// the same order.
 // Unused cache rows of a request's last page may hold anything (NaN bytes): S is masked by a
 // select, and the page's V rows past the valid tokens are zeroed in shared memory before any PV
 // reads them (P is 0 there, but 0 x NaN is NaN inside the tensor core).
@@ -74,8 +78,15 @@ constexpr int kSAcc = kPageTokens / 2;                 // S floats per thread (m
 constexpr int kOAcc = kWgDims / 2;                     // O floats per thread (m64n256)
 constexpr int kPBytes = kRows * kBox;                  // P[64 rows x 64 tokens] bf16, one tile
 constexpr int kRowsPerThread = 2;                      // rows 16 w + g and 16 w + g + 8
-// named barriers (0 = __syncthreads): consumers; row state for warpgroup wg; P for warpgroup wg
-constexpr int kBarConsumers = 1, kBarState0 = 2, kBarP0 = 4;
+// a page's parts, each with its own full / empty barrier: the RoPE tile (read by the owner's
+// QK only), then the V dims of warpgroup 0 and of warpgroup 1 (each also read by the QK)
+constexpr int kParts = 3;
+constexpr int kPartRope = 0;
+__host__ __device__ constexpr int part_first_tile(int part) { return part == kPartRope ? kVTiles : (part - 1) * kWgVTiles; }
+__host__ __device__ constexpr int part_tiles(int part) { return part == kPartRope ? 1 : kWgVTiles; }
+constexpr int kPartWarps = 4;  // a part is released by one warpgroup's 4 warps
+// named barriers (0 = __syncthreads): consumers; hand-over to warpgroup wg
+constexpr int kBarConsumers = 1, kBarHand0 = 2;
 
 // shared memory map (offsets from a 1024-aligned base); the L sums reuse the P tile at the end
 constexpr int kOffQ = 0;
@@ -83,7 +94,7 @@ constexpr int kOffStages = kOffQ + kQBytes;
 constexpr int kOffP = kOffStages + STAGES * kPageBytes;
 constexpr int kOffRowState = kOffP + kPBytes;          // per row: m, gamma of the last block
 constexpr int kOffBars = kOffRowState + kRows * 8;
-constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
+constexpr int kSmemBytes = kOffBars + 2 * STAGES * kParts * 8;
 constexpr int kSmemAlign = 1024;
 constexpr int kMaxSmemPerCta = 232448;
 
@@ -125,12 +136,20 @@ __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, un
     prefetch_tensor_map(p.tmap);
     for (int it = 0; it < num_blocks; ++it) {
         const int stage = it % STAGES;
-        if (it >= STAGES) mbarrier_wait_parity(&empty[stage], ((it / STAGES) - 1) & 1);
         const int row = table[block_begin + it] * kPageTokens;
         unsigned char* dst = smem + kOffStages + stage * kPageBytes;
-        mbarrier_arrive_expect_tx(&full[stage], kPageBytes);
+        // the part the owner's QK frees first goes first: the RoPE tile, the owner's V dims, the
+        // other warpgroup's
+        const int owner = it & 1;
+        const int order[kParts] = {kPartRope, 1 + owner, 2 - owner};
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) tma_load_2d(dst + t * kTileBytes, p.tmap, t * kBox, row, &full[stage]);
+        for (int k = 0; k < kParts; ++k) {
+            const int part = order[k], bar = stage * kParts + part;
+            if (it >= STAGES) mbarrier_wait_parity(&empty[bar], ((it / STAGES) - 1) & 1);
+            mbarrier_arrive_expect_tx(&full[bar], part_tiles(part) * kTileBytes);
+            for (int t = part_first_tile(part); t < part_first_tile(part) + part_tiles(part); ++t)
+                tma_load_2d(dst + t * kTileBytes, p.tmap, t * kBox, row, &full[bar]);
+        }
     }
 }
 
@@ -195,31 +214,41 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         return make_smem_desc_mn(page_of(it) + wg * kWgVTiles * kTileBytes + ks * kKStep * kBox, kTileBytes,
                                  kSwizzleAtom);
     };
-    auto release = [&](int it) {
-        wgmma_wait<0>();
-        fence_accumulators(o);
-        if (lane == 0) mbarrier_arrive(&empty[it % STAGES]);
+    // this warpgroup is done with part `part` of block it's page (its empty barrier counts the
+    // 4 warps of the one warpgroup that releases it)
+    auto release = [&](int it, int part) {
+        if (lane == 0) mbarrier_arrive(&empty[(it % STAGES) * kParts + part]);
     };
+    auto wait_part = [&](int it, int part) {
+        mbarrier_wait_parity(&full[(it % STAGES) * kParts + part], (it / STAGES) & 1);
+    };
+    const int own_part = 1 + wg, other_part = 2 - wg;
 
     for (int it = wg; it <= num_blocks; it += 2) {
         const bool mine = it < num_blocks;
         float s[kSAcc];
         if (mine) {
-            const int stage = it % STAGES;
-            mbarrier_wait_parity(&full[stage], (it / STAGES) & 1);
+            // ---- QK(it), the page's parts in their load order: RoPE, own V dims, other V dims ----
             unsigned char* page = page_of(it);
             const unsigned long long k_desc = make_smem_desc(page, kSwizzle128B, kSwizzleAtom);
-            wgmma_fence();
 #pragma unroll
-            for (int t = 0; t < kTiles; ++t)
+            for (int k = 0; k < kParts; ++k) {
+                const int part = k == 0 ? kPartRope : k == 1 ? own_part : other_part;
+                const int tiles = k == 0 ? 1 : kWgVTiles;  // a literal once unrolled
+                const int first = part_first_tile(part);
+                wait_part(it, part);
+                wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < kKStepsPerTile; ++kk) {
-                    const int off = (t * kTileBytes + kk * kKStepBytes) >> 4;  // same for Q and K tiles
-                    wgmma_bf16_ss(s, q_desc + off, k_desc + off, t > 0 || kk > 0);
-                }
-            wgmma_commit();
+                for (int t = 0; t < tiles; ++t)
+#pragma unroll
+                    for (int kk = 0; kk < kKStepsPerTile; ++kk) {
+                        const int off = ((first + t) * kTileBytes + kk * kKStepBytes) >> 4;  // same for Q and K
+                        wgmma_bf16_ss(s, q_desc + off, k_desc + off, k > 0 || t > 0 || kk > 0);
+                    }
+                wgmma_commit();
+            }
             // a request's last page: its unused rows may hold NaN bytes; zero V past the valid
-            // tokens before any PV reads them (the other warpgroup's PV waits for P(it), below)
+            // tokens before any PV reads them (the other warpgroup's PV follows the hand-over)
             const int valid = valid_of(it);
             if (valid < kPageTokens) {
                 const int wtid = tid % kWgThreads;
@@ -231,17 +260,28 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             }
             wgmma_wait<0>();
             fence_accumulators(s);
+            release(it, kPartRope);  // the RoPE tile's only reader was this QK
         }
-        // the row state after block it - 1 (the other warpgroup's softmax), and its gamma
+        // ---- hand-over of block it - 1 (P, m, gamma); PV(it - 1) runs under the softmax ------
         float gamma_prev[kRowsPerThread] = {1.f, 1.f};
         if (it > 0) {
-            named_barrier_sync(kBarState0 + wg, kConsumerThreads);
+            named_barrier_sync(kBarHand0 + wg, kConsumerThreads);
 #pragma unroll
             for (int h = 0; h < kRowsPerThread; ++h) {
                 const float2 st = rowstate_s[row_of[h]];
                 m_run[h] = st.x;
                 gamma_prev[h] = st.y;
             }
+            // the other warpgroup waited for this page; the completed phase is this warpgroup's
+            // proof that the TMA bytes are visible (the part is not refilled before this PV)
+            wait_part(it - 1, own_part);
+            rescale_o(gamma_prev);
+            const unsigned long long p_desc = make_smem_desc(p_s, kSwizzle128B, kSwizzleAtom);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kPvKSteps; ++ks)
+                wgmma_bf16_ss_tb(o, p_desc + ((ks * kKStepBytes) >> 4), v_desc(it - 1, ks), 1);
+            wgmma_commit();
         }
         // ---- softmax of block it (rows = M: thread (w, g, c) holds rows 16w + g + 8h at tokens
         // 8j + 2c + e, s[4j + 2h + e]) ------------------------------------------------------------
@@ -279,12 +319,6 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 l_run[h] = gamma[h] * gamma_prev[h] * l_run[h] + esum[h];
                 m_run[h] = mnew[h];
             }
-            __syncwarp();  // the quad's other lanes read rowstate_s above
-            if (c == 0) {
-#pragma unroll
-                for (int h = 0; h < kRowsPerThread; ++h) rowstate_s[row_of[h]] = make_float2(mnew[h], gamma[h]);
-            }
-            if (it + 1 <= num_blocks) named_barrier_arrive(kBarState0 + (wg ^ 1), kConsumerThreads);
             // P as the bf16 A fragment of k-step ks (tokens 16 ks ..): the S accumulator's n-tiles
             // 2 ks and 2 ks + 1 in place
 #pragma unroll
@@ -296,23 +330,18 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 pfrag[ks][3] = pack_bf16x2(e[6], e[7]);
             }
         }
-        // ---- PV(it - 1) with the other warpgroup's P from shared memory ------------------------
-        if (it > 0) {
-            named_barrier_sync(kBarP0 + wg, kConsumerThreads);
-            // the other warpgroup waited for this page; the completed phase is this warpgroup's
-            // proof that the TMA bytes are visible (the stage is not refilled before this PV)
-            mbarrier_wait_parity(&full[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
-            rescale_o(gamma_prev);
-            const unsigned long long p_desc = make_smem_desc(p_s, kSwizzle128B, kSwizzleAtom);
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < kPvKSteps; ++ks)
-                wgmma_bf16_ss_tb(o, p_desc + ((ks * kKStepBytes) >> 4), v_desc(it - 1, ks), 1);
-            wgmma_commit();
-            release(it - 1);
+        if (it > 0) {  // PV(it - 1) done: P(it - 1) read, this warpgroup's V dims of the page free
+            wgmma_wait<0>();
+            fence_accumulators(o);
+            release(it - 1, own_part);
         }
-        // ---- hand P(it) over, then PV(it) from registers ----------------------------------------
+        // ---- hand P(it) and the row state over, then PV(it) from registers -------------------
         if (mine) {
+            __syncwarp();  // the quad's other lanes read rowstate_s above
+            if (c == 0) {
+#pragma unroll
+                for (int h = 0; h < kRowsPerThread; ++h) rowstate_s[row_of[h]] = make_float2(m_run[h], gamma[h]);
+            }
             // P[row][token]: thread's A fragment words are (row, tokens 16ks + 2c + {0, 1, 8, 9})
 #pragma unroll
             for (int ks = 0; ks < kPvKSteps; ++ks)
@@ -322,14 +351,16 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                     *reinterpret_cast<unsigned*>(p_s + swz128(row_of[h], byte)) = pfrag[ks][h];
                     *reinterpret_cast<unsigned*>(p_s + swz128(row_of[h], byte + 8 * kElemBytes)) = pfrag[ks][2 + h];
                 }
-            fence_proxy_async_shared();  // P (generic stores) is read by the other's wgmma
-            if (it + 1 <= num_blocks) named_barrier_arrive(kBarP0 + (wg ^ 1), kConsumerThreads);
+            fence_proxy_async_shared();  // P and the zeroed V rows (generic stores) are read by wgmma
+            named_barrier_arrive(kBarHand0 + (wg ^ 1), kConsumerThreads);
             rescale_o(gamma);
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < kPvKSteps; ++ks) wgmma_bf16_rs_tb(o, pfrag[ks], v_desc(it, ks), 1);
             wgmma_commit();
-            release(it);
+            wgmma_wait<0>();
+            fence_accumulators(o);
+            release(it, own_part);
         }
     }
 
@@ -383,11 +414,11 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
     const int row0 = blockIdx.x * kRows;
     if (row0 >= rows) return;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
-    unsigned long long* empty = full + STAGES;
+    unsigned long long* empty = full + STAGES * kParts;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], kConsumerWarps);
+        for (int b = 0; b < STAGES * kParts; ++b) {
+            mbarrier_init(&full[b], 1);
+            mbarrier_init(&empty[b], kPartWarps);
         }
         fence_mbarrier_init();
     }

@@ -63,6 +63,7 @@ BF16_WGMMA_ROW_GROUPS = 4  # the rows are wgmma's M = 64 (fewer rows are padded)
 BF16_WGMMA_ROW_BYTES = 576 * 2
 BF16_WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS * 2  # P[row][64 tokens] bf16, one 128-byte tile row
 BF16_WGMMA_ROW_STATE_BYTES = 8  # per row: m, gamma of the last block
+BF16_WGMMA_PAGE_PARTS = 3  # RoPE tile, each warpgroup's V dims: a full and an empty barrier each
 SMEM_PER_SM = 233472  # 228 KB per SM on sm_90
 SMEM_RESERVED_PER_CTA = 1024
 
@@ -180,7 +181,7 @@ def bf16_wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     rows = cfg.block_m
     return (rows * BF16_WGMMA_ROW_BYTES + cfg.stages * PAGE_TOKENS * BF16_WGMMA_ROW_BYTES
             + rows * BF16_WGMMA_P_BYTES_PER_ROW + rows * BF16_WGMMA_ROW_STATE_BYTES
-            + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
+            + 2 * cfg.stages * BF16_WGMMA_PAGE_PARTS * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
 
 def bf16_smem_bytes(cfg: DecodeConfig) -> int:
