@@ -20,6 +20,8 @@ snapmla_combine(const float* partial_out, const float* partial_lse, const int* n
                 __nv_bfloat16* out, float* lse, int h_q, int s_q) {
     using namespace snapmla;
     using namespace snapmla::combine;
+    // launched programmatically (runtime/pdl.py): the decode grid may still be running
+    wait_for_predecessor();
     const int req = blockIdx.x;
     const int rows = h_q * s_q;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -64,6 +64,7 @@ snapmla_decode_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const 
                     int causal) {
     using namespace snapmla;
     using namespace snapmla::bf16;
+    launch_dependents();  // the combine may launch now; it waits for this grid to finish
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* q_s = smem;
     unsigned char* tiles_s = q_s + kBlockM * kRowStride;

@@ -449,6 +449,7 @@ snapmla_decode_bf16_wgmma(const __nv_bfloat16* q, const unsigned char* tmap, con
                           int block_table_stride, float softmax_scale_log2, int h_q, int s_q,
                           int causal) {
     extern __shared__ unsigned char smem_raw[];
+    snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
     // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom
     const unsigned base = snapmla::smem_addr(smem_raw);
     unsigned char* smem = smem_raw + ((snapmla::bf16wg::kSmemAlign - (base % snapmla::bf16wg::kSmemAlign)) %

@@ -449,6 +449,7 @@ snapmla_decode_fp8(const unsigned char* q_content, const float* q_scale,
                    float* partial_out, float* partial_lse, int block_table_stride,
                    float softmax_scale_log2, int h_q, int s_q, int causal) {
     extern __shared__ __align__(128) unsigned char smem[];
+    snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
     const snapmla::fp8::Params p{q_content, q_scale, q_rope, k_cache, block_table, cache_seqlens,
                                  work_list, out, lse, partial_out, partial_lse, block_table_stride,
                                  softmax_scale_log2, snapmla::DecodeShape{h_q, s_q, causal}};

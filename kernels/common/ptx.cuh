@@ -388,6 +388,20 @@ template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
+// Programmatic dependent launch (runtime/pdl.py). The kernel before lets the one after it on the
+// stream launch early; the one after waits here for its predecessor's completion and memory
+// flush before touching anything it wrote. Both are no-ops when the launch was not
+// programmatic; below sm_90 they do not exist (and the host never launches programmatically).
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_predecessor() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
 // Named barrier over `count` threads (a multiple of 32); id 0 is __syncthreads'.
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");

@@ -155,8 +155,10 @@ def _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q: int
     b = out.shape[0]
     rows = h_q * s_q
     kernel = rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_WARPS": COMBINE_WARPS})
+    # programmatic: launched while the decode grid drains, it waits for it in the kernel
     rt.launch(kernel, (b, math.ceil(rows / COMBINE_WARPS), 1), (32 * COMBINE_WARPS, 1, 1),
-              (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q)))
+              (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q)),
+              programmatic=True)
 
 
 def _split_kv_decode(

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import NoGpuError, SnapmlaError
+from . import pdl
 from .nvrtc import CompiledModule, compile_module
 
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (cuFuncSetAttribute)
@@ -266,13 +267,24 @@ def _dim3(d: Dim) -> tuple[int, ...]:
     return (d,) if isinstance(d, int) else tuple(d)
 
 
+def supports_programmatic(kernel: Kernel) -> bool:
+    """Whether ``kernel`` was built for sm_90 or later, where its ``griddepcontrol.wait`` is
+    compiled in (kernels/common/ptx.cuh): launched programmatically without it, it would read
+    its predecessor's output early."""
+    digits = "".join(ch for ch in kernel.compiled.arch if ch.isdigit())
+    return bool(digits) and int(digits) >= 90
+
+
 def launch(
-    kernel: Kernel, grid: Dim, block: Dim, args: Sequence[object], shared_mem: int = 0
+    kernel: Kernel, grid: Dim, block: Dim, args: Sequence[object], shared_mem: int = 0,
+    programmatic: bool = False,
 ) -> None:
     """Launch on torch's current stream of the kernel's device; no sync, no allocation.
 
     ``args``: torch tensors (passed as device pointers), ``None`` (a null pointer) or
-    :func:`i32` / :func:`i64` / :func:`f32` values.
+    :func:`i32` / :func:`i64` / :func:`f32` values. ``programmatic``: the kernel waits for its
+    predecessor with ``griddepcontrol.wait`` and may be launched before that one has drained
+    (:mod:`.pdl`; a plain launch where that is unavailable or ``SNAPMLA_PDL=0``).
     """
     kargs: list[object] = []
     for pos, arg in enumerate(args):
@@ -289,5 +301,8 @@ def launch(
             )
     if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
         _set_dynamic_smem(kernel, shared_mem)
-    stream = _stream_wrapper(current_raw_stream(kernel.device_index))
-    kernel.function(_dim3(grid), _dim3(block), kargs, shared_mem=shared_mem, stream=stream)
+    stream_ptr = current_raw_stream(kernel.device_index)
+    if programmatic and pdl.enabled() and pdl.available() and supports_programmatic(kernel):
+        pdl.launch_programmatic(kernel.function.ptr, _dim3(grid), _dim3(block), shared_mem, stream_ptr, kargs)
+        return
+    kernel.function(_dim3(grid), _dim3(block), kargs, shared_mem=shared_mem, stream=_stream_wrapper(stream_ptr))

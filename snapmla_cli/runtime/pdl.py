@@ -1,0 +1,115 @@
+"""Programmatic dependent launch (PDL): start a kernel while the one before it on the stream is
+still finishing.
+
+Why this module: the split-KV combine follows the decode kernel on the same stream. Launched
+normally, it starts only after the decode grid has fully drained, and then pays its own launch
+and CTA rasterization. With the programmatic-stream-serialization attribute the driver may
+launch it as soon as every decode CTA has run ``griddepcontrol.launch_dependents`` (the decode
+kernels do so at their start); the combine then waits in ``griddepcontrol.wait`` for the decode
+grid's completion and memory flush before it reads anything. The attribute is only reachable
+through ``cuLaunchKernelEx``, which neither torch nor CuPy exposes, so it is called through
+``ctypes`` on ``libcuda`` (as ``tensor_map`` does for the TMA maps). Inside CUDA graph capture
+the driver turns the attribute into a programmatic graph edge.
+
+``SNAPMLA_PDL=0`` in the environment launches normally (for A/B timing and as an escape hatch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Sequence
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import SnapmlaError
+
+LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
+LAUNCH_ATTR_VALUE_BYTES = 64  # sizeof(CUlaunchAttributeValue)
+_CUDA_SUCCESS = 0
+
+_C_TYPES: dict[type, type] = {
+    np.int32: ctypes.c_int32,
+    np.int64: ctypes.c_int64,
+    np.uint32: ctypes.c_uint32,
+    np.uint64: ctypes.c_uint64,
+    np.float32: ctypes.c_float,
+}
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: the id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
+                ("value", ctypes.c_ubyte * LAUNCH_ATTR_VALUE_BYTES)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def enabled() -> bool:
+    """PDL unless ``SNAPMLA_PDL=0`` (read per call: cheap, and tests / A-B runs can flip it)."""
+    return os.environ.get("SNAPMLA_PDL", "1") != "0"
+
+
+@lru_cache(maxsize=1)
+def _launch_kernel_ex():
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = getattr(libcuda, "cuLaunchKernelEx", None)
+    if fn is None:  # a driver older than CUDA 12.0
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                   ctypes.POINTER(ctypes.c_void_p)]
+    return fn
+
+
+def available() -> bool:
+    return _launch_kernel_ex() is not None
+
+
+def pack_args(args: Sequence[object]) -> tuple[ctypes.Array, list[object]]:
+    """``kernelParams`` for ``cuLaunchKernelEx``: an array of pointers to each argument's value.
+    Ints are device pointers; NumPy scalars keep their C type. Returns the array and the value
+    objects, which must stay alive until the launch call returns."""
+    values: list[object] = []
+    for pos, arg in enumerate(args):
+        if isinstance(arg, int):
+            values.append(ctypes.c_void_p(arg))
+            continue
+        ctype = _C_TYPES.get(type(arg))
+        if ctype is None:
+            raise SnapmlaError(f"kernel argument {pos}: {type(arg).__name__} has no C type for cuLaunchKernelEx")
+        values.append(ctype(arg.item()))  # type: ignore[attr-defined]
+    pointers = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])  # type: ignore[arg-type]
+    return pointers, values
+
+
+def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                        stream_ptr: int, args: Sequence[object]) -> None:
+    """Launch with programmatic stream serialization allowed (see the module docstring)."""
+    fn = _launch_kernel_ex()
+    if fn is None:
+        raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")
+    g = (*grid, 1, 1)[:3]
+    b = (*block, 1, 1)[:3]
+    attr = LaunchAttribute()
+    attr.id = LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
+    ctypes.c_int.from_buffer(attr.value).value = 1  # programmaticStreamSerializationAllowed
+    config = LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, ctypes.c_void_p(stream_ptr),
+                          ctypes.pointer(attr), 1)
+    pointers, _values = pack_args(args)
+    status = fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), pointers, None)
+    if status != _CUDA_SUCCESS:
+        raise SnapmlaError(f"cuLaunchKernelEx failed with CUresult {status} (grid {g}, block {b}, "
+                           f"{shared_mem} B shared memory)")
