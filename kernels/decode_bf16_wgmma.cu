@@ -85,8 +85,8 @@ constexpr int kPartRope = 0;
 __host__ __device__ constexpr int part_first_tile(int part) { return part == kPartRope ? kVTiles : (part - 1) * kWgVTiles; }
 __host__ __device__ constexpr int part_tiles(int part) { return part == kPartRope ? 1 : kWgVTiles; }
 constexpr int kPartWarps = 4;  // a part is released by one warpgroup's 4 warps
-// named barriers (0 = __syncthreads): consumers; hand-over to warpgroup wg
-constexpr int kBarConsumers = 1, kBarHand0 = 2;
+// named barriers (0 = __syncthreads): consumers; hand-over to warpgroup wg; warpgroup wg alone
+constexpr int kBarConsumers = 1, kBarHand0 = 2, kBarWg0 = 4;
 
 // shared memory map (offsets from a 1024-aligned base); the L sums reuse the P tile at the end
 constexpr int kOffQ = 0;
@@ -353,6 +353,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 }
             fence_proxy_async_shared();  // P and the zeroed V rows (generic stores) are read by wgmma
             named_barrier_arrive(kBarHand0 + (wg ^ 1), kConsumerThreads);
+            // the arrive (release) / sync (acquire) pair orders the hand-over; compute-sanitizer's
+            // racecheck only sees it when the arriving warps also meet at a barrier (63k false
+            // RAW reports on the row state without this one, none with it)
+            named_barrier_sync(kBarWg0 + wg, kWgThreads);
             rescale_o(gamma);
             wgmma_fence();
 #pragma unroll
