@@ -330,11 +330,12 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 pfrag[ks][3] = pack_bf16x2(e[6], e[7]);
             }
         }
-        if (it > 0) {  // PV(it - 1) done: P(it - 1) read, this warpgroup's V dims of the page free
-            wgmma_wait<0>();
-            fence_accumulators(o);
-            release(it - 1, own_part);
-        }
+        // PV(it - 1) done: P(it - 1) read, this warpgroup's V dims of the page free (the wait is
+        // unconditional: ptxas does not pair it with the issue under the same condition above,
+        // and serializes every wgmma of the kernel otherwise, C7514)
+        wgmma_wait<0>();
+        fence_accumulators(o);
+        if (it > 0) release(it - 1, own_part);
         // ---- hand P(it) and the row state over, then PV(it) from registers -------------------
         if (mine) {
             __syncwarp();  // the quad's other lanes read rowstate_s above

@@ -419,6 +419,26 @@ def test_bf16_wgmma_decode_sass_has_hgmma_tma_and_no_spills(tmp_path: Path) -> N
         nvrtc.compile_module(source, wrong, "sm_90a")
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")
+@pytest.mark.parametrize("fmt_rows", ["fp8-16", "fp8-32", "fp8-64", "bf16-64"])
+def test_wgmma_kernels_are_not_serialized_by_the_system_ptxas(fmt_rows: str, tmp_path: Path) -> None:
+    """The same check with the installed toolkit's ptxas, which can be older than pip's NVRTC
+    (the GPU machine's NVRTC 13.0 serialized a BF16 kernel that NVRTC 13.5 compiled clean):
+    a developer machine with the GPU machine's nvcc catches it before device time is spent."""
+    from snapmla_cli.ops.decode_config import bf16_defines, bf16_kernel, fp8_defines, fp8_kernel, heuristic_config
+
+    fmt, rows = fmt_rows.split("-")
+    cfg = heuristic_config(int(rows), fmt == "fp8")
+    source, _ = fp8_kernel(cfg) if fmt == "fp8" else bf16_kernel(cfg)
+    defines = fp8_defines(cfg) if fmt == "fp8" else bf16_defines(cfg)
+    cmd = ["nvcc", "-arch=sm_90a", "-cubin", "-std=c++17", "-I", str(REPO_KERNELS), "-Xptxas", "-v",
+           "-o", str(tmp_path / "k.cubin"), *(f"-D{k}={v}" for k, v in defines.items()), str(REPO_KERNELS / source)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "serialized" not in done.stderr, done.stderr
+    assert "spill" not in done.stderr or " 0 bytes spill stores, 0 bytes spill loads" in done.stderr
+
+
 @needs_nvrtc
 def test_wgmma_phase_trace_build_compiles_and_exports_its_buffer() -> None:
     """scripts/trace_decode.py's build (TRACE_PHASES=1) compiles for the default 64-row layout
