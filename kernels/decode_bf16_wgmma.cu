@@ -30,6 +30,7 @@
 // Unused cache rows of a request's last page may hold anything (NaN bytes): S is masked by a
 // select, and the page's V rows past the valid tokens are zeroed in shared memory before any PV
 // reads them (P is 0 there, but 0 x NaN is NaN inside the tensor core).
+#include "common/warp_roles.cuh"
 #include "decode_common.cuh"
 
 #ifndef ROW_GROUPS
@@ -46,18 +47,11 @@ namespace snapmla {
 namespace bf16wg {
 
 constexpr int kRows = 16 * ROW_GROUPS;
-constexpr int kConsumerWarps = 8;
-constexpr int kConsumerThreads = 32 * kConsumerWarps;
-constexpr int kWgThreads = 128;
-constexpr int kThreads = kConsumerThreads + kWgThreads;
-// register split after setmaxnreg (see decode_fp8_wgmma.cu): the producer keeps 24
-constexpr int kRegFile = 65536;
-constexpr int kRegGranule = 8;
-constexpr int kProducerRegs = 24;
-constexpr int kLaunchRegs = kRegFile / (MIN_CTAS_PER_SM * kThreads) / kRegGranule * kRegGranule;
-constexpr int kConsumerRegsFree =
-    (kLaunchRegs + kWgThreads * (kLaunchRegs - kProducerRegs) / kConsumerThreads) / kRegGranule * kRegGranule;
-constexpr int kConsumerRegs = kConsumerRegsFree > 240 ? 240 : kConsumerRegsFree;
+// CTA roles and the register split: common/warp_roles.cuh
+using roles::kConsumerThreads;
+using roles::kThreads;
+using roles::kWgThreads;
+constexpr int kConsumerRegs = roles::consumer_regs(MIN_CTAS_PER_SM);
 constexpr int kElemBytes = 2;
 constexpr int kBox = 128;                              // TMA box width in bytes (= swizzle span)
 constexpr int kBoxElems = kBox / kElemBytes;           // 64 dims per tile
@@ -103,8 +97,7 @@ static_assert(kQTileBytes == kTileBytes, "Q and K tiles share k-step offsets");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES pages of 72 KB exceed shared memory");
 static_assert(2 * kRows * 4 <= kPBytes, "the L sums fit in the P tile");
-static_assert(kConsumerThreads * (kConsumerRegs - kLaunchRegs) <= kWgThreads * (kLaunchRegs - kProducerRegs),
-              "consumers may only take the registers the producer gave back");
+static_assert(roles::split_fits(MIN_CTAS_PER_SM), "consumers may only take the registers the producer gave back");
 #ifdef SNAPMLA_EXPECT_SMEM  // the host's launch size (ops/decode_config.py bf16_wgmma_smem_bytes)
 static_assert(kSmemBytes + kSmemAlign == SNAPMLA_EXPECT_SMEM, "host shared-memory formula is out of date");
 #endif
@@ -420,28 +413,12 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
     if (row0 >= rows) return;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES * kParts;
-    if (threadIdx.x == 0) {
-        for (int b = 0; b < STAGES * kParts; ++b) {
-            mbarrier_init(&full[b], 1);
-            mbarrier_init(&empty[b], kPartWarps);
-        }
-        fence_mbarrier_init();
-    }
-    __syncthreads();
-    if (threadIdx.x >= kConsumerThreads) {
-        setmaxnreg_dec<kProducerRegs>();
-        if (threadIdx.x == kConsumerThreads) {
-            const WorkItem work = p.work[blockIdx.y];
-            const int* table = p.block_table + static_cast<long>(work.request) * p.block_table_stride;
-            produce(p, smem, full, empty, table, work.block_begin, work.block_end - work.block_begin);
-        }
-        return;
-    }
-    setmaxnreg_inc<kConsumerRegs>();
-    const WorkItem work = p.work[blockIdx.y];
-    const int req = work.request;
-    consume(p, smem, full, empty, work.block_begin, work.block_end - work.block_begin,
-            p.cache_seqlens[req], rows, row0, static_cast<long>(req) * rows, req);
+    roles::init_pipeline_barriers(full, empty, STAGES * kParts, kPartWarps);
+    roles::run_work_item<kConsumerRegs>(
+        p, [&p, smem, full, empty](const int* table, int begin, int n) { produce(p, smem, full, empty, table, begin, n); },
+        [&p, smem, full, empty, rows, row0](int begin, int n, int seqlen, int req) {
+            consume(p, smem, full, empty, begin, n, seqlen, rows, row0, static_cast<long>(req) * rows, req);
+        });
 }
 
 }  // namespace bf16wg

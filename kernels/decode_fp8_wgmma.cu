@@ -48,6 +48,7 @@
 // The macro defaults below are the host's (ops/decode_config.py DecodeConfig), which always
 // passes every one of them.
 #include "common/convert.cuh"
+#include "common/warp_roles.cuh"
 #include "decode_common.cuh"
 
 #ifndef ROW_GROUPS
@@ -94,23 +95,13 @@ constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;
 constexpr int kQkRows = kAltPages ? kRows : kRowsPerWg;  // N of QK: the rows of a warpgroup's softmax
 constexpr int kPvRows = kOwnRowsPv ? kRowsPerWg : kRows;  // N of PV
-constexpr int kConsumerWarps = 8;
-constexpr int kConsumerThreads = 32 * kConsumerWarps;
-constexpr int kWgThreads = 128;
-constexpr int kThreads = kConsumerThreads + kWgThreads;  // + producer warpgroup (one lane works)
-// Register split after setmaxnreg: the CTA starts with kLaunchRegs per thread (ptxas' limit
-// for kThreads x MIN_CTAS_PER_SM); setmaxnreg.inc only draws on what the producer's .dec freed
-// in the same CTA (asking for more blocks forever), so the consumers get at most
-// kLaunchRegs + 128 (kLaunchRegs - kProducerRegs) / 256, rounded down to 8, capped at 240.
-constexpr int kRegFile = 65536;
-constexpr int kRegGranule = 8;
-constexpr int kProducerRegs = 24;
-constexpr int kLaunchRegs = kRegFile / (MIN_CTAS_PER_SM * kThreads) / kRegGranule * kRegGranule;
-constexpr int kConsumerRegsFree =
-    (kLaunchRegs + kWgThreads * (kLaunchRegs - kProducerRegs) / kConsumerThreads) / kRegGranule * kRegGranule;
-constexpr int kConsumerRegs = kConsumerRegsFree > 240 ? 240 : kConsumerRegsFree;
-static_assert(kConsumerThreads * (kConsumerRegs - kLaunchRegs) <= kWgThreads * (kLaunchRegs - kProducerRegs),
-              "consumers may only take the registers the producer gave back");
+// CTA roles and the register split: common/warp_roles.cuh
+using roles::kConsumerThreads;
+using roles::kConsumerWarps;
+using roles::kThreads;
+using roles::kWgThreads;
+constexpr int kConsumerRegs = roles::consumer_regs(MIN_CTAS_PER_SM);
+static_assert(roles::split_fits(MIN_CTAS_PER_SM), "consumers may only take the registers the producer gave back");
 constexpr int kBox = 128;                              // TMA box width in bytes (= swizzle span)
 constexpr int kContentTiles = D_CONTENT / kBox;        // 4
 constexpr int kTileBytes = kPageTokens * kBox;         // 8192: one 64 x 128 B box
@@ -1006,30 +997,12 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
     if (row0 >= rows) return;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(&full[s], 1);
-            mbarrier_init(&empty[s], kConsumerWarps);
-        }
-        fence_mbarrier_init();
-    }
-    __syncthreads();
-    // Each role reads the work item after the register split, so that nothing computed before
-    // setmaxnreg stays live across it.
-    if (threadIdx.x >= kConsumerThreads) {
-        setmaxnreg_dec<kProducerRegs>();
-        if (threadIdx.x == kConsumerThreads) {
-            const WorkItem work = p.work[blockIdx.y];
-            const int* table = p.block_table + static_cast<long>(work.request) * p.block_table_stride;
-            produce(p, smem, full, empty, table, work.block_begin, work.block_end - work.block_begin);
-        }
-        return;
-    }
-    setmaxnreg_inc<kConsumerRegs>();
-    const WorkItem work = p.work[blockIdx.y];
-    const int req = work.request;
-    consume(p, smem, full, empty, work.block_begin, work.block_end - work.block_begin,
-            p.cache_seqlens[req], rows, row0, static_cast<long>(req) * rows, req);
+    roles::init_pipeline_barriers(full, empty, STAGES, kConsumerWarps);
+    roles::run_work_item<kConsumerRegs>(
+        p, [&p, smem, full, empty](const int* table, int begin, int n) { produce(p, smem, full, empty, table, begin, n); },
+        [&p, smem, full, empty, rows, row0](int begin, int n, int seqlen, int req) {
+            consume(p, smem, full, empty, begin, n, seqlen, rows, row0, static_cast<long>(req) * rows, req);
+        });
 }
 
 }  // namespace fp8wg

@@ -395,7 +395,12 @@ def test_bf16_wgmma_decode_sass_has_hgmma_tma_and_no_spills(tmp_path: Path) -> N
     """Issue 7's BF16 baseline on Hopper instructions: QK as HGMMA m64n64k16, PV as HGMMA
     m64n256k16 (V read in place, transposed by the instruction), pages by TMA, no local memory,
     no serialized wgmmas; the compile proves the host's shared-memory formula too."""
-    from snapmla_cli.ops.decode_config import BF16_WGMMA, bf16_defines, bf16_kernel, heuristic_config
+    from snapmla_cli.ops.decode_config import (
+        BF16_WGMMA,
+        bf16_defines,
+        bf16_kernel,
+        heuristic_config,
+    )
 
     tool = _cuobjdump()
     if tool is None:
@@ -425,7 +430,13 @@ def test_wgmma_kernels_are_not_serialized_by_the_system_ptxas(fmt_rows: str, tmp
     """The same check with the installed toolkit's ptxas, which can be older than pip's NVRTC
     (the GPU machine's NVRTC 13.0 serialized a BF16 kernel that NVRTC 13.5 compiled clean):
     a developer machine with the GPU machine's nvcc catches it before device time is spent."""
-    from snapmla_cli.ops.decode_config import bf16_defines, bf16_kernel, fp8_defines, fp8_kernel, heuristic_config
+    from snapmla_cli.ops.decode_config import (
+        bf16_defines,
+        bf16_kernel,
+        fp8_defines,
+        fp8_kernel,
+        heuristic_config,
+    )
 
     fmt, rows = fmt_rows.split("-")
     cfg = heuristic_config(int(rows), fmt == "fp8")
