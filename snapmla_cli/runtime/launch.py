@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -267,12 +268,17 @@ def _dim3(d: Dim) -> tuple[int, ...]:
     return (d,) if isinstance(d, int) else tuple(d)
 
 
+@lru_cache(maxsize=16)
+def _arch_at_least_sm90(arch: str) -> bool:
+    digits = "".join(ch for ch in arch if ch.isdigit())
+    return bool(digits) and int(digits) >= 90
+
+
 def supports_programmatic(kernel: Kernel) -> bool:
     """Whether ``kernel`` was built for sm_90 or later, where its ``griddepcontrol.wait`` is
     compiled in (kernels/common/ptx.cuh): launched programmatically without it, it would read
     its predecessor's output early."""
-    digits = "".join(ch for ch in kernel.compiled.arch if ch.isdigit())
-    return bool(digits) and int(digits) >= 90
+    return _arch_at_least_sm90(kernel.compiled.arch)
 
 
 def launch(
