@@ -58,7 +58,7 @@ WGMMA_ROW_STATE_BYTES = 16  # alternate pages, per row: m, sigma, last gamma, pa
 BF16_MMA_SYNC, BF16_WGMMA = FP8_MMA_SYNC, FP8_WGMMA
 BF16_KERNEL_VERSIONS = (BF16_MMA_SYNC, BF16_WGMMA)
 # What runs for the BF16 baseline when nothing is asked for (docs/PERF.md, "Hopper BF16
-# baseline, programmatic combine": 1.2-2.3x faster than the mma.sync kernel at its heuristic).
+# baseline, programmatic combine": 1.2-2.4x faster than the mma.sync kernel at its heuristic).
 DEFAULT_BF16_KERNEL = BF16_WGMMA
 BF16_WGMMA_ROW_GROUPS = 4  # the rows are wgmma's M = 64 (fewer rows are padded)
 BF16_WGMMA_ROW_BYTES = 576 * 2
