@@ -21,8 +21,6 @@ from snapmla_cli.cache.layout import random_paged_layout
 from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
 from snapmla_cli.ops.decode_config import (
-    BF16_MMA_SYNC,
-    BF16_WGMMA,
     DEFAULT_BF16_KERNEL,
     DEFAULT_FP8_KERNEL,
     FP8_MMA_SYNC,
@@ -52,26 +50,23 @@ def run_case(w: DecodeWork, ceilings, device, timer=time_graph) -> dict:
 
     t8 = timer(fp8_default_path)
     res["fp8_eager_us"] = time_cuda(fp8_default_path) * 1e6
-    # the other FP8 kernel at its own heuristic (the mma.sync one, the wgmma one being the default)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    other = FP8_WGMMA if DEFAULT_FP8_KERNEL != FP8_WGMMA else FP8_MMA_SYNC
-    alt = heuristic_config(w.s_q * w.h_q, True, other).with_sms(sms)
-    meta2, splits2 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=alt)
-    t_alt = timer(lambda: decode_fp8(qq, cache8, table, lens, meta2, splits2, None, True, config=alt))
-    res["fp8_default_kernel"] = DEFAULT_FP8_KERNEL
-    res[f"fp8v{other}_us"] = t_alt * 1e6
-    res[f"fp8v{other}_roof_pct"] = 100 * w.t_min(True, ceilings) / t_alt
     cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
     meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
     t16 = timer(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True))
-    # the other BF16 kernel at its own heuristic (the mma.sync one, the wgmma one being the default)
-    other16 = BF16_MMA_SYNC if DEFAULT_BF16_KERNEL == BF16_WGMMA else BF16_WGMMA
-    alt16 = heuristic_config(w.s_q * w.h_q, False, other16).with_sms(sms)
-    meta3, splits3 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False, config=alt16)
-    t_alt16 = timer(lambda: decode_bf16(q, cache16, table, lens, meta3, splits3, None, True, config=alt16))
-    res["bf16_default_kernel"] = DEFAULT_BF16_KERNEL
-    res[f"bf16v{other16}_us"] = t_alt16 * 1e6
-    res[f"bf16v{other16}_roof_pct"] = 100 * w.t_min(False, ceilings) / t_alt16
+    # each format's other kernel at its own heuristic (the mma.sync ones, the wgmma ones being
+    # the defaults)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for name, fp8, default in (("fp8", True, DEFAULT_FP8_KERNEL), ("bf16", False, DEFAULT_BF16_KERNEL)):
+        other = FP8_MMA_SYNC if default == FP8_WGMMA else FP8_WGMMA
+        alt = heuristic_config(w.s_q * w.h_q, fp8, other).with_sms(sms)
+        meta_alt, splits_alt = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=fp8, config=alt)
+        if fp8:
+            t_alt = timer(lambda m=meta_alt, sp=splits_alt, c=alt: decode_fp8(qq, cache8, table, lens, m, sp, None, True, config=c))
+        else:
+            t_alt = timer(lambda m=meta_alt, sp=splits_alt, c=alt: decode_bf16(q, cache16, table, lens, m, sp, None, True, config=c))
+        res[f"{name}_default_kernel"] = default
+        res[f"{name}v{other}_us"] = t_alt * 1e6
+        res[f"{name}v{other}_roof_pct"] = 100 * w.t_min(fp8, ceilings) / t_alt
     for name, t, fp8 in (("fp8", t8, True), ("bf16", t16, False)):
         res[f"{name}_us"] = t * 1e6
         res[f"{name}_tflops"] = w.flops / t / 1e12

@@ -360,6 +360,23 @@ def test_parse_ptxas_report_of_a_real_compile() -> None:
     assert "Used" in module.log
 
 
+def _wgmma_kernel_sass(source: str, name: str, defines: dict, tmp_path: Path) -> str:
+    """SASS of kernel ``name`` compiled for sm_90a, after checking that ptxas did not serialize
+    its wgmmas (info C7510-C7520); skips without cuobjdump."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    module = nvrtc.compile_module(source, defines, "sm_90a")
+    assert "serialized" not in module.log, module.log
+    cubin = tmp_path / "decode.cubin"
+    cubin.write_bytes(module.cubin)
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    body = _sass_by_function(sass)[name]
+    assert "UTMALDG" in body, "pages are not loaded by TMA"
+    assert "LDL" not in body and "STL" not in body, "local memory traffic"
+    return body
+
+
 @needs_nvrtc
 @pytest.mark.parametrize(("rows", "promote", "wg_mode"),
                          [(r, p, m) for r in (16, 32, 64) for p, m in [(1, 0), (1, 1), (1, 2), (1, 3), (0, 0)]]
@@ -373,21 +390,11 @@ def test_wgmma_decode_sass_has_qgmma_hgmma_and_no_serialization(rows: int, promo
     its 64 rows), and the diagnostic unpromoted kernel in the dims-split mode."""
     from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, fp8_kernel, variant_config
 
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     cfg = variant_config(rows, FP8_WGMMA, qk_promote=promote, pv_promote=promote, wg_mode=wg_mode)
     source, name = fp8_kernel(cfg)
-    module = nvrtc.compile_module(source, fp8_defines(cfg), "sm_90a")
-    assert "serialized" not in module.log, module.log  # ptxas C7510-C7520 family
-    cubin = tmp_path / "decode.cubin"
-    cubin.write_bytes(module.cubin)
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    body = _sass_by_function(sass)[name]
+    body = _wgmma_kernel_sass(source, name, fp8_defines(cfg), tmp_path)
     assert re.search(r"\bQGMMA\.64x\d+x32\.F32\.E4M3\.E4M3", body), "no FP8 QGMMA in SASS"
     assert re.search(r"\bHGMMA\.64x\d+x16\.F32\.BF16", body), "no bf16 HGMMA in SASS"
-    assert "UTMALDG" in body, "pages are not loaded by TMA"
-    assert "LDL" not in body and "STL" not in body, "local memory traffic"
 
 
 @needs_nvrtc
@@ -402,23 +409,13 @@ def test_bf16_wgmma_decode_sass_has_hgmma_tma_and_no_spills(tmp_path: Path) -> N
         heuristic_config,
     )
 
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     cfg = heuristic_config(16, False, BF16_WGMMA)
     source, name = bf16_kernel(cfg)
     assert source == "decode_bf16_wgmma.cu"
-    module = nvrtc.compile_module(source, bf16_defines(cfg), "sm_90a")
-    assert "serialized" not in module.log, module.log
-    cubin = tmp_path / "decode.cubin"
-    cubin.write_bytes(module.cubin)
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    body = _sass_by_function(sass)[name]
+    body = _wgmma_kernel_sass(source, name, bf16_defines(cfg), tmp_path)
     assert re.search(r"\bHGMMA\.64x64x16\.F32\.BF16", body), "no QK HGMMA in SASS"
     assert re.search(r"\bHGMMA\.64x256x16\.F32\.BF16", body), "no PV HGMMA in SASS"
     assert "QGMMA" not in body
-    assert "UTMALDG" in body, "pages are not loaded by TMA"
-    assert "LDL" not in body and "STL" not in body, "local memory traffic"
     wrong = {**bf16_defines(cfg), "SNAPMLA_EXPECT_SMEM": bf16_defines(cfg)["SNAPMLA_EXPECT_SMEM"] + 16}
     with pytest.raises(SnapmlaError, match="shared-memory"):
         nvrtc.compile_module(source, wrong, "sm_90a")
