@@ -30,6 +30,7 @@ from snapmla_cli.tuning.space import (
     config_id,
     config_problem,
     kernel_variants,
+    max_row_groups,
     parse_budget,
     parse_formats,
     parse_int_list,
@@ -183,6 +184,18 @@ def test_kernel_versions_and_wgmma_switches():
         tdb.config_from_dict({**data, "wg_mode": -1})
     old = {k: v for k, v in data.items() if k not in ("kernel_version", "qk_promote", "pv_promote", "wg_mode")}
     assert tdb.config_from_dict(old).kernel_version == dc.FP8_MMA_SYNC  # pre-wgmma entries
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32, 48])
+def test_bf16_wgmma_tile_is_never_narrowed(rows):
+    """The BF16 wgmma kernel pads any row count to its 64-row tile: a database entry holding it
+    is used as stored below 64 rows, not narrowed into a tile the kernel refuses (which made the
+    lookup fall back to the heuristic); the mma.sync kernel is still narrowed."""
+    wgmma = heuristic_config(rows, False, dc.BF16_WGMMA)
+    assert wgmma.row_groups == 4
+    assert lookup.adapt_config(wgmma, rows, "bf16") == wgmma
+    mma = heuristic_config(64, False, dc.BF16_MMA_SYNC)
+    assert lookup.adapt_config(mma, rows, "bf16").row_groups == max_row_groups(rows)
 
 
 def test_search_space_drops_split_aliases():

@@ -226,6 +226,13 @@ def bf16_config_valid(cfg: DecodeConfig) -> bool:
             and bf16_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
 
 
+def pads_row_tile(cfg: DecodeConfig, fp8: bool) -> bool:
+    """Whether ``cfg``'s kernel works on whole 64-row tiles whatever the rows, padding the rest
+    (the BF16 wgmma kernel: the rows are its wgmma M), so that its row groups must never be
+    narrowed to the rows a shape needs."""
+    return not fp8 and cfg.wgmma
+
+
 def bf16_kernel(cfg: DecodeConfig) -> tuple[str, str]:
     """(source, kernel name) of the BF16 decode kernel ``cfg`` selects."""
     if cfg.wgmma:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..ops.decode_config import WG_ALT_PAGES, WG_ALT_ROWS_M, DecodeConfig
+from ..ops.decode_config import WG_ALT_PAGES, WG_ALT_ROWS_M, DecodeConfig, pads_row_tile
 from .db import (
     DbError,
     Entry,
@@ -239,7 +239,10 @@ def select_entry(located: list[Located], rows: int, fmt: str, batch: float | Non
 
 def adapt_config(cfg: DecodeConfig, rows: int, fmt: str) -> DecodeConfig | None:
     """Narrow the row groups to what ``rows`` needs; None if the result is not launchable.
-    Rows = M needs 64-row tiles: narrowed, it becomes plain alternate pages."""
+    Rows = M needs 64-row tiles: narrowed, it becomes plain alternate pages. A kernel that pads
+    to its fixed tile (the BF16 wgmma one) is never narrowed."""
+    if pads_row_tile(cfg, fmt == "fp8"):  # launchable at any row count as stored
+        return None if config_problem(cfg, fmt) else cfg
     limit = max_row_groups(rows)
     if cfg.row_groups > limit:
         mode = WG_ALT_PAGES if cfg.wg_mode == WG_ALT_ROWS_M else cfg.wg_mode
