@@ -117,11 +117,6 @@ struct Params {
     DecodeShape shape;
 };
 
-// Byte offset of (row, byte) in a [rows x 128 B] tile with 128-byte swizzle.
-__device__ __forceinline__ int swz128(int row, int byte) {
-    return row * kBox + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
-}
-
 // Producer: one lane streams the pages of [block_begin, block_end) through the stages.
 __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, unsigned long long* full,
                                         unsigned long long* empty, const int* table, int block_begin,

@@ -211,11 +211,6 @@ struct Params {
 
 constexpr int kTensorMapBytes = 128;
 
-// Byte offset of (row, byte) in a [rows x 128 B] tile with 128-byte swizzle (16-byte chunks
-// XOR row mod 8), as TMA writes it and wgmma reads it.
-__device__ __forceinline__ int swz128(int row, int byte) {
-    return row * kBox + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
-}
 // Same for a [rows x 64 B] tile with 64-byte swizzle (chunk bits 4-5 XOR address bits 7-8).
 __device__ __forceinline__ int swz64(int row, int byte) {
     return row * kPRowBytes + ((((byte >> 4) ^ (row >> 1)) & 3) << 4) + (byte & 15);

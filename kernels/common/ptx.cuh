@@ -280,6 +280,13 @@ __device__ __forceinline__ unsigned long long make_smem_desc(const void* smem, i
            (static_cast<unsigned long long>(swizzle) << 62);
 }
 
+// Byte offset of (row, byte) in a [rows x 128 B] tile with 128-byte swizzle (16-byte chunks
+// XOR row mod 8), as TMA writes it and wgmma reads it.
+__device__ __forceinline__ int swz128(int row, int byte) {
+    constexpr int kRowBytes = 128;
+    return row * kRowBytes + ((((byte >> 4) ^ row) & 7) << 4) + (byte & 15);
+}
+
 // MN-major matrix descriptor with 128-byte swizzle: `mn_block_bytes` between 64-element (128 B)
 // blocks along M / N (leading byte offset), `k_group_bytes` between 8-row groups along K (stride
 // byte offset).
