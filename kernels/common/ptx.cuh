@@ -270,14 +270,22 @@ namespace snapmla {
 
 enum SmemSwizzle : int { kSwizzle128B = 1, kSwizzle64B = 2, kSwizzle32B = 3 };
 
-// K-major matrix descriptor: start address, leading byte offset (unused for swizzled K-major
-// operands narrower than the swizzle span: 1), stride byte offset between 8-row core groups.
-__device__ __forceinline__ unsigned long long make_smem_desc(const void* smem, int swizzle,
-                                                             int stride_bytes) {
+// The 64-bit matrix descriptor: start address, leading and stride byte offsets (16-byte
+// units), swizzle mode.
+__device__ __forceinline__ unsigned long long pack_smem_desc(const void* smem, int leading_bytes,
+                                                             int stride_bytes, int swizzle) {
     const unsigned long long addr = smem_addr(smem);
-    return ((addr & 0x3FFFFull) >> 4) | (1ull << 16) |
+    return ((addr & 0x3FFFFull) >> 4) | (static_cast<unsigned long long>(leading_bytes >> 4) << 16) |
            (static_cast<unsigned long long>(stride_bytes >> 4) << 32) |
            (static_cast<unsigned long long>(swizzle) << 62);
+}
+// K-major matrix descriptor: the leading byte offset is unused for swizzled K-major operands
+// narrower than the swizzle span (encoded as 1), the stride byte offset is between 8-row core
+// groups.
+__device__ __forceinline__ unsigned long long make_smem_desc(const void* smem, int swizzle,
+                                                             int stride_bytes) {
+    constexpr int kUnusedLeadingBytes = 16;
+    return pack_smem_desc(smem, kUnusedLeadingBytes, stride_bytes, swizzle);
 }
 
 // Byte offset of (row, byte) in a [rows x 128 B] tile with 128-byte swizzle (16-byte chunks
@@ -292,10 +300,7 @@ __device__ __forceinline__ int swz128(int row, int byte) {
 // byte offset).
 __device__ __forceinline__ unsigned long long make_smem_desc_mn(const void* smem, int mn_block_bytes,
                                                                 int k_group_bytes) {
-    const unsigned long long addr = smem_addr(smem);
-    return ((addr & 0x3FFFFull) >> 4) | (static_cast<unsigned long long>(mn_block_bytes >> 4) << 16) |
-           (static_cast<unsigned long long>(k_group_bytes >> 4) << 32) |
-           (static_cast<unsigned long long>(kSwizzle128B) << 62);
+    return pack_smem_desc(smem, mn_block_bytes, k_group_bytes, kSwizzle128B);
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
