@@ -36,6 +36,16 @@
 //        softmax. P^T goes to shared memory in PV's permuted token order straight from the
 //        accumulator (each thread's tokens 16h + {2c, 2c+1, 2c+8, 2c+9} are the 4 bytes at
 //        16h + 4c); PV and O are those of mode 3.
+//        WG_MODE = 6 (rows = M throughout; 64 rows only): mode 4's QK and softmax, and PV
+//        unswapped as well, O[64 rows x 256 dims] += P . V with A = P and B = V^T both from
+//        shared memory. FP8 wgmma wants B K-major (token-contiguous), so the page's owner
+//        transposes its content in place while its QK runs (shared memory -> registers ->
+//        shared memory, the paper's V-tile transposition, overlapped with the QK GEMM): QK
+//        takes the RoPE tile first, and as each of its chunks completes, the owner's warps
+//        write the next content tile's V^T over the tile that chunk read, in P's permuted token
+//        order, zeroing the bytes of tokens past the page's end. PV then builds no fragments,
+//        holds no A registers and only two rows' gammas, so its 64-dim chunks pipeline
+//        through two accumulators.
 // Pages arrive by TMA: four 64 x 128-byte content boxes and one RoPE box with 128-byte swizzle
 // (cache-line-aligned tiles) plus a 64 x 16-byte box holding the scales; STAGES deep, full /
 // empty mbarriers between the producer warpgroup (one lane issues, setmaxnreg gives its
@@ -65,7 +75,8 @@
 #endif
 #ifndef WG_MODE
 #define WG_MODE 0  // warpgroup layout / schedule, see above: 0 dims split, 1 own rows, 2 ping-pong,
-                   // 3 alternate pages, 4 alternate pages with rows = M in QK
+                   // 3 alternate pages, 4 alternate pages with rows = M in QK, 6 rows = M in
+                   // QK and PV (V^T transposed in shared memory)
 #endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
@@ -89,7 +100,8 @@ constexpr int kTraceTurns = 64, kTracePoints = 6;
 
 constexpr bool kOwnRowsPv = WG_MODE == 1 || WG_MODE == 2;
 constexpr bool kPingPong = WG_MODE == 2;
-constexpr bool kRowsM = WG_MODE == 4;
+constexpr bool kVtSmem = WG_MODE == 6;  // V^T transposed in shared memory, PV with rows = M
+constexpr bool kRowsM = WG_MODE == 4 || kVtSmem;
 constexpr bool kAltPages = WG_MODE == 3 || kRowsM;
 constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;
@@ -138,8 +150,10 @@ constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote 
 // Promoted QK overlaps chunk c + 1's wgmmas with adding chunk c when two temporary accumulators
 // fit (at N = 64 they would spill next to O and the logits, except with rows = M, whose softmax
 // keeps 2 rows' state per thread instead of 16).
+// WG_MODE 6 waits for each chunk, which carries a step of the V^T transposition (two
+// accumulators spill there next to its PV's two).
 constexpr int kQkPipelineMaxAcc = 16;
-constexpr bool kQkPipelined = kSAcc <= kQkPipelineMaxAcc || kRowsM;
+constexpr bool kQkPipelined = kSAcc <= kQkPipelineMaxAcc || WG_MODE == 4;
 // An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
 // there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
 constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
@@ -179,8 +193,8 @@ constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
 constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
 constexpr int kMaxSmemPerCta = 232448;
 
-static_assert(WG_MODE >= 0 && WG_MODE <= 4, "WG_MODE is 0, 1, 2, 3 or 4");
-static_assert(!kRowsM || kRows == 64, "rows = M QK (WG_MODE 4) fills wgmma's M = 64 with 64 rows");
+static_assert(WG_MODE >= 0 && WG_MODE <= 6 && WG_MODE != 5, "WG_MODE is 0, 1, 2, 3, 4 or 6");
+static_assert(!kRowsM || kRows == 64, "rows = M (WG_MODE 4, 6) fills wgmma's M = 64 with 64 rows");
 static_assert(ROW_GROUPS == 1 || ROW_GROUPS == 2 || ROW_GROUPS == 4, "16, 32 or 64 rows per CTA");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES x rows exceed shared memory");
@@ -214,6 +228,75 @@ constexpr int kTensorMapBytes = 128;
 // Same for a [rows x 64 B] tile with 64-byte swizzle (chunk bits 4-5 XOR address bits 7-8).
 __device__ __forceinline__ int swz64(int row, int byte) {
     return row * kPRowBytes + ((((byte >> 4) ^ (row >> 1)) & 3) << 4) + (byte & 15);
+}
+
+// The byte permutes that turn ldmatrix.trans's four b16 matrices into a V^T fragment (below).
+__device__ __forceinline__ void v_fragment_permute(const unsigned (&r)[4], unsigned (&frag)[4]) {
+    constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
+    frag[0] = prmt(r[0], r[1], kEvenDim);
+    frag[1] = prmt(r[0], r[1], kOddDim);
+    frag[2] = prmt(r[2], r[3], kEvenDim);
+    frag[3] = prmt(r[2], r[3], kOddDim);
+}
+// The V^T A-fragment (m64k32 register layout) of a page's dims [dim, dim + 16) and tokens
+// [32 ks, 32 ks + 32), built from its 128-byte-swizzled content tiles with one ldmatrix.trans on
+// byte pairs and four byte permutes: registers 0 / 1 hold dims dim + 2g / dim + 2g + 1 at the
+// k-step's bytes 4c .. 4c + 3, registers 2 / 3 the same at bytes 16 + 4c ..; byte 16h + 4c + i
+// holds token 16h + {2c, 2c + 1, 2c + 8, 2c + 9}[i] (P's permuted token order).
+__device__ __forceinline__ void v_fragment(const unsigned char* page, int dim, int ks, int lane, unsigned (&frag)[4]) {
+    const int ld_token = 8 * (lane / 8) + (lane % 8);  // ldmatrix row address of this lane
+    unsigned r[4];
+    ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
+    v_fragment_permute(r, frag);
+}
+// The bytes of V^T fragment registers 2h, 2h + 1 (k-step ks) whose tokens are below `valid`.
+__device__ __forceinline__ unsigned v_token_mask(int ks, int h, int c, int valid) {
+    const int left = valid - (kFp8KStep * ks + 16 * h + 2 * c);  // tokens from the first one on
+    return (left > 0 ? 0x000000ffu : 0u) | (left > 1 ? 0x0000ff00u : 0u) | (left > 8 ? 0x00ff0000u : 0u) |
+           (left > 9 ? 0xff000000u : 0u);
+}
+
+// WG_MODE 6: where the V^T of content tile t lives after the transposition: in tile t - 1's
+// place (tile 0's in the RoPE tile's), so each tile is read completely before it is overwritten.
+__device__ __forceinline__ int vt_slot(int tile) { return (tile + kContentTiles) % (kContentTiles + 1); }
+
+// WG_MODE 6: warp w's share of the in-place transposition of one content tile (128 dims x 64
+// tokens at shared address `src`) into V^T rows of 64 bytes (64-byte swizzle) at `dst`: the
+// four fragments of 16 dims x 32 tokens at k-step w % 2 and dims 16 (2k + w / 2), k = 0..3,
+// all four loads in flight, each fragment stored with one stmatrix (the V^T fragment's register
+// layout is ldmatrix's: registers 0-3 are the matrices of dims 2r / 2r + 1 at the k-step's
+// bytes 0-15 / 16-31). Inside each group of 16 dims the rows hold the even dims first, then the
+// odd ones (row r: dim 2r, row 8 + r: dim 2r + 1), so that each stored 8 x 16-byte matrix
+// covers all eight 16-byte bank groups (with dims in order, rows 2r of the 64-byte-swizzled
+// tile pair up on four: two-way conflicts); PV's output columns come out in that order.
+// `masked`: AND registers 2h, 2h + 1 with mask[h]: the bytes of tokens past the page's end are
+// zeroed (unused cache rows may hold NaN patterns; P is 0 there, but 0 x NaN is NaN).
+__device__ __forceinline__ void transpose_tile(unsigned src, unsigned dst, int w, int lane, bool masked,
+                                               const unsigned (&mask)[2]) {
+    constexpr int kFragments = 4;  // per warp and tile: 8 dim groups x 2 k-steps over 4 warps
+    constexpr int kDimGroupBytes = 16 * kPRowBytes;  // 16 V^T rows
+    const int ks = w & 1, half = w >> 1, r = lane % 8, m = lane / 8;
+    // this lane's ldmatrix row: token 32 ks + lane of the 128-byte-swizzled tile, whose 16-byte
+    // chunk dg is stored at dg ^ (lane % 8); the row address has bits 4-6 clear, so XOR them in
+    // (dg = 2k + half: XORing 2k and half is adding them)
+    const unsigned ld_row = ((src + (ks * kFp8KStep + lane) * kBox) | ((lane & 7) << 4)) ^ (half << 4);
+    // this lane's stmatrix row: row r + 8 (m & 1) of the 16 (dim 2r + (m & 1)), bytes 16 (m / 2)
+    // of the k-step, in 64-byte rows whose 16-byte chunk the swizzle XORs with (row / 2) % 4
+    const unsigned st_row = dst + half * kDimGroupBytes + (r + 8 * (m & 1)) * kPRowBytes +
+                            ((((2 * ks + (m >> 1)) ^ (r >> 1)) & 3) << 4);
+    unsigned v[kFragments][4];
+#pragma unroll
+    for (int k = 0; k < kFragments; ++k) ldmatrix_x4_trans(v[k], ld_row ^ ((2 * k) << 4));
+#pragma unroll
+    for (int k = 0; k < kFragments; ++k) {
+        unsigned frag[4];
+        v_fragment_permute(v[k], frag);
+        if (masked) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) frag[i] &= mask[i / 2];
+        }
+        stmatrix_x4(st_row + 2 * k * kDimGroupBytes, frag);
+    }
 }
 
 // Producer: one elected lane streams the pages of [block_begin, block_end) through the stages.
@@ -314,28 +397,53 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem
     wgmma_commit();
 }
 
+// WG_MODE 6: QK takes the RoPE tile first, so that the page's tiles die in the order the V^T
+// transposition overwrites them (RoPE tile, content tiles 0, 1, 2: see vt_slot); the other
+// modes keep the content tiles first. Position `i` of the order -> qk_chunk's chunk.
+__device__ __forceinline__ constexpr int qk_chunk_at(int i) { return kVtSmem ? (i + kContentTiles) % kQkChunks : i; }
+
+// What WG_MODE 6's QK needs to transpose block `it`'s page while its chunks run: the
+// warpgroup's named barrier, the warp, and the V^T masks of a partial page.
+struct PageTranspose {
+    int wg_barrier;
+    int w;
+    bool masked;       // the page is a request's last: tokens past its end are zeroed
+    unsigned mask[2];  // of this warp's k-step (see transpose_tile)
+};
+
 // S^T for block `it` with float32 promotion: each chunk in a fresh accumulator, summed in chunk
 // order. With kQkPipelined two accumulators are used in turn so one chunk runs while the
 // previous one is added; otherwise chunk 0 goes straight into `s` and each later chunk waits.
+// WG_MODE 6 (not pipelined): while chunk i runs, the warpgroup transposes content tile i - 1
+// over the tile of chunk i - 1, which is complete: every warp waited for it, and finished
+// reading the tile before it (transposition step i - 2), before the warpgroup barrier.
 template <int kAcc>
 __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* smem, unsigned long long* full,
-                                            int it, unsigned long long q_desc_base) {
+                                            int it, unsigned long long q_desc_base, const PageTranspose& vt) {
     const unsigned long long k_desc = page_k_desc(smem, full, it);
     if constexpr (!kQkPipelined) {
+        const unsigned page = smem_addr(smem + kOffStages + (it % STAGES) * kStageBytes);
         wgmma_fence();
-        qk_chunk(s, k_desc, q_desc_base, 0, true);
+        qk_chunk(s, k_desc, q_desc_base, qk_chunk_at(0), true);
         wgmma_commit();
 #pragma unroll
-        for (int chunk = 1; chunk < kQkChunks; ++chunk) {
+        for (int i = 1; i < kQkChunks; ++i) {
             float acc[kAcc];
             wgmma_fence();
-            qk_chunk(acc, k_desc, q_desc_base, chunk, true);
+            qk_chunk(acc, k_desc, q_desc_base, qk_chunk_at(i), true);
             wgmma_commit();
+            if constexpr (kVtSmem) {
+                const int t = i - 1;  // the content tile this step transposes
+                if (i == 1) wgmma_wait<1>();  // the RoPE chunk (the later ones are waited below)
+                named_barrier_sync(vt.wg_barrier, kWgThreads);
+                transpose_tile(page + t * kTileBytes, page + vt_slot(t) * kTileBytes, vt.w, threadIdx.x % 32,
+                               vt.masked, vt.mask);
+            }
             wgmma_wait<0>();
             fence_accumulators(s);
             fence_accumulators(acc);
 #pragma unroll
-            for (int i = 0; i < kAcc; ++i) s[i] += acc[i];
+            for (int j = 0; j < kAcc; ++j) s[j] += acc[j];
         }
         return;
     }
@@ -435,7 +543,14 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         if constexpr (kPrefetchQk) {
             if (it + 1 < num_blocks) issue_qk(s_next, smem, full, it + 1, q_desc_base);
         } else if constexpr (kQkPromote) {
-            qk_promoted(s_cur, smem, full, it, q_desc_base);
+            PageTranspose vt{kBarWg0 + wg, w, false, {~0u, ~0u}};
+            if constexpr (kVtSmem) {
+                const int valid = valid_of(it);
+                vt.masked = valid < kPageTokens;
+                vt.mask[0] = v_token_mask(w & 1, 0, c, valid);
+                vt.mask[1] = v_token_mask(w & 1, 1, c, valid);
+            }
+            qk_promoted(s_cur, smem, full, it, q_desc_base, vt);
         } else {
             issue_qk(s_cur, smem, full, it, q_desc_base);
             wgmma_wait<0>();
@@ -746,24 +861,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
         for (int ks = 0; ks < kPvKSteps; ++ks)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int t0 = kFp8KStep * ks + 16 * h + 2 * c;
-                vmask[ks][h] = !masked ? ~0u
-                                       : (t0 < valid ? 0x000000ffu : 0u) | (t0 + 1 < valid ? 0x0000ff00u : 0u) |
-                                             (t0 + 8 < valid ? 0x00ff0000u : 0u) | (t0 + 9 < valid ? 0xff000000u : 0u);
-            }
+            for (int h = 0; h < 2; ++h) vmask[ks][h] = !masked ? ~0u : v_token_mask(ks, h, c, valid);
         const unsigned long long p_desc = make_smem_desc(p_s + pv_row0 * kPRowBytes, kSwizzle64B, kSwizzleAtom64);
-        const int ld_token = 8 * (lane / 8) + (lane % 8);  // ldmatrix row address of this lane
         // V^T A fragment of this warp's 16 dims of m-tile mt, tokens [32 ks, 32 ks + 32)
-        auto v_fragment = [&](int mt, int ks, unsigned (&frag)[4]) {
-            const int dim = pv_dim0 + mt * 64 + 16 * w;
-            unsigned r[4];
-            ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
-            constexpr unsigned kEvenDim = 0x6420, kOddDim = 0x7531;
-            frag[0] = prmt(r[0], r[1], kEvenDim);
-            frag[1] = prmt(r[0], r[1], kOddDim);
-            frag[2] = prmt(r[2], r[3], kEvenDim);
-            frag[3] = prmt(r[2], r[3], kOddDim);
+        auto v_fragment_of = [&](int mt, int ks, unsigned (&frag)[4]) {
+            v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, lane, frag);
             if (masked) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];
@@ -778,7 +880,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
                 for (int ks = 0; ks < kPvKSteps; ++ks) {
                     unsigned a[4];
-                    v_fragment(mt, ks, a);
+                    v_fragment_of(mt, ks, a);
                     wgmma_fp8_rs(acc, a, p_desc + ((kFp8KStep * ks) >> 4), ks > 0);
                 }
                 wgmma_commit();
@@ -788,7 +890,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             unsigned frags[2][kPvKSteps][4];
             auto build_frags = [&](int mt) {
 #pragma unroll
-                for (int ks = 0; ks < kPvKSteps; ++ks) v_fragment(mt, ks, frags[mt % 2][ks]);
+                for (int ks = 0; ks < kPvKSteps; ++ks) v_fragment_of(mt, ks, frags[mt % 2][ks]);
             };
             if constexpr (kPvPipelined) issue_pv(0, t[0]);
             else build_frags(0);
@@ -828,7 +930,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
                 for (int ks = 0; ks < kPvKSteps; ++ks) {
                     unsigned a[4];
-                    v_fragment(mt, ks, a);
+                    v_fragment_of(mt, ks, a);
                     wgmma_fp8_rs(o_acc[mt], a, p_desc + ((kFp8KStep * ks) >> 4));
                 }
                 if constexpr (kPvGroups) {  // keep at most two m-tiles' A fragments in flight
@@ -853,6 +955,47 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     auto pv_step = [&](int it, bool seen = false) {
         if (kRows == 64 || valid_of(it) < kPageTokens) pv_page(it, true, seen);
         else pv_page(it, false, seen);
+    };
+    // WG_MODE 6, PV of block it for this warpgroup's 256 dims: O[rows x dims] = gamma O + P . V,
+    // A = P (the block's P tile), B = V^T (the transposed page), both K-major from shared
+    // memory; each 64-dim chunk in a fresh accumulator, two in turn, so that chunk nc + 1 runs
+    // on the tensor cores while chunk nc is added in float32. Thread (w, g, c) holds rows
+    // 16w + g + 8h at dims 8j + 2c + e of each chunk (o_acc[nc][4j + 2h + e]).
+    // The owner wrote V^T during its QK, before the softmax that published P (fence and
+    // barriers in publish_p); the other warpgroup met that hand-over before this PV.
+    auto pv_rows_m = [&](int it) {
+        const int stage = it % STAGES;
+        const unsigned char* page = page_of(it);
+        const float* gamma_buf = gamma_of(it);
+        const float gam[2] = {gamma_buf[16 * w + g], gamma_buf[16 * w + g + 8]};
+        const unsigned long long a_desc = make_smem_desc(p_tile_of(it), kSwizzle64B, kSwizzleAtom64);
+        auto issue = [&](int nc, float (&acc)[kOAcc]) {
+            const int dim = pv_dim0 + 64 * nc;
+            const unsigned long long b_desc =
+                make_smem_desc(page + vt_slot(dim / kBox) * kTileBytes + (dim % kBox) * kPRowBytes, kSwizzle64B,
+                               kSwizzleAtom64);
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kPvKSteps; ++ks)
+                wgmma_fp8_ss(acc, a_desc + ((kFp8KStep * ks) >> 4), b_desc + ((kFp8KStep * ks) >> 4), ks > 0);
+            wgmma_commit();
+        };
+        float t[2][kOAcc];
+        issue(0, t[0]);
+#pragma unroll
+        for (int nc = 0; nc < kMTiles; ++nc) {
+            if (nc + 1 < kMTiles) {
+                issue(nc + 1, t[(nc + 1) % 2]);
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+            float (&done)[kOAcc] = t[nc % 2];
+            fence_accumulators(done);
+#pragma unroll
+            for (int i = 0; i < kOAcc; ++i) o_acc[nc][i] = fmaf(gam[(i / 2) % 2], o_acc[nc][i], done[i]);
+        }
+        if (lane == 0) mbarrier_arrive(&empty[stage]);
     };
 
     if constexpr (kPingPong) {
@@ -894,9 +1037,15 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 if (mine) softmax_step(it);
             }
             trace(it, 3);
-            if (it > 0) pv_step(it - 1);
-            trace(it, 4);
-            if (mine) pv_step(it, true);
+            if constexpr (kVtSmem) {
+                if (it > 0) pv_rows_m(it - 1);
+                trace(it, 4);
+                if (mine) pv_rows_m(it);
+            } else {
+                if (it > 0) pv_step(it - 1);
+                trace(it, 4);
+                if (mine) pv_step(it, true);
+            }
             trace(it, 5);
         }
     } else {
@@ -942,6 +1091,28 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             return wg_sum(n / kRowsPerWg, n % kRowsPerWg);
         }
     };
+    // out = O / L: rows 16w + g + 8h; column 8j + 2c + e of a 64-dim chunk is dim 4c + 2e of its
+    // 16 (j even) or the next dim (j odd): V^T holds each 16 dims even ones first
+    if constexpr (kVtSmem) {
+        const int partial = __ldg(&p.work[blockIdx.y].partial);  // not kept through the page loop
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n = 16 * w + g + 8 * h;
+            if (row0 + n >= rows) continue;
+            const float total = row_l_total(n);
+            const float rcp = total > 0.f ? 1.f / total : 0.f;
+            const long base = (partial >= 0 ? static_cast<long>(partial) * rows : row_base) * kDimV + (row0 + n) * kDimV;
+#pragma unroll
+            for (int nc = 0; nc < kMTiles; ++nc)
+#pragma unroll
+                for (int q = 0; q < kOAcc / 8; ++q)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        store_out2(p.out, p.partial_out, base + pv_dim0 + 64 * nc + 16 * q + 4 * c + 2 * e,
+                                   partial >= 0, o_acc[nc][8 * q + 2 * h + e] * rcp,
+                                   o_acc[nc][8 * q + 4 + 2 * h + e] * rcp);
+        }
+    }
     float rcp[kAllRows];
 #pragma unroll
     for (int a = 0; a < kAllRows; ++a) {
@@ -955,7 +1126,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     const bool to_partial = partial >= 0;
     const long part_rows = static_cast<long>(partial) * rows;
 #pragma unroll
-    for (int a = 0; a < kAllRows; ++a) {
+    for (int a = 0; a < (kVtSmem ? 0 : kAllRows); ++a) {
         const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
         const int row = row0 + n;
         if (row >= rows) continue;
@@ -993,11 +1164,13 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES;
     roles::init_pipeline_barriers(full, empty, STAGES, kConsumerWarps);
-    roles::run_work_item<kConsumerRegs>(
-        p, [&p, smem, full, empty](const int* table, int begin, int n) { produce(p, smem, full, empty, table, begin, n); },
-        [&p, smem, full, empty, rows, row0](int begin, int n, int seqlen, int req) {
-            consume(p, smem, full, empty, begin, n, seqlen, rows, row0, static_cast<long>(req) * rows, req);
-        });
+    auto producer = [&p, smem, full, empty](const int* table, int begin, int n) {
+        produce(p, smem, full, empty, table, begin, n);
+    };
+    auto consumer = [&p, smem, full, empty, rows, row0](int begin, int n, int seqlen, int req) {
+        consume(p, smem, full, empty, begin, n, seqlen, rows, row0, static_cast<long>(req) * rows, req);
+    };
+    roles::run_work_item<kConsumerRegs>(p, producer, consumer);
 }
 
 }  // namespace fp8wg

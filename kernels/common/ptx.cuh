@@ -122,14 +122,26 @@ __device__ __forceinline__ void cp_async_wait() {
 // ---- ldmatrix ------------------------------------------------------------------------------
 // Four 8x8 b16 matrices per warp (x4), plain or transposed; one instruction each, so stamped out.
 #define SNAPMLA_LDMATRIX_X4(name, shape)                                                          \
-    __device__ __forceinline__ void name(unsigned (&r)[4], const void* smem_row) {                \
+    __device__ __forceinline__ void name(unsigned (&r)[4], unsigned smem_row_addr) {              \
         asm volatile("ldmatrix.sync.aligned." shape ".shared.b16 {%0,%1,%2,%3}, [%4];\n"          \
                      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                              \
-                     : "r"(smem_addr(smem_row)));                                                  \
+                     : "r"(smem_row_addr));                                                        \
+    }                                                                                             \
+    __device__ __forceinline__ void name(unsigned (&r)[4], const void* smem_row) {                \
+        name(r, smem_addr(smem_row));                                                             \
     }
 SNAPMLA_LDMATRIX_X4(ldmatrix_x4, "m8n8.x4")
 SNAPMLA_LDMATRIX_X4(ldmatrix_x4_trans, "m8n8.x4.trans")
 #undef SNAPMLA_LDMATRIX_X4
+
+// Four 8x8 b16 matrices to shared memory (sm_90): lane l gives the address of row l % 8 of
+// matrix l / 8 (16 contiguous bytes); register i of lane (g, c) holds bytes 4c .. 4c + 3 of
+// row g of matrix i, the layout ldmatrix loads.
+__device__ __forceinline__ void stmatrix_x4(unsigned smem_row_addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_row_addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 
 // ---- MMA: D[16x8] += A[16x16] * B[16x8], float32 accumulate --------------------------------
 // One m16n8k16 per call, f16 or bf16 inputs; stamped out per input type.

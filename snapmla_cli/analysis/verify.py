@@ -108,6 +108,7 @@ FP8_KERNEL_VARIANTS: dict[str, tuple[int, dict[str, int]]] = {
     "v3-pingpong": (3, {"wg_mode": 2}),
     "v3-alt": (3, {"wg_mode": 3}),
     "v3-rows-m": (3, {"wg_mode": 4, "row_groups": 4}),  # 64-row tiles only, padded below 64 rows
+    "v3-vt": (3, {"wg_mode": 6, "row_groups": 4}),  # rows = M with V^T in shared memory, 64-row tiles
     "v3-unpromoted": (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 0}),
     "v3-pq": (3, {"wg_mode": 0, "qk_promote": 1, "pv_promote": 0}),
     "v3-pv": (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 1}),
@@ -118,7 +119,7 @@ FP8_KERNEL_SPECS = ("default", *FP8_KERNEL_VARIANTS)
 def fp8_kernel_implementation(spec: str) -> Implementation:
     """The FP8 kernel named by ``spec``: ``default`` (what ``flash_mla_with_kvcache`` picks:
     tuning database, else heuristic), ``v2`` (mma.sync), ``v3`` (wgmma, at its heuristic),
-    ``v3-dims`` / ``v3-rows`` / ``v3-pingpong`` / ``v3-alt`` / ``v3-rows-m`` (wgmma in one
+    ``v3-dims`` / ``v3-rows`` / ``v3-pingpong`` / ``v3-alt`` / ``v3-rows-m`` / ``v3-vt`` (wgmma in one
     warpgroup mode, see ``DecodeConfig.wg_mode``), and the diagnostic wgmma
     kernels without float32 promotion of both accumulations: ``v3-unpromoted``, ``v3-pq`` (QK
     promoted only), ``v3-pv`` (PV only)."""

@@ -41,7 +41,7 @@ def verify_command(
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal MTP masking.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the synthetic data, queries and page layout.")] = 0,
-    fp8_kernel: Annotated[str, typer.Option(help="FP8 kernel(s) to check on a GPU, comma-separated: default, v2 (mma.sync), v3 (wgmma at its heuristic), v3-dims / v3-rows / v3-pingpong / v3-alt / v3-rows-m (wgmma in one warpgroup mode), v3-unpromoted / v3-pq / v3-pv (wgmma without float32 promotion of both / of PV / of QK: diagnostics).")] = "default",
+    fp8_kernel: Annotated[str, typer.Option(help="FP8 kernel(s) to check on a GPU, comma-separated: default, v2 (mma.sync), v3 (wgmma at its heuristic), v3-dims / v3-rows / v3-pingpong / v3-alt / v3-rows-m / v3-vt (wgmma in one warpgroup mode), v3-unpromoted / v3-pq / v3-pv (wgmma without float32 promotion of both / of PV / of QK: diagnostics).")] = "default",
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
     gate_emul: Annotated[float, typer.Option(help="FP8 kernel vs emul: max rel_l2.")] = Gates.emul_rel_l2,

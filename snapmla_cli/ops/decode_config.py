@@ -38,11 +38,15 @@ DEFAULT_FP8_KERNEL = FP8_WGMMA
 # and share P; or each owns its rows (independent); or owns its rows and they take turns on
 # the tensor cores (ping-pong); or they split the output dims and take the pages' QK and
 # softmax in turn, handing the row state over (alternate pages); or the same with the query
-# rows as wgmma's M in QK, so that a row's statistics are a quad's (64-row tiles only).
-WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M = 0, 1, 2, 3, 4
-WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M)
+# rows as wgmma's M in QK, so that a row's statistics are a quad's (64-row tiles only); or
+# that with PV unswapped too, on a V^T the producer warps transpose in shared memory (6).
+WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M, WG_ROWS_M_VT = 0, 1, 2, 3, 4, 6
+WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M, WG_ROWS_M_VT)
 WG_MODE_NAMES = {WG_DIMS_SPLIT: "wd", WG_OWN_ROWS: "wr", WG_PINGPONG: "wp", WG_ALT_PAGES: "wa",
-                 WG_ALT_ROWS_M: "wm"}
+                 WG_ALT_ROWS_M: "wm", WG_ROWS_M_VT: "wv"}
+# the modes with the query rows as wgmma's M: 64-row tiles only
+WG_ROWS_M_MODES = (WG_ALT_ROWS_M, WG_ROWS_M_VT)
+WG_ALT_PAGES_MODES = (WG_ALT_PAGES, *WG_ROWS_M_MODES)
 ROWS_M_ROW_GROUPS = 4  # rows = M fills wgmma's M = 64 with the CTA's rows
 MIN_STAGES = 2  # the kernels' pipelines need two stages
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
@@ -118,12 +122,12 @@ WGMMA_SWITCH_DEFAULTS = (DecodeConfig.qk_promote, DecodeConfig.pv_promote, Decod
 def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     """``kSmemBytes + kSmemAlign`` of decode_fp8_wgmma.cu."""
     rows = cfg.block_m
-    alt_pages = cfg.wg_mode in (WG_ALT_PAGES, WG_ALT_ROWS_M)
+    alt_pages = cfg.wg_mode in WG_ALT_PAGES_MODES
     qk_rows = rows if alt_pages else rows // 2  # the rows of one warpgroup's softmax
     p_buffers = 4 if alt_pages else 2
     # the per-warp statistics exchange: (max, max e*s_k) per warp and row, row info; rows = M
     # reduces inside quads and needs neither
-    exchange = 0 if cfg.wg_mode == WG_ALT_ROWS_M else 2 * 4 * qk_rows * 8 + 2 * qk_rows * WGMMA_ROW_INFO_BYTES
+    exchange = 0 if cfg.wg_mode in WG_ROWS_M_MODES else 2 * 4 * qk_rows * 8 + 2 * qk_rows * WGMMA_ROW_INFO_BYTES
     return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * WGMMA_STAGE_BYTES
             + p_buffers * rows * (WGMMA_P_BYTES_PER_ROW + 4)  # P^T and gamma per buffered block
             + exchange + 2 * 4 * qk_rows * 4  # L partials per warp and row
@@ -155,7 +159,7 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     if cfg.wgmma:
         return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= MIN_STAGES
                 and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1) and cfg.wg_mode in WG_MODES
-                and (cfg.wg_mode != WG_ALT_ROWS_M or cfg.row_groups == ROWS_M_ROW_GROUPS)
+                and (cfg.wg_mode not in WG_ROWS_M_MODES or cfg.row_groups == ROWS_M_ROW_GROUPS)
                 and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
                 and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..ops.decode_config import WG_ALT_PAGES, WG_ALT_ROWS_M, DecodeConfig, pads_row_tile
+from ..ops.decode_config import WG_ALT_PAGES, WG_ROWS_M_MODES, DecodeConfig, pads_row_tile
 from .db import (
     DbError,
     Entry,
@@ -245,7 +245,7 @@ def adapt_config(cfg: DecodeConfig, rows: int, fmt: str) -> DecodeConfig | None:
         return None if config_problem(cfg, fmt) else cfg
     limit = max_row_groups(rows)
     if cfg.row_groups > limit:
-        mode = WG_ALT_PAGES if cfg.wg_mode == WG_ALT_ROWS_M else cfg.wg_mode
+        mode = WG_ALT_PAGES if cfg.wg_mode in WG_ROWS_M_MODES else cfg.wg_mode
         cfg = replace(cfg, row_groups=limit, wg_mode=mode)
     return None if config_problem(cfg, fmt, rows) else cfg
 

@@ -69,13 +69,14 @@ def _config(rows, version, device, **kernel):
 # two CTAs per SM, in its other warpgroup layout, and unpromoted (diagnostic); the mma.sync kernel
 KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (3, {"wg_mode": 1}), (3, {"wg_mode": 2}),
            (3, {"wg_mode": 3}), (3, {"wg_mode": 3, "stages": 2}), (3, {"wg_mode": 4, "row_groups": 4}),
-           (3, {"wg_mode": 4, "row_groups": 4, "stages": 2}),
+           (3, {"wg_mode": 4, "row_groups": 4, "stages": 2}), (3, {"wg_mode": 6, "row_groups": 4}),
+           (3, {"wg_mode": 6, "row_groups": 4, "stages": 2}),
            (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 0}), (2, {})]
 
 
 @pytest.mark.parametrize("version,kernel", KERNELS,
                          ids=["v3", "v3-st2-c2", "v3-rows", "v3-pingpong", "v3-alt", "v3-alt-st2",
-                              "v3-rows-m", "v3-rows-m-st2", "v3-unpromoted", "v2"])
+                              "v3-rows-m", "v3-rows-m-st2", "v3-vt", "v3-vt-st2", "v3-unpromoted", "v2"])
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
 def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, version, kernel):
     device = torch.device("cuda")
@@ -107,8 +108,8 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
             assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
 
 
-@pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2, 3, 4)] + [(2, {})],
-                         ids=["v3-dims", "v3-rows", "v3-pingpong", "v3-alt", "v3-rows-m", "v2"])
+@pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2, 3, 4, 6)] + [(2, {})],
+                         ids=["v3-dims", "v3-rows", "v3-pingpong", "v3-alt", "v3-rows-m", "v3-vt", "v2"])
 def test_fp8_decode_bitwise_deterministic_and_split_invariant(version, kernel):
     from dataclasses import replace
 
