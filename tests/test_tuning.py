@@ -156,9 +156,9 @@ def test_kernel_versions_and_wgmma_switches():
     assert {c.kernel_version for c in valid} == set(FP8_VERSIONS) == {dc.FP8_WGMMA, dc.FP8_MMA_SYNC}
     wgmma = [c for c in valid if c.wgmma]
     # own rows and ping-pong lost everywhere; dims split and alternate pages each win somewhere;
-    # rows = M only at 64-row tiles
-    assert {c.wg_mode for c in wgmma} == {dc.WG_DIMS_SPLIT, dc.WG_ALT_PAGES, dc.WG_ALT_ROWS_M}
-    assert {c.row_groups for c in wgmma if c.wg_mode == dc.WG_ALT_ROWS_M} == {4}
+    # rows = M (either PV) only at 64-row tiles
+    assert {c.wg_mode for c in wgmma} == {dc.WG_DIMS_SPLIT, dc.WG_ALT_PAGES, dc.WG_ALT_ROWS_M, dc.WG_ROWS_M_VT}
+    assert {c.row_groups for c in wgmma if c.wg_mode in dc.WG_ROWS_M_MODES} == {4}
     assert all(c.qk_promote == c.pv_promote == 1 for c in wgmma)
     v3 = DecodeConfig(row_groups=4, stages=4, kernel_version=dc.FP8_WGMMA)
     assert (v3.qk_promote, v3.pv_promote) == (1, 1)  # the defaults
@@ -176,6 +176,9 @@ def test_kernel_versions_and_wgmma_switches():
     assert dc.fp8_config_valid(rows_m) and not dc.fp8_config_valid(replace(v3, wg_mode=dc.WG_ALT_PAGES))
     assert not dc.fp8_config_valid(replace(rows_m, row_groups=2))
     assert config_id(rows_m, "fp8").startswith("v3-rg4-wm-st4")
+    rows_m_vt = replace(v3, wg_mode=dc.WG_ROWS_M_VT)  # V^T in place in the stages: four still fit
+    assert dc.fp8_config_valid(rows_m_vt) and not dc.fp8_config_valid(replace(rows_m_vt, row_groups=2))
+    assert config_id(rows_m_vt, "fp8").startswith("v3-rg4-wv-st4")
     assert tdb.config_from_dict(tdb.config_to_dict(unpromoted)) == unpromoted
     data = tdb.config_to_dict(v3)
     with pytest.raises(ValueError, match=r"qk_promote must be one of \(0, 1\)"):
@@ -196,6 +199,18 @@ def test_bf16_wgmma_tile_is_never_narrowed(rows):
     assert lookup.adapt_config(wgmma, rows, "bf16") == wgmma
     mma = heuristic_config(64, False, dc.BF16_MMA_SYNC)
     assert lookup.adapt_config(mma, rows, "bf16").row_groups == max_row_groups(rows)
+
+
+@pytest.mark.parametrize("mode", [dc.WG_ALT_ROWS_M, dc.WG_ROWS_M_VT])
+def test_rows_m_entries_narrow_to_alternate_pages(mode):
+    """A stored rows = M entry (64-row tiles only) asked for 32 rows becomes alternate pages at
+    two row groups, a launchable tile, instead of falling back to the heuristic."""
+    stored = replace(heuristic_config(64, True, dc.FP8_WGMMA), wg_mode=mode)
+    assert dc.fp8_config_valid(stored)
+    narrowed = lookup.adapt_config(stored, 32, "fp8")
+    assert narrowed is not None
+    assert (narrowed.row_groups, narrowed.wg_mode) == (2, dc.WG_ALT_PAGES)
+    assert lookup.adapt_config(stored, 64, "fp8") == stored
 
 
 def test_search_space_drops_split_aliases():
