@@ -402,6 +402,25 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem
 // modes keep the content tiles first. Position `i` of the order -> qk_chunk's chunk.
 __device__ __forceinline__ constexpr int qk_chunk_at(int i) { return kVtSmem ? (i + kContentTiles) % kQkChunks : i; }
 
+// `kSteps` wgmma groups through two accumulators in turn: step i + 1 is issued before step i
+// is waited for and handed to `take(i, acc)` (float32 promotion of QK chunks or PV chunks).
+// `issue(i, acc)` fences, issues and commits step i's wgmmas into `acc`.
+template <int kSteps, int kAcc, class Issue, class Take>
+__device__ __forceinline__ void two_accumulator_pipeline(float (&acc)[2][kAcc], Issue issue, Take take) {
+    issue(0, acc[0]);
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+        if (i + 1 < kSteps) {
+            issue(i + 1, acc[(i + 1) % 2]);
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
+        fence_accumulators(acc[i % 2]);
+        take(i, acc[i % 2]);
+    }
+}
+
 // What WG_MODE 6's QK needs to transpose block `it`'s page while its chunks run: the
 // warpgroup's named barrier, the warp, and the V^T masks of a partial page.
 struct PageTranspose {
@@ -448,24 +467,17 @@ __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* sme
         return;
     }
     float acc[2][kAcc];
-    wgmma_fence();
-    qk_chunk(acc[0], k_desc, q_desc_base, 0, true);
-    wgmma_commit();
-#pragma unroll
-    for (int chunk = 0; chunk < kQkChunks; ++chunk) {
-        if (chunk + 1 < kQkChunks) {
+    two_accumulator_pipeline<kQkChunks>(
+        acc,
+        [&](int chunk, float (&into)[kAcc]) {
             wgmma_fence();
-            qk_chunk(acc[(chunk + 1) % 2], k_desc, q_desc_base, chunk + 1, true);
+            qk_chunk(into, k_desc, q_desc_base, chunk, true);
             wgmma_commit();
-            wgmma_wait<1>();
-        } else {
-            wgmma_wait<0>();
-        }
-        float (&done)[kAcc] = acc[chunk % 2];
-        fence_accumulators(done);
+        },
+        [&](int chunk, float (&done)[kAcc]) {
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) s[i] = chunk == 0 ? done[i] : s[i] + done[i];
-    }
+            for (int i = 0; i < kAcc; ++i) s[i] = chunk == 0 ? done[i] : s[i] + done[i];
+        });
 }
 
 __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, unsigned long long* full,
@@ -981,20 +993,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             wgmma_commit();
         };
         float t[2][kOAcc];
-        issue(0, t[0]);
-#pragma unroll
-        for (int nc = 0; nc < kMTiles; ++nc) {
-            if (nc + 1 < kMTiles) {
-                issue(nc + 1, t[(nc + 1) % 2]);
-                wgmma_wait<1>();
-            } else {
-                wgmma_wait<0>();
-            }
-            float (&done)[kOAcc] = t[nc % 2];
-            fence_accumulators(done);
+        two_accumulator_pipeline<kMTiles>(t, issue, [&](int nc, float (&done)[kOAcc]) {
 #pragma unroll
             for (int i = 0; i < kOAcc; ++i) o_acc[nc][i] = fmaf(gam[(i / 2) % 2], o_acc[nc][i], done[i]);
-        }
+        });
         if (lane == 0) mbarrier_arrive(&empty[stage]);
     };
 
