@@ -1093,17 +1093,29 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             return wg_sum(n / kRowsPerWg, n % kRowsPerWg);
         }
     };
+    float rcp[kAllRows];  // the rows of O^T a thread holds (swapped PV; WG_MODE 6 has its own)
+#pragma unroll
+    for (int a = 0; a < (kVtSmem ? 0 : kAllRows); ++a) {
+        const float total = row_l_total(pv_row0 + 8 * (a / 2) + 2 * c + (a % 2));
+        rcp[a] = total > 0.f ? 1.f / total : 0.f;
+    }
+
+    // ---- epilogue: out = O / L (swapped PV: dims 2g, 2g+1 of each warp's 16), lse = m ln2 + log(sigma L)
+    // the work item's partial slot is read here, not kept in a register through the page loop
+    const int partial = __ldg(&p.work[blockIdx.y].partial);
+    const bool to_partial = partial >= 0;
+    const long part_rows = static_cast<long>(partial) * rows;
     // out = O / L: rows 16w + g + 8h; column 8j + 2c + e of a 64-dim chunk is dim 4c + 2e of its
     // 16 (j even) or the next dim (j odd): V^T holds each 16 dims even ones first
     if constexpr (kVtSmem) {
-        const int partial = __ldg(&p.work[blockIdx.y].partial);  // not kept through the page loop
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int n = 16 * w + g + 8 * h;
-            if (row0 + n >= rows) continue;
+            const int row = row0 + n;
+            if (row >= rows) continue;
             const float total = row_l_total(n);
-            const float rcp = total > 0.f ? 1.f / total : 0.f;
-            const long base = (partial >= 0 ? static_cast<long>(partial) * rows : row_base) * kDimV + (row0 + n) * kDimV;
+            const float rcp_row = total > 0.f ? 1.f / total : 0.f;
+            const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
 #pragma unroll
             for (int nc = 0; nc < kMTiles; ++nc)
 #pragma unroll
@@ -1111,34 +1123,23 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
                         store_out2(p.out, p.partial_out, base + pv_dim0 + 64 * nc + 16 * q + 4 * c + 2 * e,
-                                   partial >= 0, o_acc[nc][8 * q + 2 * h + e] * rcp,
-                                   o_acc[nc][8 * q + 4 + 2 * h + e] * rcp);
+                                   to_partial, o_acc[nc][8 * q + 2 * h + e] * rcp_row,
+                                   o_acc[nc][8 * q + 4 + 2 * h + e] * rcp_row);
         }
-    }
-    float rcp[kAllRows];
+    } else {
 #pragma unroll
-    for (int a = 0; a < kAllRows; ++a) {
-        const float total = row_l_total(pv_row0 + 8 * (a / 2) + 2 * c + (a % 2));
-        rcp[a] = total > 0.f ? 1.f / total : 0.f;
-    }
-
-    // ---- epilogue: out = O / L (dims 2g, 2g+1 of each warp's 16), lse = m ln2 + log(sigma L) --
-    // the work item's partial slot is read here, not kept in a register through the page loop
-    const int partial = __ldg(&p.work[blockIdx.y].partial);
-    const bool to_partial = partial >= 0;
-    const long part_rows = static_cast<long>(partial) * rows;
+        for (int a = 0; a < kAllRows; ++a) {
+            const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
+            const int row = row0 + n;
+            if (row >= rows) continue;
+            const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
+            const int j = a / 2, e = a % 2;
 #pragma unroll
-    for (int a = 0; a < (kVtSmem ? 0 : kAllRows); ++a) {
-        const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
-        const int row = row0 + n;
-        if (row >= rows) continue;
-        const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
-        const int j = a / 2, e = a % 2;
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-            const int dim = pv_dim0 + mt * 64 + 16 * w + 2 * g;
-            store_out2(p.out, p.partial_out, base + dim, to_partial, o_acc[mt][4 * j + e] * rcp[a],
-                       o_acc[mt][4 * j + 2 + e] * rcp[a]);
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                const int dim = pv_dim0 + mt * 64 + 16 * w + 2 * g;
+                store_out2(p.out, p.partial_out, base + dim, to_partial, o_acc[mt][4 * j + e] * rcp[a],
+                           o_acc[mt][4 * j + 2 + e] * rcp[a]);
+            }
         }
     }
     if (wtid < kQkRows && (!kAltPages || wg == 0)) {

@@ -39,7 +39,8 @@ DEFAULT_FP8_KERNEL = FP8_WGMMA
 # the tensor cores (ping-pong); or they split the output dims and take the pages' QK and
 # softmax in turn, handing the row state over (alternate pages); or the same with the query
 # rows as wgmma's M in QK, so that a row's statistics are a quad's (64-row tiles only); or
-# that with PV unswapped too, on a V^T the producer warps transpose in shared memory (6).
+# that with PV unswapped too, on a V^T the page's owner transposes in shared memory under its
+# QK (6; an experiment, not searched by the tuner).
 WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M, WG_ROWS_M_VT = 0, 1, 2, 3, 4, 6
 WG_MODES = (WG_DIMS_SPLIT, WG_OWN_ROWS, WG_PINGPONG, WG_ALT_PAGES, WG_ALT_ROWS_M, WG_ROWS_M_VT)
 WG_MODE_NAMES = {WG_DIMS_SPLIT: "wd", WG_OWN_ROWS: "wr", WG_PINGPONG: "wp", WG_ALT_PAGES: "wa",
