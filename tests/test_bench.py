@@ -394,3 +394,26 @@ def test_cli_runs_the_fake_workload_and_writes_json_and_plot(tmp_path: Path) -> 
                    "--batch", 2, "--steps", 1, "--json", report, "--force")
     assert again.exit_code == 0, again.output
     assert json.loads(report.read_text())["comparisons"][0]["equal_memory"] is None
+
+
+@pytest.mark.parametrize("calls,seconds,per_call,expect_calls", [
+    (3, 0.0, 1e-3, 3),      # the call count alone
+    (3, 0.2, 1e-3, 3 + 6 + 12 + 24 + 48 + 96 + 192),  # doubling batches until 0.2 s have run
+    (0, 0.0, 1e-3, 0),      # no warm-up at all
+    (0, 0.01, 0.1, 1),      # one long call covers the time
+])
+def test_warm_up_runs_the_calls_and_the_device_time(monkeypatch, calls, seconds, per_call, expect_calls):
+    """The benchmarks' warm-up (bench.timing.warm_up) runs at least `calls` calls and `seconds`
+    of device time, so a timing starts in the steady state (docs/PERF.md)."""
+    from snapmla_cli.bench import timing
+
+    ran: list[int] = []
+
+    def fake_elapsed(fn, n):
+        ran.append(n)
+        return n * per_call
+
+    monkeypatch.setattr(timing, "_elapsed", fake_elapsed)
+    timing.warm_up(lambda: None, calls, seconds)
+    assert sum(ran) == expect_calls
+    assert sum(ran) >= calls and sum(ran) * per_call >= seconds
