@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import SnapmlaError
@@ -37,29 +38,74 @@ def rows_per_cta_tiles(rows: int, block_m: int) -> int:
     return (rows + block_m - 1) // block_m
 
 
+# The split planner's cost model, in the time a CTA takes for one FP8 KV block (41984 bytes):
+# - a CTA's latency beyond its blocks (Q, the first page's arrival, the epilogue), per wave;
+CTA_OVERHEAD_BLOCKS = 2
+# - the partial outputs of split requests: float32 [rows, 512] written by the split and read by
+#   the combine, bandwidth shared by the whole GPU (bytes per row and split / bytes per block).
+PARTIAL_BLOCKS_PER_ROW = 2 * 512 * 4 / 41984
+# Finer plans than the policy's `waves` that the planner also weighs (waves + 1 .. + this).
+EXTRA_WAVES = 7
+
+
+def _split_counts(blocks: np.ndarray, chunk: int, policy: SplitPolicy) -> np.ndarray:
+    """Splits per request: ``floor(blocks / chunk)``, at least one (none for an empty request)."""
+    counts = np.minimum(np.maximum(blocks // chunk, 1), policy.max_splits_per_request)
+    return np.where(blocks > 0, np.minimum(counts, blocks), 0)
+
+
+def estimated_makespan(blocks: np.ndarray, counts: np.ndarray, rows: int, m_tiles: int,
+                       slots: int) -> float:
+    """A plan's time in KV blocks of one CTA: the splits launched longest first (the work list's
+    order), the GPU running ``slots`` CTAs at a time, each wave as long as its longest split
+    plus the fixed cost of a CTA, plus the partial outputs' traffic spread over the GPU. A
+    request of ``nb`` blocks in ``p`` splits has ``nb % p`` splits of ``nb // p + 1`` blocks and
+    the others of ``nb // p``."""
+    used = counts > 0
+    nb, parts = blocks[used], counts[used]
+    q, r = np.divmod(nb, parts)
+    sizes = np.concatenate([q + 1, q])
+    multiplicity = np.concatenate([r, parts - r])
+    order = np.argsort(-sizes, kind="stable")
+    sizes, ends = sizes[order], np.cumsum(multiplicity[order])
+    per_wave = max(1, slots // m_tiles)
+    waves = -(-int(ends[-1]) // per_wave)
+    # the longest split of wave k is the split at position k * per_wave of the sorted list
+    firsts = np.searchsorted(ends, np.arange(waves) * per_wave, side="right")
+    partial_splits = int(parts[parts > 1].sum())
+    partials = partial_splits * rows * PARTIAL_BLOCKS_PER_ROW / slots
+    return int(sizes[firsts].sum()) + waves * CTA_OVERHEAD_BLOCKS + partials
+
+
 def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> list[list[int]]:
     """Block boundaries per request, e.g. ``[[0, 12, 24], [0, 3], []]`` (empty: no keys).
 
     The CTA count (splits x row tiles) should fill whole waves: a grid of 1.45 waves leaves
-    most SMs idle for the last 45%. Each request gets ``floor(blocks / chunk)`` splits (at least
-    one), with ``chunk`` the block count that gives ``num_sms * ctas_per_sm * waves`` CTAs.
+    most SMs idle for the last 45%. For ``w`` waves each request gets ``floor(blocks / chunk)``
+    splits (at least one), with ``chunk`` the block count that gives ``num_sms * ctas_per_sm * w``
+    CTAs. The policy's ``waves`` is where the search starts: finer plans (up to
+    ``EXTRA_WAVES`` more waves) are taken when :func:`estimated_makespan` says they finish
+    sooner. That matters for batches that do not divide the SM count: 80 requests of 256 blocks
+    on 132 SMs get one split each at one wave (80 SMs busy, the others idle) but three at two
+    waves (1.5x sooner).
     """
-    blocks = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens]
-    total = sum(blocks)
+    blocks = (np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE
+    total = int(blocks.sum())
     if total == 0:
         return [[] for _ in seqlens]
     m_tiles = rows_per_cta_tiles(rows, block_m)
-    target_ctas = policy.num_sms * policy.ctas_per_sm * policy.waves
-    target_pieces = max(1, target_ctas // m_tiles)
-    chunk = max(policy.min_blocks_per_split, -(-total // target_pieces))
-    plans: list[list[int]] = []
-    for nb in blocks:
-        if nb == 0:
-            plans.append([])
-            continue
-        parts = min(max(1, nb // chunk), policy.max_splits_per_request, nb)
-        plans.append([round(i * nb / parts) for i in range(parts + 1)])
-    return plans
+    slots = policy.num_sms * policy.ctas_per_sm
+    best: tuple[float, np.ndarray] | None = None
+    for waves in range(policy.waves, policy.waves + EXTRA_WAVES + 1):
+        target_pieces = max(1, slots * waves // m_tiles)
+        chunk = max(policy.min_blocks_per_split, -(-total // target_pieces))
+        counts = _split_counts(blocks, chunk, policy)
+        cost = estimated_makespan(blocks, counts, rows, m_tiles, slots)
+        if best is None or cost < best[0]:
+            best = (cost, counts)
+    assert best is not None
+    return [[round(i * nb / parts) for i in range(parts + 1)] if parts else []
+            for nb, parts in zip(blocks.tolist(), best[1].tolist())]
 
 
 def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
@@ -96,6 +142,10 @@ def build_metadata(
             slot = cumulative[-1] + s if count > 1 else -1
             work.append((req, bounds[s], bounds[s + 1], slot))
         cumulative.append(cumulative[-1] + count)
+    # longest splits first: the GPU starts CTAs in grid order as SMs free up, so this is the
+    # longest-processing-time-first schedule (the order of a request's splits does not matter:
+    # each writes its own partial slot, and the combine reads the slots in split order)
+    work.sort(key=lambda item: item[1] - item[2])
     device = cache_seqlens.device
     work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_FIELDS)
     return work_t.to(device), torch.tensor(cumulative, dtype=torch.int32).to(device)
@@ -103,7 +153,7 @@ def build_metadata(
 
 def split_token_bounds(num_splits: torch.Tensor, metadata: torch.Tensor, seqlens: list[int]) -> list[list[int]]:
     """Token boundaries of each request's splits (for the emulation of a split-KV run)."""
-    work = metadata.cpu().tolist()
+    work = sorted(metadata.cpu().tolist(), key=lambda item: (item[0], item[1]))  # by request, then begin
     bounds: list[list[int]] = [[] for _ in seqlens]
     for req, begin, end, _slot in work:
         if not bounds[req]:
