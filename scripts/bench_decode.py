@@ -16,7 +16,7 @@ import torch
 
 from snapmla_cli.bench.ceilings import measure_ceilings
 from snapmla_cli.bench.roofline import DecodeWork
-from snapmla_cli.bench.timing import time_cuda, time_graph
+from snapmla_cli.bench.timing import BURST, CLOCKS, Clocks, time_cuda, time_graph
 from snapmla_cli.cache.layout import random_paged_layout
 from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
@@ -30,7 +30,9 @@ from snapmla_cli.ops.decode_config import (
 from snapmla_cli.ops.prep import quantize_q
 
 
-def run_case(w: DecodeWork, ceilings, device, timer=time_graph) -> dict:
+def run_case(w: DecodeWork, ceilings, device, timer=time_graph, clocks: Clocks | None = BURST) -> dict:
+    """One shape: the FP8 and BF16 default paths timed in ``clocks`` (the ceilings' state), the
+    eager FP8 call and each format's other kernel right after them (no cool-down of their own)."""
     seqlens = [w.context] * w.batch
     layout = random_paged_layout(seqlens, generator=torch.Generator().manual_seed(0), spare_blocks=0)
     table = layout.block_table.to(device)
@@ -48,11 +50,11 @@ def run_case(w: DecodeWork, ceilings, device, timer=time_graph) -> dict:
     def fp8_default_path() -> None:
         decode_fp8(qq, cache8, table, lens, meta, splits, None, True)
 
-    t8 = timer(fp8_default_path)
+    t8 = timer(fp8_default_path, clocks=clocks)
     res["fp8_eager_us"] = time_cuda(fp8_default_path) * 1e6
     cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
     meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
-    t16 = timer(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True))
+    t16 = timer(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True), clocks=clocks)
     # each format's other kernel at its own heuristic (the mma.sync ones, the wgmma ones being
     # the defaults)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -110,6 +112,8 @@ def main() -> None:
     ap.add_argument("--ctx", default="16384,32768,65536,131072")
     ap.add_argument("--json")
     ap.add_argument("--eager", action="store_true", help="time eager launches instead of CUDA-graph replays")
+    ap.add_argument("--clocks", choices=sorted(CLOCKS), default=BURST.name,
+                    help="burst: boost clock (idle, brief warm-up); steady: after 0.2 s of work, power-capped")
     ap.add_argument("--sweep", help="FP8 variants version:rg:kv:stages:ctas[:qk_promote:pv_promote[:wg_mode]],"
                                     "... timed on each shape instead")
     args = ap.parse_args()
@@ -121,15 +125,16 @@ def main() -> None:
                 for ctx in map(int, args.ctx.split(",")):
                     sweep_fp8(DecodeWork(args.batch, s, h, ctx), args.sweep, device, timer)
         return
-    c = measure_ceilings(device)
+    clocks = CLOCKS[args.clocks]
+    c = measure_ceilings(device, clocks)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    print(f"GPU {torch.cuda.get_device_name()} commit {commit}: bf16 {c.p16/1e12:.0f} TFLOP/s, "
+    print(f"GPU {torch.cuda.get_device_name()} commit {commit} clocks {clocks.name}: bf16 {c.p16/1e12:.0f} TFLOP/s, "
           f"fp8 {c.p8/1e12:.0f} TFLOP/s, copy {c.bandwidth/1e12:.2f} TB/s", flush=True)
     rows = []
     for h in map(int, args.heads.split(",")):
         for s in map(int, args.mtp.split(",")):
             for ctx in map(int, args.ctx.split(",")):
-                r = run_case(DecodeWork(args.batch, s, h, ctx), c, device, timer)
+                r = run_case(DecodeWork(args.batch, s, h, ctx), c, device, timer, clocks)
                 rows.append(r)
                 print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
                       f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "
@@ -142,6 +147,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"ceilings": c.__dict__, "commit": commit, "timing": "eager" if args.eager else "graph",
+                       "clocks": clocks.name,
                        "rows": rows}, fh, indent=1)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|bench|prep|decode ...]
-# With no argument everything but `ship` / `ship16` runs (`ship`: re-tune the shipped database's
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|bench|prep|decode|steady ...]
+# With no argument everything but `ship` / `ship16` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries from scratch, every bucket of the decode issues' sweep, about 3 minutes; `ship16`:
 # add the BF16 entries of the same buckets; the new file lands in $OUT).
 # Full logs land in $OUT; a short summary prints last.
@@ -30,5 +30,7 @@ for step in $steps; do
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
     prep)   python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -14 ;;
     decode) python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" | tail -34 ;;
+    steady) python3 scripts/bench_decode.py --clocks steady --json "$OUT/bench_decode_steady.json" 2>&1 \
+              | tee "$OUT/bench_decode_steady.log" | tail -34 ;;
   esac
 done

@@ -417,3 +417,27 @@ def test_warm_up_runs_the_calls_and_the_device_time(monkeypatch, calls, seconds,
     timing.warm_up(lambda: None, calls, seconds)
     assert sum(ran) == expect_calls
     assert sum(ran) >= calls and sum(ran) * per_call >= seconds
+
+
+def test_burst_timing_idles_first_and_measures_briefly(monkeypatch):
+    """Clocks.BURST sleeps before the warm-up and keeps the measured calls within its device
+    time, so a long call is timed at the boost clock, before the power cap (docs/PERF.md)."""
+    from snapmla_cli.bench import timing
+
+    slept: list[float] = []
+    ran: list[int] = []
+
+    def fake_elapsed(fn, n):
+        ran.append(n)
+        return n * 7e-3  # a 7 ms decode call
+
+    monkeypatch.setattr(timing, "_elapsed", fake_elapsed)
+    monkeypatch.setattr(timing.time, "sleep", slept.append)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    t = timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.BURST)
+    assert slept == [timing.BURST.cooldown_s]
+    assert ran == [3] + [1] * 5  # 3 warm-up calls cover 10 ms; rounds of one call stay in 25 ms
+    assert t == pytest.approx(7e-3)
+    ran.clear()
+    timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.STEADY)
+    assert sum(ran[:-5]) * 7e-3 >= timing.STEADY.warmup_s and ran[-5:] == [4] * 5

@@ -33,7 +33,7 @@ from .ceilings import measure_ceilings
 from .plan import FP8, TOKEN_BYTES, distinct_caches
 from .results import StepTiming
 from .roofline import Ceilings, DecodeWork
-from .timing import capture_graph, time_cuda
+from .timing import STEADY, capture_graph, time_cuda
 from .worker import StepSpec
 
 FILL_TOKENS = 1 << 20  # tokens per chunk when filling a cache with random data
@@ -124,7 +124,8 @@ class GpuStepRunner:
                 raise SnapmlaError("--bf16-impl flashmla: the flash_mla package is not importable")
         facts["bf16_kernel"] = "flashmla" if self.flashmla is not None else "snapmla-bf16"
         if self.roofline:
-            self.ceilings = measure_ceilings(self.device)
+            # a decode step of 61 layers runs for tens of ms: the steady, power-capped state
+            self.ceilings = measure_ceilings(self.device, STEADY)
             facts["ceilings"] = asdict(self.ceilings)
             gc.collect()
             torch.cuda.empty_cache()
@@ -194,11 +195,11 @@ class GpuStepRunner:
             else:
                 try:
                     ready()
-                    return time_cuda(graph.replay, reps=self.steps, warmup=self.warmup), True, ""
+                    return time_cuda(graph.replay, reps=self.steps, warmup=self.warmup, clocks=STEADY), True, ""
                 finally:
                     del graph
         ready()
-        return time_cuda(step, reps=self.steps, warmup=self.warmup), False, note
+        return time_cuda(step, reps=self.steps, warmup=self.warmup, clocks=STEADY), False, note
 
     def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         try:

@@ -8,18 +8,32 @@ single call between two events would add the host cost to every sample.
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 
-# Device time every benchmark timing runs before it measures: the steady state of a decode loop.
-# Measured on the H200 (docs/PERF.md, "Timing in the steady state"): a compute-heavy decode call
-# runs at the 1980 MHz boost clock for its first ~50 ms, then the power cap (throttle reason
-# 0x4) takes the SM clock to ~1815 MHz and the call 8-12% longer; and a 16-row decode timed
-# after 3 warm-up calls read 11% slower than after 50 ms. A real decode step runs back to back
-# with the model's other kernels, so the steady state is what an engine gets.
-WARMUP_SECONDS = 0.2
+@dataclass(frozen=True)
+class Clocks:
+    """The GPU clock state a timing measures. Measured on the H200 (docs/PERF.md, "Clocks"): a
+    decode call runs at the 1980 MHz boost clock for its first 25-50 ms of continuous work, then
+    the power cap (throttle reason 0x4) lowers the SM clock and the call takes 5-15% longer; and
+    right after heavy work (the benchmark's own data generation) it starts throttled. ``BURST``
+    idles first and warms briefly: the boost-clock time, reproducible to about 1%, and what
+    kernel benchmarks usually report. ``STEADY`` warms for 0.2 s: the power-capped time of a
+    GPU that decodes without pause."""
+
+    name: str
+    cooldown_s: float  # idle before the warm-up
+    warmup_s: float  # device time of warm-up calls
+    measure_s: float | None  # device time of the measured calls at most (None: reps as asked)
+
+
+BURST = Clocks("burst", cooldown_s=1.0, warmup_s=0.01, measure_s=0.025)
+STEADY = Clocks("steady", cooldown_s=0.0, warmup_s=0.2, measure_s=None)
+CLOCKS = {c.name: c for c in (BURST, STEADY)}
 
 
 def _elapsed(fn: Callable[[], object], calls: int) -> float:
@@ -33,20 +47,29 @@ def _elapsed(fn: Callable[[], object], calls: int) -> float:
     return start.elapsed_time(end) / 1e3
 
 
-def warm_up(fn: Callable[[], object], calls: int, seconds: float) -> None:
-    """At least ``calls`` calls and ``seconds`` of device time of ``fn``, in doubling batches."""
+def warm_up(fn: Callable[[], object], calls: int, seconds: float) -> float | None:
+    """At least ``calls`` calls and ``seconds`` of device time of ``fn``, in doubling batches;
+    the mean seconds per call (None when nothing ran)."""
     done, spent, batch = 0, 0.0, max(1, calls)
     while done < calls or spent < seconds:
         spent += _elapsed(fn, batch)
         done += batch
         batch *= 2
+    return spent / done if done else None
 
 
 def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
-              warmup_s: float = WARMUP_SECONDS) -> float:
-    warm_up(fn, warmup, warmup_s)
+              clocks: Clocks | None = None) -> float:
+    """Median seconds per call; ``clocks`` None: ``warmup`` calls only (the tuner, whose
+    candidates run back to back and are confirmed interleaved)."""
+    if clocks is not None and clocks.cooldown_s > 0:
+        torch.cuda.synchronize()
+        time.sleep(clocks.cooldown_s)
+    per_call = warm_up(fn, warmup, clocks.warmup_s if clocks is not None else 0.0)
     torch.cuda.synchronize()
     per_round = max(1, reps // rounds)
+    if clocks is not None and clocks.measure_s is not None and per_call:
+        per_round = max(1, min(per_round, int(clocks.measure_s / rounds / per_call)))
     return statistics.median(_elapsed(fn, per_round) / per_round for _ in range(rounds))
 
 
@@ -66,12 +89,12 @@ def capture_graph(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
 
 
 def time_graph(step: Callable[[], object], reps: int = 20, warmup: int = 3,
-               warmup_s: float = WARMUP_SECONDS) -> float:
+               clocks: Clocks | None = None) -> float:
     """:func:`time_cuda` of the replay of ``step`` captured in a CUDA graph (seconds)."""
     step()  # compiles and loads the kernels outside the capture
     torch.cuda.synchronize()
     graph = capture_graph(step)
     try:
-        return time_cuda(graph.replay, reps=reps, warmup=warmup, warmup_s=warmup_s)
+        return time_cuda(graph.replay, reps=reps, warmup=warmup, clocks=clocks)
     finally:
         del graph

@@ -294,10 +294,7 @@ class GpuMeasurer:
 
         one()  # loads the kernel
         torch.cuda.synchronize(self.device)
-        # no time-based warm-up (bench.timing.WARMUP_SECONDS): candidates run back to back and
-        # the confirmation re-times the best few and the default interleaved, so they share the
-        # GPU's state; 0.2 s per candidate would double a tune
-        t1 = time_cuda(one, reps=1, warmup=0, warmup_s=0.0)
+        t1 = time_cuda(one, reps=1, warmup=0)
         if cutoff is not None and t1 > cutoff:
             return t1  # clearly slower than the best so far: one call tells enough
         inner = int(min(64, max(2, math.ceil(3e-3 / max(t1, 1e-7)))))
@@ -307,4 +304,4 @@ class GpuMeasurer:
             for _ in range(inner):
                 one()
 
-        return time_cuda(many, reps=reps, warmup=1, warmup_s=0.0) / inner
+        return time_cuda(many, reps=reps, warmup=1) / inner
