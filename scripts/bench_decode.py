@@ -15,11 +15,9 @@ import subprocess
 import torch
 
 from snapmla_cli.bench.ceilings import measure_ceilings
+from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.roofline import DecodeWork
 from snapmla_cli.bench.timing import BURST, CLOCKS, Clocks, time_cuda, time_graph
-from snapmla_cli.cache.layout import random_paged_layout
-from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES
-from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
 from snapmla_cli.ops.decode_config import (
     DEFAULT_BF16_KERNEL,
     DEFAULT_FP8_KERNEL,
@@ -27,45 +25,24 @@ from snapmla_cli.ops.decode_config import (
     FP8_WGMMA,
     heuristic_config,
 )
-from snapmla_cli.ops.prep import quantize_q
 
 
 def run_case(w: DecodeWork, ceilings, device, timer=time_graph, clocks: Clocks | None = BURST) -> dict:
     """One shape: the FP8 and BF16 default paths timed in ``clocks`` (the ceilings' state), the
     eager FP8 call and each format's other kernel right after them (no cool-down of their own)."""
-    seqlens = [w.context] * w.batch
-    layout = random_paged_layout(seqlens, generator=torch.Generator().manual_seed(0), spare_blocks=0)
-    table = layout.block_table.to(device)
-    lens = layout.cache_seqlens.to(device)
-    q = (torch.randn(w.batch, w.s_q, w.h_q, D_QK, device=device) * 0.5).to(torch.bfloat16)
+    case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
     res = {"batch": w.batch, "s_q": w.s_q, "h_q": w.h_q, "ctx": w.context}
-    # FP8: random bytes with sane scales (content e4m3 from random values)
-    kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
-    from snapmla_cli.ops.prep import append_kv
-
-    cache8 = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
-    append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache8)
-    meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True)
-    qq = quantize_q(q)
-    def fp8_default_path() -> None:
-        decode_fp8(qq, cache8, table, lens, meta, splits, None, True)
-
+    fp8_default_path = case.fp8()
     t8 = timer(fp8_default_path, clocks=clocks)
     res["fp8_eager_us"] = time_cuda(fp8_default_path) * 1e6
-    cache16 = kv.view(layout.num_blocks, 64, 1, D_QK)
-    meta16, splits16 = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=False)
-    t16 = timer(lambda: decode_bf16(q, cache16, table, lens, meta16, splits16, None, True), clocks=clocks)
+    t16 = timer(case.bf16(), clocks=clocks)
     # each format's other kernel at its own heuristic (the mma.sync ones, the wgmma ones being
     # the defaults)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for name, fp8, default in (("fp8", True, DEFAULT_FP8_KERNEL), ("bf16", False, DEFAULT_BF16_KERNEL)):
         other = FP8_MMA_SYNC if default == FP8_WGMMA else FP8_WGMMA
         alt = heuristic_config(w.s_q * w.h_q, fp8, other).with_sms(sms)
-        meta_alt, splits_alt = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=fp8, config=alt)
-        if fp8:
-            t_alt = timer(lambda m=meta_alt, sp=splits_alt, c=alt: decode_fp8(qq, cache8, table, lens, m, sp, None, True, config=c))
-        else:
-            t_alt = timer(lambda m=meta_alt, sp=splits_alt, c=alt: decode_bf16(q, cache16, table, lens, m, sp, None, True, config=c))
+        t_alt = timer(case.fp8(alt) if fp8 else case.bf16(alt))
         res[f"{name}_default_kernel"] = default
         res[f"{name}v{other}_us"] = t_alt * 1e6
         res[f"{name}v{other}_roof_pct"] = 100 * w.t_min(fp8, ceilings) / t_alt
@@ -83,24 +60,16 @@ def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph) -> None:
     """Time FP8 kernel variants (``config_from_spec`` format) on one shape (tuning probe;
     version 3 = wgmma, 2 = mma.sync)."""
     from snapmla_cli.ops.decode_config import config_from_spec, fp8_config_valid
-    from snapmla_cli.ops.prep import append_kv
 
-    seqlens = [w.context] * w.batch
-    layout = random_paged_layout(seqlens, generator=torch.Generator().manual_seed(0), spare_blocks=0)
-    table, lens = layout.block_table.to(device), layout.cache_seqlens.to(device)
-    q = (torch.randn(w.batch, w.s_q, w.h_q, D_QK, device=device) * 0.5).to(torch.bfloat16)
-    kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
-    cache8 = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
-    append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache8)
-    qq = quantize_q(q)
+    case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for spec in specs.split(","):
         cfg = config_from_spec(spec).with_sms(sms)
         if not fp8_config_valid(cfg):
             continue
-        meta, splits = get_mla_metadata(lens, w.s_q * w.h_q, 1, fp8=True, config=cfg)
-        t = timer(lambda m=meta, sp=splits, c=cfg: decode_fp8(qq, cache8, table, lens, m, sp, None, True, config=c))
-        print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} {spec:18s} work{meta.shape[0]}: "
+        call = case.fp8(cfg)
+        t = timer(call)
+        print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} {spec:18s} work{call.work_items}: "
               f"{t*1e6:9.1f}us {w.bytes(True)/t/1e9:6.0f}GB/s {w.flops/t/1e12:6.1f}TF", flush=True)
 
 
