@@ -262,7 +262,7 @@ def test_preflight() -> None:
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"steps": 0}, "--steps"), ({"warmup": -1}, "--warmup"), ({"bf16_impl": "x"}, "--bf16-impl"),
-    ({"kind": "tpu"}, "runner"),
+    ({"kind": "tpu"}, "runner"), ({"clocks": "turbo"}, "--clocks"),
 ])
 def test_runner_spec_rejects(kwargs: dict, needle: str) -> None:
     with pytest.raises(SnapmlaError, match=needle):
@@ -389,11 +389,18 @@ def test_cli_runs_the_fake_workload_and_writes_json_and_plot(tmp_path: Path) -> 
     assert [c["context"] for c in doc["comparisons"]] == [1024, 2048]
     assert doc["comparisons"][0]["equal_memory"]["fp8"]["batch"] == budget_batch(GiB, 1024, 2, FP8)
     assert doc["meta"]["argv"][0] == "snapmla" and doc["meta"]["launcher"] == "inline"
+    assert doc["meta"]["runner"]["clocks"] == "steady"  # the default: what a busy server gets
+    assert "steady clocks" in result.stdout
     assert plot.exists()
     again = invoke("--cpu-fake", "--quiet", "--heads", 8, "--layers", 2, "--ctx", "1k",
                    "--batch", 2, "--steps", 1, "--json", report, "--force")
     assert again.exit_code == 0, again.output
     assert json.loads(report.read_text())["comparisons"][0]["equal_memory"] is None
+    burst = invoke("--cpu-fake", "--quiet", "--heads", 8, "--layers", 2, "--ctx", "1k", "--batch", 2,
+                   "--steps", 1, "--clocks", "burst", "--json", report, "--force")
+    assert burst.exit_code == 0, burst.output
+    assert json.loads(report.read_text())["meta"]["runner"]["clocks"] == "burst"
+    assert invoke("--cpu-fake", "--clocks", "turbo").exit_code != 0
 
 
 @pytest.mark.parametrize("calls,seconds,per_call,expect_calls", [

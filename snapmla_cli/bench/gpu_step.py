@@ -33,7 +33,7 @@ from .ceilings import measure_ceilings
 from .plan import FP8, TOKEN_BYTES, distinct_caches
 from .results import StepTiming
 from .roofline import Ceilings, DecodeWork
-from .timing import STEADY, capture_graph, time_cuda
+from .timing import CLOCKS, STEADY, capture_graph, time_cuda
 from .worker import StepSpec
 
 FILL_TOKENS = 1 << 20  # tokens per chunk when filling a cache with random data
@@ -104,8 +104,9 @@ class GpuStepRunner:
     """Times :class:`StepSpec` steps on ``cuda:local_rank``."""
 
     def __init__(self, local_rank: int, steps: int = 20, warmup: int = 3, graphs: bool = True,
-                 bf16_impl: str = "auto", roofline: bool = True) -> None:
+                 bf16_impl: str = "auto", roofline: bool = True, clocks: str = STEADY.name) -> None:
         self.local_rank, self.steps, self.warmup = local_rank, steps, warmup
+        self.clocks = CLOCKS[clocks]
         self.graphs, self.bf16_impl, self.roofline = graphs, bf16_impl, roofline
         self.device = torch.device("cuda", local_rank)
         self.device_name = ""
@@ -124,8 +125,9 @@ class GpuStepRunner:
                 raise SnapmlaError("--bf16-impl flashmla: the flash_mla package is not importable")
         facts["bf16_kernel"] = "flashmla" if self.flashmla is not None else "snapmla-bf16"
         if self.roofline:
-            # a decode step of 61 layers runs for tens of ms: the steady, power-capped state
-            self.ceilings = measure_ceilings(self.device, STEADY)
+            # in the steps' clock state (a step of 61 layers runs for tens of ms: by default the
+            # steady, power-capped state)
+            self.ceilings = measure_ceilings(self.device, self.clocks)
             facts["ceilings"] = asdict(self.ceilings)
             gc.collect()
             torch.cuda.empty_cache()
@@ -195,11 +197,11 @@ class GpuStepRunner:
             else:
                 try:
                     ready()
-                    return time_cuda(graph.replay, reps=self.steps, warmup=self.warmup, clocks=STEADY), True, ""
+                    return time_cuda(graph.replay, reps=self.steps, warmup=self.warmup, clocks=self.clocks), True, ""
                 finally:
                     del graph
         ready()
-        return time_cuda(step, reps=self.steps, warmup=self.warmup, clocks=STEADY), False, note
+        return time_cuda(step, reps=self.steps, warmup=self.warmup, clocks=self.clocks), False, note
 
     def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         try:

@@ -33,6 +33,7 @@ from ..cache.atomic import write_text_atomic
 from ..errors import NoGpuError, SnapmlaError
 from .plan import BenchPlan
 from .results import BenchReport, Measurement
+from .timing import CLOCKS, STEADY
 from .worker import Comm, LocalComm, Progress, StepRunner, run_rank
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -52,6 +53,7 @@ class RunnerSpec:
     graphs: bool = True  # capture one step in a CUDA graph and time replays
     bf16_impl: str = "auto"  # BF16 baseline: FlashMLA when importable (auto), or forced
     roofline: bool = True  # measure the GPU's ceilings for the SPEC section 7 roofline
+    clocks: str = STEADY.name  # the GPU clock state the steps and ceilings are timed in (timing.Clocks)
 
     def __post_init__(self) -> None:
         if self.kind not in RUNNER_KINDS:
@@ -62,6 +64,8 @@ class RunnerSpec:
             raise SnapmlaError(f"--warmup: expected 0 or more, got {self.warmup}")
         if self.bf16_impl not in BF16_IMPLS:
             raise SnapmlaError(f"--bf16-impl: {self.bf16_impl!r} is not one of {', '.join(BF16_IMPLS)}")
+        if self.clocks not in CLOCKS:
+            raise SnapmlaError(f"--clocks: {self.clocks!r} is not one of {', '.join(CLOCKS)}")
 
     @property
     def backend(self) -> str:
@@ -72,7 +76,7 @@ class RunnerSpec:
             from .gpu_step import GpuStepRunner
 
             return GpuStepRunner(local_rank, self.steps, self.warmup, self.graphs,
-                                 self.bf16_impl, self.roofline)
+                                 self.bf16_impl, self.roofline, self.clocks)
         from .fake_step import CpuFakeRunner
 
         return CpuFakeRunner(steps=min(self.steps, 5), warmup=min(self.warmup, 1))

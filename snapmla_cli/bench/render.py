@@ -87,8 +87,10 @@ def _cases(report: BenchReport) -> list[CaseResult]:
 
 
 def kernel_table(report: BenchReport) -> Table:
+    clocks = report.meta.get("runner", {}).get("clocks", "steady")
     table = Table(title="per rank (mean over ranks): one step = every layer's Q-quant/append + "
-                        "decode; TFLOPS and GB/s per SPEC section 7 over the whole step",
+                        "decode; TFLOPS and GB/s per SPEC section 7 over the whole step; "
+                        f"{clocks} clocks",
                   title_justify="left")
     for name in ("layout", "ctx", "format", "kernel", "batch/DP", "heads/rank", "ms/step",
                  "us/layer", "TFLOPS/GPU", "GB/s/GPU", "roofline %", "timed"):

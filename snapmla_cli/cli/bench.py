@@ -43,6 +43,11 @@ class Bf16Impl(str, Enum):
     flashmla = "flashmla"
 
 
+class ClockState(str, Enum):
+    steady = "steady"
+    burst = "burst"
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
@@ -90,6 +95,7 @@ def bench_command(
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Time CUDA-graph replays of one step (eager when capture fails).")] = True,
     bf16_impl: Annotated[Bf16Impl, typer.Option(help="BF16 baseline: FlashMLA if importable (auto), or forced.")] = Bf16Impl.auto,
     roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Measure GEMM/copy ceilings for the roofline column.")] = True,
+    clocks: Annotated[ClockState, typer.Option(help="GPU clock state of the timings and ceilings: steady (after 0.2 s of work, power-capped: what a busy server gets) or burst (1 s idle first, 25 ms measured: the boost clock).")] = ClockState.steady,
     seed: Annotated[int, typer.Option(help="Seed of the random caches, queries and page layout.")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON (atomic).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a Figure-1-style bar chart (.png/.pdf/.svg).")] = None,
@@ -105,19 +111,20 @@ def bench_command(
     torchrun (multi-node); rank 0 prints the tables."""
     try:
         _bench(model.value, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps, warmup,
-               graphs, bf16_impl.value, roofline, seed, json_path, plot, force, progress, cpu_fake)
+               graphs, bf16_impl.value, roofline, clocks.value, seed, json_path, plot, force, progress,
+               cpu_fake)
     except (SnapmlaError, OSError) as exc:
         typer.echo(f"error: {_one_line(exc)}", err=True)
         raise typer.Exit(2) from None
 
 
 def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps, warmup, graphs,
-           bf16_impl, roofline, seed, json_path, plot, force, progress, cpu_fake) -> None:
+           bf16_impl, roofline, clocks, seed, json_path, plot, force, progress, cpu_fake) -> None:
     if model not in PRESETS:
         raise SnapmlaError(f"--model: {model!r} is not one of {', '.join(PRESETS)}")
     plan = build_plan(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, seed)
     spec = RunnerSpec(kind="cpu-fake" if cpu_fake else "gpu", steps=steps, warmup=warmup,
-                      graphs=graphs, bf16_impl=bf16_impl, roofline=roofline)
+                      graphs=graphs, bf16_impl=bf16_impl, roofline=roofline, clocks=clocks)
     if json_path is not None:
         check_writable(json_path, force, "--json")
     if plot is not None:
