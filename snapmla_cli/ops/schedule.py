@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..errors import SnapmlaError
-from ..numerics.formats import PAGE_SIZE
+from ..numerics.formats import D_V, FP8_TOKEN_BYTES, PAGE_SIZE
 
 WORK_FIELDS = 4  # request, block_begin, block_end, partial slot
 
@@ -38,12 +38,13 @@ def rows_per_cta_tiles(rows: int, block_m: int) -> int:
     return (rows + block_m - 1) // block_m
 
 
-# The split planner's cost model, in the time a CTA takes for one FP8 KV block (41984 bytes):
+# The split planner's cost model, in the time a CTA takes for one FP8 KV block:
 # - a CTA's latency beyond its blocks (Q, the first page's arrival, the epilogue), per wave;
 CTA_OVERHEAD_BLOCKS = 2
-# - the partial outputs of split requests: float32 [rows, 512] written by the split and read by
-#   the combine, bandwidth shared by the whole GPU (bytes per row and split / bytes per block).
-PARTIAL_BLOCKS_PER_ROW = 2 * 512 * 4 / 41984
+# - the partial outputs of split requests: float32 [rows, 512] written by the split and read
+#   back by the combine, bandwidth shared by the whole GPU (bytes per row and split, in blocks).
+PARTIAL_BYTES_PER_ROW = 2 * D_V * 4
+PARTIAL_BLOCKS_PER_ROW = PARTIAL_BYTES_PER_ROW / (PAGE_SIZE * FP8_TOKEN_BYTES)
 # Finer plans than the policy's `waves` that the planner also weighs (waves + 1 .. + this).
 EXTRA_WAVES = 7
 
@@ -87,7 +88,7 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
     ``EXTRA_WAVES`` more waves) are taken when :func:`estimated_makespan` says they finish
     sooner. That matters for batches that do not divide the SM count: 80 requests of 256 blocks
     on 132 SMs get one split each at one wave (80 SMs busy, the others idle) but three at two
-    waves (1.5x sooner).
+    waves (measured 1.2-1.35x sooner on the H200, docs/PERF.md).
     """
     blocks = (np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE
     total = int(blocks.sum())
