@@ -37,14 +37,16 @@ def one_wave_plan(seqlens: list[int], rows: int, block_m: int, policy: SplitPoli
     return plans
 
 
+@pytest.mark.parametrize("batch", [64, 128])
 @pytest.mark.parametrize("rows,block_m", [(16, 16), (32, 32), (64, 64), (128, 64), (256, 64)])
-def test_batch_64_plans_are_those_the_database_was_timed_with(rows, block_m):
-    """b = 64 equal contexts (the tuned buckets): every policy the tuner searches plans exactly as
-    before, so the shipped entries' times still describe the plans the decode runs."""
+def test_tuned_batches_plan_as_the_database_was_timed(rows, block_m, batch):
+    """b = 64 and 128 equal contexts (the tuned buckets): every policy the tuner searches plans
+    exactly as before, so the shipped entries' times still describe the plans the decode runs."""
     for ctas, waves, min_blocks in itertools.product((1, 2), (1, 2), (2, 4, 8, 16)):
         policy = SplitPolicy(ctas_per_sm=ctas, waves=waves, min_blocks_per_split=min_blocks)
         for ctx in (16384, 32768, 65536, 131072):
-            assert plan_splits([ctx] * 64, rows, block_m, policy) == one_wave_plan([ctx] * 64, rows, block_m, policy)
+            seqlens = [ctx] * batch
+            assert plan_splits(seqlens, rows, block_m, policy) == one_wave_plan(seqlens, rows, block_m, policy)
 
 
 def test_batch_80_takes_two_waves_of_three_splits():
