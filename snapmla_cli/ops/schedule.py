@@ -97,9 +97,13 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
     m_tiles = rows_per_cta_tiles(rows, block_m)
     slots = policy.num_sms * policy.ctas_per_sm
     best: tuple[float, np.ndarray] | None = None
+    last_chunk = 0
     for waves in range(policy.waves, policy.waves + EXTRA_WAVES + 1):
         target_pieces = max(1, slots * waves // m_tiles)
         chunk = max(policy.min_blocks_per_split, -(-total // target_pieces))
+        if chunk == last_chunk:  # the same plan as the previous wave count's (the chunk only shrinks)
+            continue
+        last_chunk = chunk
         counts = _split_counts(blocks, chunk, policy)
         cost = estimated_makespan(blocks, counts, rows, m_tiles, slots)
         if best is None or cost < best[0]:
