@@ -81,6 +81,11 @@
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
 #endif
+// 1: alternate pages below 64 rows runs a turn's two PVs as one pair (pv_pair in consume());
+// 0 keeps them apart (an A/B switch for the benchmarks, not a DecodeConfig field)
+#ifndef PV_PAIRS
+#define PV_PAIRS 1
+#endif
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
 // global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
@@ -161,6 +166,13 @@ constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
 // accumulators fit (at 64-row PV, N = 64, they would spill next to O).
 constexpr int kPvPipelineMaxAcc = 16;
 constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
+// Alternate pages runs a turn's PV of the other warpgroup's page and of its own as one pair
+// (both pages' wgmmas of an m-tile in one group: half the waits). Up to 32 rows and one CTA per
+// SM: the second page's accumulators and fragments do not fit next to a 64-row O, nor in the
+// registers of two CTAs per SM (both spill).
+constexpr int kPvPairsMaxRows = 32;
+constexpr bool kPvPairs =
+    PV_PAIRS && WG_MODE == 3 && kRows <= kPvPairsMaxRows && MIN_CTAS_PER_SM == 1 && kPvPromote && kPvPipelined;
 constexpr float kInvE4m3Max = 1.f / E4M3_MAX;  // sigma = max(e s_k) / 448 as a product
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 // named barrier ids (0 = __syncthreads); ping-pong's turns and alternate pages' hand-overs
@@ -968,6 +980,74 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         if (kRows == 64 || valid_of(it) < kPageTokens) pv_page(it, true, seen);
         else pv_page(it, false, seen);
     };
+    // kPvPairs, a turn's two PVs: the other warpgroup's page it - 1 and this warpgroup's page
+    // it, per m-tile in two fresh accumulators of one wgmma group, then
+    // O = gamma(it) (gamma(it - 1) O + V^T P^T(it - 1)) + V^T P^T(it): the float32 operations
+    // and their order of two pv_page calls (the same O, bit for bit) with half the waits.
+    // `masked`: page it is a request's last (page it - 1, followed by it, never is).
+    auto pv_pair = [&](int it, const bool masked) {
+        const int other = it - 1;
+        mbarrier_wait_parity(&full[other % STAGES], (other / STAGES) & 1);  // see pv_page
+        const unsigned char* pages[2] = {page_of(other), page_of(it)};
+        unsigned long long p_desc[2];
+        float2 gam[2][kPvRows / 8];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            p_desc[k] = make_smem_desc(p_tile_of(it - 1 + k) + pv_row0 * kPRowBytes, kSwizzle64B, kSwizzleAtom64);
+#pragma unroll
+            for (int j = 0; j < kPvRows / 8; ++j)
+                gam[k][j] = *reinterpret_cast<const float2*>(gamma_of(it - 1 + k) + pv_row0 + 8 * j + 2 * c);
+        }
+        unsigned vmask[kPvKSteps][2];
+#pragma unroll
+        for (int ks = 0; ks < kPvKSteps; ++ks)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) vmask[ks][h] = !masked ? ~0u : v_token_mask(ks, h, c, valid_of(it));
+        float t[2][2][kOAcc];  // [m-tile in turn][page]
+        auto issue = [&](int mt, float (&acc)[2][kOAcc]) {
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+#pragma unroll
+                for (int ks = 0; ks < kPvKSteps; ++ks) {
+                    unsigned a[4];
+                    v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
+                    if (masked && k == 1) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) a[i] &= vmask[ks][i / 2];
+                    }
+                    wgmma_fp8_rs(acc[k], a, p_desc[k] + ((kFp8KStep * ks) >> 4), ks > 0);
+                }
+            wgmma_commit();
+        };
+        issue(0, t[0]);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+            if (mt + 1 < kMTiles) {
+                issue(mt + 1, t[(mt + 1) % 2]);
+                wgmma_wait<1>();
+            } else {
+                wgmma_wait<0>();
+            }
+            float (&done)[2][kOAcc] = t[mt % 2];
+            fence_accumulators(done[0]);
+            fence_accumulators(done[1]);
+#pragma unroll
+            for (int j = 0; j < kPvRows / 8; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int a = 4 * j + i;
+                    const float g0 = i % 2 ? gam[0][j].y : gam[0][j].x, g1 = i % 2 ? gam[1][j].y : gam[1][j].x;
+                    o_acc[mt][a] = fmaf(g1, fmaf(g0, o_acc[mt][a], done[0][a]), done[1][a]);
+                }
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
+        if (lane == 0) {
+            mbarrier_arrive(&empty[other % STAGES]);
+            mbarrier_arrive(&empty[it % STAGES]);
+        }
+    };
     // WG_MODE 6, PV of block it for this warpgroup's 256 dims: O[rows x dims] = gamma O + P . V,
     // A = P (the block's P tile), B = V^T (the transposed page), both K-major from shared
     // memory; each 64-dim chunk in a fresh accumulator, two in turn, so that chunk nc + 1 runs
@@ -1043,6 +1123,16 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 if (it > 0) pv_rows_m(it - 1);
                 trace(it, 4);
                 if (mine) pv_rows_m(it);
+            } else if constexpr (kPvPairs) {
+                if (it > 0 && mine) {
+                    if (valid_of(it) < kPageTokens) pv_pair(it, true);
+                    else pv_pair(it, false);
+                } else if (it > 0) {
+                    pv_step(it - 1);
+                } else if (mine) {
+                    pv_step(it, true);
+                }
+                trace(it, 4);
             } else {
                 if (it > 0) pv_step(it - 1);
                 trace(it, 4);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from contextlib import contextmanager
 
 import torch
 
@@ -56,19 +57,35 @@ def run_case(w: DecodeWork, ceilings, device, timer=time_graph, clocks: Clocks |
     return res
 
 
-def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph) -> None:
-    """Time FP8 kernel variants (``config_from_spec`` format) on one shape (tuning probe;
-    version 3 = wgmma, 2 = mma.sync)."""
+@contextmanager
+def extra_defines(defines: dict[str, int]):
+    """Compile the FP8 kernels with ``defines`` added (an A/B of a kernel's compile-time switch
+    that is not a DecodeConfig field, e.g. ``PV_PAIRS=0``); the kernel cache keys on them."""
+    from snapmla_cli.ops import decode as decode_ops
+
+    plain = decode_ops.fp8_defines
+    decode_ops.fp8_defines = lambda cfg: {**plain(cfg), **defines}
+    try:
+        yield
+    finally:
+        decode_ops.fp8_defines = plain
+
+
+def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph, clocks: Clocks | None = BURST) -> None:
+    """Time FP8 kernel variants (``config_from_spec`` format, optionally followed by
+    ``+NAME=VALUE`` extra defines) on one shape (tuning probe; version 3 = wgmma, 2 = mma.sync)."""
     from snapmla_cli.ops.decode_config import config_from_spec, fp8_config_valid
 
     case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for spec in specs.split(","):
-        cfg = config_from_spec(spec).with_sms(sms)
+        base, *extras = spec.split("+")
+        cfg = config_from_spec(base).with_sms(sms)
         if not fp8_config_valid(cfg):
             continue
-        call = case.fp8(cfg)
-        t = timer(call)
+        with extra_defines({k: int(v) for k, v in (e.split("=") for e in extras)}):
+            call = case.fp8(cfg)
+            t = timer(call, clocks=clocks)
         print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} {spec:18s} work{call.work_items}: "
               f"{t*1e6:9.1f}us {w.bytes(True)/t/1e9:6.0f}GB/s {w.flops/t/1e12:6.1f}TF", flush=True)
 
@@ -84,7 +101,7 @@ def main() -> None:
     ap.add_argument("--clocks", choices=sorted(CLOCKS), default=BURST.name,
                     help="burst: boost clock (idle, brief warm-up); steady: after 0.2 s of work, power-capped")
     ap.add_argument("--sweep", help="FP8 variants version:rg:kv:stages:ctas[:qk_promote:pv_promote[:wg_mode]],"
-                                    "... timed on each shape instead")
+                                    "... timed on each shape instead; a spec may end in +NAME=VALUE extra kernel defines")
     args = ap.parse_args()
     device = torch.device("cuda")
     timer = time_cuda if args.eager else time_graph
@@ -92,7 +109,7 @@ def main() -> None:
         for h in map(int, args.heads.split(",")):
             for s in map(int, args.mtp.split(",")):
                 for ctx in map(int, args.ctx.split(",")):
-                    sweep_fp8(DecodeWork(args.batch, s, h, ctx), args.sweep, device, timer)
+                    sweep_fp8(DecodeWork(args.batch, s, h, ctx), args.sweep, device, timer, CLOCKS[args.clocks])
         return
     clocks = CLOCKS[args.clocks]
     c = measure_ceilings(device, clocks)

@@ -461,6 +461,40 @@ def test_wgmma_phase_trace_build_compiles_and_exports_its_buffer() -> None:
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("defines", [{}, {"PRODUCER": 0, "REGS": 0, "EPI_BAR": 6}])
+def test_racecheck_skeleton_compiles_without_spills(defines) -> None:
+    """scripts/racecheck_handover.py's kernel (the alternate-pages barrier skeleton) builds for
+    sm_90a in each of its switch settings, so the device call never finds a compile error."""
+    module = nvrtc.compile_module("diag/handover_race.cu", defines, "sm_90a")
+    res = module.resources["snapmla_diag_handover"]
+    assert res.spill_store_bytes == 0 and res.local_bytes == 0
+
+
+@needs_nvrtc
+def test_pv_pairs_switch_changes_only_the_layouts_it_applies_to() -> None:
+    """PV_PAIRS (alternate pages, up to 32 rows, one CTA per SM) builds a different kernel at
+    32 rows and leaves the 64-row and two-CTA layouts' code as it was."""
+    from dataclasses import replace
+
+    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config, variant_config
+
+    def cubins(cfg):
+        defines = fp8_defines(cfg)
+        return [nvrtc.compile_module("decode_fp8_wgmma.cu", {**defines, "PV_PAIRS": v}, "sm_90a").cubin
+                for v in (0, 1)]
+
+    alt32 = variant_config(32, FP8_WGMMA, wg_mode=3)
+    assert alt32.min_ctas_per_sm == 1
+    off, on = cubins(alt32)
+    assert off != on
+    off, on = cubins(heuristic_config(64, True, FP8_WGMMA))
+    assert off == on
+    two_ctas = replace(variant_config(16, FP8_WGMMA, wg_mode=3, stages=2), min_ctas_per_sm=2)
+    off, on = cubins(two_ctas)
+    assert off == on
+
+
+@needs_nvrtc
 def test_wgmma_smem_mirror_is_checked_by_the_kernel() -> None:
     """A wrong host-side shared-memory size must be a compile error, not a silent overflow."""
     from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config
