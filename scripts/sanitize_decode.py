@@ -1,7 +1,14 @@
 """A small decode sweep for compute-sanitizer (memcheck / racecheck / synccheck):
-``compute-sanitizer --tool racecheck python3 scripts/sanitize_decode.py [default,v3-rows,...]``.
+``compute-sanitizer --tool racecheck python3 scripts/sanitize_decode.py [default,v3-rows,... [SEED]]``.
 Every kernel configuration the heuristic uses (16, 32, 64+ rows), both formats, odd lengths,
-empty requests; the FP8 kernels are named as in ``snapmla verify --fp8-kernel``."""
+empty requests; the FP8 kernels are named as in ``snapmla verify --fp8-kernel``.
+
+Each output is also checked against a float64 decode of the same (dequantized) inputs, so that
+a run in which the sanitizer reports a hazard says whether the kernel actually read a value too
+early (a stale L or P would be far off) or whether the report is about the tool's ordering model
+(values right). Give each run its own SEED: shared memory keeps what the previous process's
+kernel left there, and with the same data a value read too early could be the right one by
+chance. Exit status 1 when a value is off."""
 
 from __future__ import annotations
 
@@ -10,21 +17,38 @@ import sys
 import torch
 
 from snapmla_cli.analysis.verify import fp8_kernel_implementation, run_bf16_kernel
+from snapmla_cli.cache.layout import dequantize_cache
+from snapmla_cli.numerics.decode_ref import decode_reference
+from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.numerics.problem import random_problem
+from snapmla_cli.numerics.quant import quantize_rows
 
 CASES = [([0, 1, 65, 300], 1, 16, False), ([70, 129], 2, 16, True), ([200, 0, 64], 1, 64, True),
          ([130], 3, 20, True), ([333, 64], 2, 64, True)]
+# far looser than the kernels' gates (FP8 P rounding gives ~3e-3): only a value read before it
+# was written (an L partial or a P tile of another page) lands above these
+FP8_VALUE_GATE, BF16_VALUE_GATE = 3e-2, 1e-2
 
 
 def main() -> None:
     device = torch.device("cuda")
     fp8_impls = [fp8_kernel_implementation(spec) for spec in (sys.argv[1] if len(sys.argv) > 1 else "default").split(",")]
+    seed = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    all_ok = True
     for seqlens, s_q, h_q, causal in CASES:
-        prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=1).to(device)
-        finite = {impl.name: bool(impl.run(prob)[0].isfinite().all()) for impl in fp8_impls}
-        finite["bf16"] = bool(run_bf16_kernel(prob)[0].isfinite().all())
+        prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=seed).to(device)
+        table, lens = prob.layout.block_table, prob.layout.cache_seqlens
+        floor, _ = decode_reference(quantize_rows(prob.q).dequantize(), dequantize_cache(prob.fp8_cache()), table,
+                                    lens, prob.softmax_scale, causal)
+        exact, _ = decode_reference(prob.q, prob.bf16_cache().squeeze(2), table, lens, prob.softmax_scale, causal)
+        errors = {impl.name: compare(impl.run(prob)[0], floor).rel_l2 for impl in fp8_impls}
+        errors["bf16"] = compare(run_bf16_kernel(prob)[0], exact).rel_l2
         torch.cuda.synchronize()
-        print(f"{seqlens} s_q={s_q} h_q={h_q}: finite {finite}", flush=True)
+        ok = all(err <= (BF16_VALUE_GATE if name == "bf16" else FP8_VALUE_GATE) for name, err in errors.items())
+        all_ok &= ok
+        print(f"{seqlens} s_q={s_q} h_q={h_q}: rel_l2 " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
+              + ("" if ok else "  VALUES OFF"), flush=True)
+    sys.exit(0 if all_ok else 1)
 
 
 if __name__ == "__main__":
