@@ -173,6 +173,7 @@ constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
 constexpr int kPvPairsMaxRows = 32;
 constexpr bool kPvPairs =
     PV_PAIRS && WG_MODE == 3 && kRows <= kPvPairsMaxRows && MIN_CTAS_PER_SM == 1 && kPvPromote && kPvPipelined;
+static_assert(!(kPvPairs && kPrefetchQk), "pv_pair does not hand over a prefetched QK (pv_page does)");
 constexpr float kInvE4m3Max = 1.f / E4M3_MAX;  // sigma = max(e s_k) / 448 as a product
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 // named barrier ids (0 = __syncthreads); ping-pong's turns and alternate pages' hand-overs
@@ -416,9 +417,10 @@ __device__ __forceinline__ constexpr int qk_chunk_at(int i) { return kVtSmem ? (
 
 // `kSteps` wgmma groups through two accumulators in turn: step i + 1 is issued before step i
 // is waited for and handed to `take(i, acc)` (float32 promotion of QK chunks or PV chunks).
-// `issue(i, acc)` fences, issues and commits step i's wgmmas into `acc`.
-template <int kSteps, int kAcc, class Issue, class Take>
-__device__ __forceinline__ void two_accumulator_pipeline(float (&acc)[2][kAcc], Issue issue, Take take) {
+// `issue(i, acc)` fences, issues and commits step i's wgmmas into `acc`; an accumulator may be
+// one array or a set of them (`float[kSets][kCount]`: the paired PVs' two pages).
+template <int kSteps, class Acc, class Issue, class Take>
+__device__ __forceinline__ void two_accumulator_pipeline(Acc (&acc)[2], Issue issue, Take take) {
     issue(0, acc[0]);
 #pragma unroll
     for (int i = 0; i < kSteps; ++i) {
@@ -1020,18 +1022,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 }
             wgmma_commit();
         };
-        issue(0, t[0]);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-            if (mt + 1 < kMTiles) {
-                issue(mt + 1, t[(mt + 1) % 2]);
-                wgmma_wait<1>();
-            } else {
-                wgmma_wait<0>();
-            }
-            float (&done)[2][kOAcc] = t[mt % 2];
-            fence_accumulators(done[0]);
-            fence_accumulators(done[1]);
+        two_accumulator_pipeline<kMTiles>(t, issue, [&](int mt, float (&done)[2][kOAcc]) {
 #pragma unroll
             for (int j = 0; j < kPvRows / 8; ++j)
 #pragma unroll
@@ -1040,7 +1031,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                     const float g0 = i % 2 ? gam[0][j].y : gam[0][j].x, g1 = i % 2 ? gam[1][j].y : gam[1][j].x;
                     o_acc[mt][a] = fmaf(g1, fmaf(g0, o_acc[mt][a], done[0][a]), done[1][a]);
                 }
-        }
+        });
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
         if (lane == 0) {

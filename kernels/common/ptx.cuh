@@ -326,6 +326,12 @@ __device__ __forceinline__ void fence_accumulators(float (&d)[kCount]) {
 #pragma unroll
     for (int i = 0; i < kCount; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// ... and for a set of accumulators run in one wgmma group (the paired PVs)
+template <int kSets, int kCount>
+__device__ __forceinline__ void fence_accumulators(float (&d)[kSets][kCount]) {
+#pragma unroll
+    for (int k = 0; k < kSets; ++k) fence_accumulators(d[k]);
+}
 // Inline asm needs literal operand lists, so the wrappers are stamped out per accumulator
 // size: SNAPMLA_ACC<n>(d) lists d[0..n) as "+f" operands, SNAPMLA_REGS<n> names them in the
 // instruction; the descriptor / A-fragment / predicate operands follow at %n, %n+1, ...
