@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-from contextlib import contextmanager
 
 import torch
 
 from snapmla_cli.bench.ceilings import measure_ceilings
-from snapmla_cli.bench.decode_case import DecodeCase
+from snapmla_cli.bench.decode_case import DecodeCase, extra_defines
 from snapmla_cli.bench.roofline import DecodeWork
 from snapmla_cli.bench.timing import BURST, CLOCKS, Clocks, time_cuda, time_graph
 from snapmla_cli.ops.decode_config import (
@@ -55,20 +54,6 @@ def run_case(w: DecodeWork, ceilings, device, timer=time_graph, clocks: Clocks |
     res["speedup"] = t16 / t8
     res["fp8_vs_bf16_roofline"] = w.t_min(False, ceilings) / t8
     return res
-
-
-@contextmanager
-def extra_defines(defines: dict[str, int]):
-    """Compile the FP8 kernels with ``defines`` added (an A/B of a kernel's compile-time switch
-    that is not a DecodeConfig field, e.g. ``PV_PAIRS=0``); the kernel cache keys on them."""
-    from snapmla_cli.ops import decode as decode_ops
-
-    plain = decode_ops.fp8_defines
-    decode_ops.fp8_defines = lambda cfg: {**plain(cfg), **defines}
-    try:
-        yield
-    finally:
-        decode_ops.fp8_defines = plain
 
 
 def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph, clocks: Clocks | None = BURST) -> None:

@@ -18,21 +18,13 @@ import statistics
 import numpy as np
 from profile_decode import add_shape_args, run_decode  # this folder is sys.path[0]
 
-from snapmla_cli.ops import decode as decode_ops
+from snapmla_cli.bench.decode_case import extra_defines
 from snapmla_cli.runtime import launch
 
 TRACE_SYMBOL = "snapmla_phase_trace"
 TURNS, POINTS = 64, 6  # kTraceTurns, kTracePoints of the kernel
 PHASES = ("qk", "wait", "softmax", "pv other", "pv own")
 WARMUP_TURNS = 4  # the pipeline fills during the first turns
-
-original_defines = decode_ops.fp8_defines
-
-
-def traced_defines(cfg) -> dict[str, int]:
-    """The decode op's defines plus the trace switch (the kernel cache keys on them)."""
-    return {**original_defines(cfg), "TRACE_PHASES": 1}
-
 
 def read_trace() -> np.ndarray:
     """The trace array of the loaded module that has one, as [warpgroup, turn, point] cycles."""
@@ -56,8 +48,8 @@ def main() -> None:
     add_shape_args(ap)
     ap.set_defaults(heads=64)
     args = ap.parse_args()
-    decode_ops.fp8_defines = traced_defines
-    run_decode(args)  # the second call's trace is read
+    with extra_defines({"TRACE_PHASES": 1}):
+        run_decode(args)  # the second call's trace is read
     trace = read_trace()
     start = trace[0, 0, 0]
     steady: dict[str, list[int]] = {name: [] for name in PHASES}

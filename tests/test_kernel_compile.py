@@ -476,7 +476,12 @@ def test_pv_pairs_switch_changes_only_the_layouts_it_applies_to() -> None:
     32 rows and leaves the 64-row and two-CTA layouts' code as it was."""
     from dataclasses import replace
 
-    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config, variant_config
+    from snapmla_cli.ops.decode_config import (
+        FP8_WGMMA,
+        fp8_defines,
+        heuristic_config,
+        variant_config,
+    )
 
     def cubins(cfg):
         defines = fp8_defines(cfg)

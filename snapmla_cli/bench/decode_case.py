@@ -9,7 +9,8 @@ cudaErrorInvalidAddressSpace)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ import torch
 from ..cache.layout import random_paged_layout
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..numerics.quant import QuantizedRows
+from ..ops import decode as decode_ops
 from ..ops.decode import decode_bf16, decode_fp8, get_mla_metadata
 from ..ops.decode_config import DecodeConfig
 from ..ops.prep import append_kv, quantize_q
@@ -74,3 +76,17 @@ class DecodeCase:
         meta, splits = get_mla_metadata(self.lens, self.rows, 1, fp8=False, config=config)
         return DecodeCall(lambda: decode_bf16(self.q, self.cache16, self.table, self.lens, meta, splits, None,
                                               True, config=config), meta.shape[0], self)
+
+
+@contextmanager
+def extra_defines(defines: dict[str, int]) -> Iterator[None]:
+    """FP8 kernels compiled inside this block get ``defines`` on top of their configuration's:
+    a kernel switch that is not a DecodeConfig field (an A/B such as ``PV_PAIRS=0``, or the
+    ``TRACE_PHASES`` diagnostic build). The kernel cache keys on the defines, so the other
+    builds stay as they are."""
+    plain = decode_ops.fp8_defines
+    decode_ops.fp8_defines = lambda cfg: {**plain(cfg), **defines}
+    try:
+        yield
+    finally:
+        decode_ops.fp8_defines = plain

@@ -14,6 +14,7 @@ from ..errors import SnapmlaError
 from ..sizes import format_size
 from .plan import PRESETS, BenchPlan, format_bytes
 from .results import BenchReport, CaseResult
+from .timing import STEADY
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
@@ -87,7 +88,7 @@ def _cases(report: BenchReport) -> list[CaseResult]:
 
 
 def kernel_table(report: BenchReport) -> Table:
-    clocks = report.meta.get("runner", {}).get("clocks", "steady")
+    clocks = report.meta.get("runner", {}).get("clocks", STEADY.name)
     table = Table(title="per rank (mean over ranks): one step = every layer's Q-quant/append + "
                         "decode; TFLOPS and GB/s per SPEC section 7 over the whole step; "
                         f"{clocks} clocks",

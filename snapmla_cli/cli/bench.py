@@ -26,6 +26,7 @@ from ..bench.plan import (
     parse_bytes,
     parse_layouts,
 )
+from ..bench.timing import CLOCKS, STEADY
 from ..cache.atomic import check_writable
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
@@ -43,9 +44,9 @@ class Bf16Impl(str, Enum):
     flashmla = "flashmla"
 
 
-class ClockState(str, Enum):
-    steady = "steady"
-    burst = "burst"
+# --clocks: the names of bench.timing's clock states (one list, so the option cannot drift)
+ClockState = Enum("ClockState", {name: name for name in CLOCKS}, type=str)
+DEFAULT_CLOCKS = ClockState(STEADY.name)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -95,7 +96,7 @@ def bench_command(
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Time CUDA-graph replays of one step (eager when capture fails).")] = True,
     bf16_impl: Annotated[Bf16Impl, typer.Option(help="BF16 baseline: FlashMLA if importable (auto), or forced.")] = Bf16Impl.auto,
     roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Measure GEMM/copy ceilings for the roofline column.")] = True,
-    clocks: Annotated[ClockState, typer.Option(help="GPU clock state of the timings and ceilings: steady (after 0.2 s of work, power-capped: what a busy server gets) or burst (1 s idle first, then as few steps as the median needs: as near the boost clock as a long step allows).")] = ClockState.steady,
+    clocks: Annotated[ClockState, typer.Option(help="GPU clock state of the timings and ceilings: steady (after 0.2 s of work, power-capped: what a busy server gets) or burst (1 s idle first, then as few steps as the median needs: as near the boost clock as a long step allows).")] = DEFAULT_CLOCKS,
     seed: Annotated[int, typer.Option(help="Seed of the random caches, queries and page layout.")] = 0,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON (atomic).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write a Figure-1-style bar chart (.png/.pdf/.svg).")] = None,

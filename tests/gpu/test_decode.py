@@ -110,19 +110,18 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
 
 @pytest.mark.parametrize("s_q,h_q,min_ctas", [(2, 16, 1), (1, 24, 1), (1, 16, 1), (1, 16, 2)],
                          ids=["32rows", "24rows", "16rows", "16rows-2ctas"])
-def test_fp8_alt_pages_pv_pairs_are_bitwise_the_separate_pvs(s_q, h_q, min_ctas, monkeypatch):
+def test_fp8_alt_pages_pv_pairs_are_bitwise_the_separate_pvs(s_q, h_q, min_ctas):
     """Alternate pages below 64 rows runs a turn's two PVs as one pair (PV_PAIRS, one CTA per SM):
     the same float32 operations in the same order as two single-page PVs, so the same bits;
     partial last pages, single-page work items and odd page counts included."""
-    from snapmla_cli.ops import decode as decode_ops
+    from snapmla_cli.bench.decode_case import extra_defines
 
     device = torch.device("cuda")
     prob = random_problem([9000, 70, 0, 4097, 129, 64], s_q, h_q, causal=True, seed=11)
     cfg = _config(s_q * h_q, 3, device, wg_mode=3, stages=4 if min_ctas == 1 else 2, min_ctas_per_sm=min_ctas)
     paired = _run_fp8(prob, device, cfg)
-    plain = decode_ops.fp8_defines
-    monkeypatch.setattr(decode_ops, "fp8_defines", lambda c: {**plain(c), "PV_PAIRS": 0})
-    separate = _run_fp8(prob, device, cfg)
+    with extra_defines({"PV_PAIRS": 0}):
+        separate = _run_fp8(prob, device, cfg)
     assert paired[0].isfinite().all()
     assert torch.equal(paired[0], separate[0]) and torch.equal(paired[1], separate[1])
 
