@@ -86,6 +86,12 @@
 #ifndef PV_PAIRS
 #define PV_PAIRS 1
 #endif
+// 1: alternate pages (WG_MODE 3) up to 32 rows derives each row's new state in every warp (lane n:
+// row n) instead of one thread per row between two warpgroup barriers; 0 keeps the one thread
+// per row (an A/B switch for the benchmarks, not a DecodeConfig field)
+#ifndef WARP_ROW_STATE
+#define WARP_ROW_STATE 1
+#endif
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
 // global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
@@ -94,14 +100,20 @@
 #endif
 
 #if TRACE_PHASES
-// [2 warpgroups][kTraceTurns][kTracePoints]: turn start, QK done, row state received, softmax
-// done, PV of the other warpgroup's page done, PV of its own page done
-extern "C" __device__ long long snapmla_phase_trace[2 * 64 * 6];
+// [2 warpgroups][kTraceTurns][kTracePoints]: turn start, the page's bytes arrived, QK done, row
+// state received, four points inside the softmax (from kSoftmaxPoint0), softmax done, PV of the other
+// warpgroup's page done, PV of its own page done; snapmla_phase_ns: %globaltimer at each turn
+// start, so that the host can convert cycles to time (the SM clock under load)
+extern "C" __device__ long long snapmla_phase_trace[2 * 64 * 11];
+extern "C" __device__ long long snapmla_phase_ns[2 * 64];
 #endif
 
 namespace snapmla {
 namespace fp8wg {
-constexpr int kTraceTurns = 64, kTracePoints = 6;
+// the softmax's inner points: mode 3: block statistics of the warps, after the first warpgroup
+// barrier, row state combined, after the second barrier (kWarpRowState: both after the row
+// state); rows = M: block max, block max of e s_k, row state, P^T stored
+constexpr int kTraceTurns = 64, kTracePoints = 11, kSoftmaxPoint0 = 4;
 
 constexpr bool kOwnRowsPv = WG_MODE == 1 || WG_MODE == 2;
 constexpr bool kPingPong = WG_MODE == 2;
@@ -174,6 +186,17 @@ constexpr int kPvPairsMaxRows = 32;
 constexpr bool kPvPairs =
     PV_PAIRS && WG_MODE == 3 && kRows <= kPvPairsMaxRows && MIN_CTAS_PER_SM == 1 && kPvPromote && kPvPipelined;
 static_assert(!(kPvPairs && kPrefetchQk), "pv_pair does not hand over a prefetched QK (pv_page does)");
+// Alternate pages (WG_MODE 3) up to 32 rows: every warp derives the new state of all rows of the
+// block from the warps' statistics (lane n: row n), so the P^T pass needs no second warpgroup
+// barrier and no row info in shared memory; the state is double-buffered by block parity, since
+// the other warps still read the state after block it - 1 while warp 0 writes the one after it.
+constexpr int kWarpRowStateMaxRows = 32;
+constexpr bool kWarpRowState = WARP_ROW_STATE && WG_MODE == 3 && kQkRows <= kWarpRowStateMaxRows;
+// The row step's 1 / sigma: the SFU's reciprocal in those layouts, whatever WARP_ROW_STATE says
+// (so that its A/B compares the same operations; measured 1.4% at 32 rows together with
+// kWarpRowState, where the row step is on every warp's critical path); elsewhere the correctly
+// rounded one (the 64-row mode-3 kernel spills 16 bytes with the SFU's)
+constexpr bool kRowStepFastRcp = WG_MODE == 3 && kQkRows <= kWarpRowStateMaxRows;
 constexpr float kInvE4m3Max = 1.f / E4M3_MAX;  // sigma = max(e s_k) / 448 as a product
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 // named barrier ids (0 = __syncthreads); ping-pong's turns and alternate pages' hand-overs
@@ -200,7 +223,10 @@ constexpr int kOffRowInfo = kOffStats + kStatsBytes;
 constexpr int kOffLsum = kOffRowInfo + kRowInfoBytes;
 constexpr int kOffRowConst = kOffLsum + 2 * 4 * kQkRows * 4;
 constexpr int kOffRowState = kOffRowConst + kRows * 8;  // alternate pages: m, sigma, last gamma
-constexpr int kRowStateBytes = kAltPages ? kRows * 16 : 0;
+// WG_MODE 3 up to 32 rows keeps the row state twice, by block parity (see kWarpRowState); the
+// layout does not depend on WARP_ROW_STATE, so that both builds share the host's formula
+constexpr int kRowStateBuffers = WG_MODE == 3 && kQkRows <= kWarpRowStateMaxRows ? 2 : 1;
+constexpr int kRowStateBytes = kAltPages ? kRowStateBuffers * kRows * 16 : 0;
 constexpr int kOffBars = kOffRowState + kRowStateBytes;
 constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
 constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
@@ -523,7 +549,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         const int row = row0 + tid;
         rowconst_s[tid] = make_float2(row < rows ? p.q_scale[row_base + row] * p.softmax_scale_log2 : 0.f,
                                       __int_as_float(visible_keys(row, rows, seqlen, p.shape)));
-        if constexpr (kAltPages) rowstate_s[tid] = make_float4(-INFINITY, 1.f, 1.f, 0.f);
+        if constexpr (kAltPages) {
+#pragma unroll
+            for (int b = 0; b < kRowStateBuffers; ++b) rowstate_s[b * kRows + tid] = make_float4(-INFINITY, 1.f, 1.f, 0.f);
+        }
     }
     load_q(q_s, p, row_base, row0, rows, tid);
     fence_proxy_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it
@@ -563,6 +592,20 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     auto valid_of = [&](int it) { return min(kPageTokens, seqlen - (block_begin + it) * kPageTokens); };
     auto p_tile_of = [&](int it) { return smem + kOffP + (it % kPBuffers) * kPBytes; };
     auto gamma_of = [&](int it) { return gamma_s + (it % kPBuffers) * kRows; };
+    // the alternate-pages row state after block it (it = -1: the initial state)
+    auto rowstate_at = [&](int it) { return rowstate_s + (kRowStateBuffers > 1 ? (it & 1) * kRows : 0); };
+    auto trace = [&](int it, int point) {  // TRACE_PHASES only (see the top of the file)
+#if TRACE_PHASES
+        if (blockIdx.x == 0 && blockIdx.y == 0 && wtid == 0 && it / 2 < kTraceTurns) {
+            snapmla_phase_trace[(wg * kTraceTurns + it / 2) * kTracePoints + point] = clock64();
+            if (point == 0) {
+                long long ns;
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+                snapmla_phase_ns[wg * kTraceTurns + it / 2] = ns;
+            }
+        }
+#endif
+    };
 
     // QK of block it: s_cur holds its logits (kPrefetchQk: issues block it + 1's into s_next).
     auto qk_step = [&](int it) {
@@ -653,6 +696,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 }
         }
         quad_max2(bmax[0], bmax[1]);
+        trace(it, kSoftmaxPoint0);
         bool act[kRowsPerThread];
         float mnew[kRowsPerThread], esum[kRowsPerThread] = {0.f, 0.f}, etmax[kRowsPerThread] = {0.f, 0.f};
 #pragma unroll
@@ -671,6 +715,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 etmax[h] = fmaxf(etmax[h], x);
             }
         quad_max2(etmax[0], etmax[1]);
+        trace(it, kSoftmaxPoint0 + 1);
         // The divisions by 448 and by sigma are multiplications by reciprocals here (each within
         // an ulp of the quotient; the exponentials are approximate anyway): the correctly
         // rounded divisions' fix-up code sat on the softmax's critical path.
@@ -685,6 +730,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             l_run[h] = gamma * st[h].z * l_run[h] + esum[h] * inv[h];
             st[h] = make_float4(mnew[h], signew[h], gamma, 0.f);
         }
+        trace(it, kSoftmaxPoint0 + 2);
         __syncwarp();  // the quad's other lanes read rowstate_s above
         if (c == 0) {
 #pragma unroll
@@ -704,6 +750,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 const unsigned packed = f32x4_to_e4m3x4(p_of(4 * q), p_of(4 * q + 1), p_of(4 * q + 2), p_of(4 * q + 3));
                 *reinterpret_cast<unsigned*>(p_s + swz64(row_of[h], 16 * q + 4 * c)) = packed;
             }
+        trace(it, kSoftmaxPoint0 + 3);
         publish_p();
     };
     // Softmax of block it (SPEC 5): logits, masks, block statistics, P^T into shared memory.
@@ -768,52 +815,95 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 }
             }
         }
+        trace(it, kSoftmaxPoint0);
         named_barrier_sync(kBarWg0 + wg, kWgThreads);
+        trace(it, kSoftmaxPoint0 + 1);
 
         // ---- block statistics, once per row: m, sigma, gamma and each warp's rescale factor --
         unsigned char* p_s = p_tile_of(it);
         float* gamma_buf = gamma_of(it);
-        if (wtid < kQkRows) {
-            // alternate pages: the row state after block it - 1 (the other warpgroup's)
-            float last_gamma = 1.f;
-            if constexpr (kAltPages) {
-                const float4 st = rowstate_s[wtid];
-                row_m = st.x;
-                row_sig = st.y;
-                last_gamma = st.z;
-            }
+        // Row n's step over block it from its state `st` after block it - 1 (m, sigma, and the
+        // gamma of block it - 1: this warpgroup's L partials last saw block it - 2) and the four
+        // warps' (max, max of e s_k); f_w: warp w's rescale factor exp2(max_w - m_new).
+        struct RowStep {
+            float m, sig, inv, gamma, gamma_l;
+        };
+        auto row_step = [&](const float4 st, int n, float (&fk)[4]) {
             float2 parts[4];
             float bmax = -INFINITY;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                parts[k] = stats_s[k * kQkRows + wtid];
+                parts[k] = stats_s[k * kQkRows + n];
                 bmax = fmaxf(bmax, parts[k].x);
             }
-            const float mnew = fmaxf(row_m, bmax);
-            float etmax = 0.f, fk[4];
+            const float mnew = fmaxf(st.x, bmax);
+            float etmax = 0.f;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 fk[k] = parts[k].x > -INFINITY ? fast_exp2(parts[k].x - mnew) : 0.f;
                 etmax = fmaxf(etmax, fk[k] * parts[k].y);
             }
             const bool act = bmax > -INFINITY;
-            // reciprocals instead of correctly rounded divisions, as in the rows = M softmax
-            const float signew = act ? fmaxf(etmax * kInvE4m3Max, kPScaleFloor) : row_sig;
-            const float inv = __frcp_rn(signew);
-            const float gamma = !act ? 1.f : (row_m == -INFINITY ? 0.f : fast_exp2(row_m - mnew) * (row_sig * inv));
-            if (act) {
-                row_m = mnew;
-                row_sig = signew;
+            // reciprocals instead of correctly rounded divisions; up to 32 rows of mode 3 the
+            // SFU's, as in the rows = M softmax (see kRowStepFastRcp)
+            const float signew = act ? fmaxf(etmax * kInvE4m3Max, kPScaleFloor) : st.y;
+            const float inv = kRowStepFastRcp ? fast_rcp(signew) : __frcp_rn(signew);
+            const float gamma = !act ? 1.f : (st.x == -INFINITY ? 0.f : fast_exp2(st.x - mnew) * (st.y * inv));
+            return RowStep{act ? mnew : st.x, act ? signew : st.y, inv, gamma, kAltPages ? gamma * st.z : gamma};
+        };
+        // kWarpRowState: this thread's rows 8j + 2c + e, f_w / sigma and L's rescale (the other
+        // path reads them from the row info where they are used: 64 rows' worth would spill)
+        constexpr int kFactorRows = kWarpRowState ? kOwnRows : 1;
+        float f_inv_of[kFactorRows], gamma_l_of[kFactorRows];
+        if constexpr (kWarpRowState) {
+            // lane n derives row n in every warp (lanes past kQkRows repeat a row); warp 0 keeps
+            // the state, the others take their rows' values by shuffles
+            const int n = lane % kQkRows;
+            float fk[4];
+            const RowStep r = row_step(rowstate_at(it - 1)[n], n, fk);
+            if (w == 0 && lane < kQkRows) {
+                rowstate_at(it)[n] = make_float4(r.m, r.sig, r.gamma, 0.f);
+                gamma_buf[n] = r.gamma;
             }
-            // L's rescale: this warpgroup's L partials last saw block it - 2 (alternate pages)
-            const float gamma_l = kAltPages ? gamma * last_gamma : gamma;
-            if constexpr (kAltPages) rowstate_s[wtid] = make_float4(row_m, row_sig, gamma, 0.f);
-            float4* info = reinterpret_cast<float4*>(rowinfo_s + wtid * kRowInfoFloats);
-            info[0] = make_float4(signew, inv, gamma, gamma_l);
-            info[1] = make_float4(fk[0], fk[1], fk[2], fk[3]);
-            gamma_buf[qk_row0 + wtid] = gamma;
+            // warp w's own factor fk[w], recomputed from its statistics (the same operations):
+            // an array indexed by the warp would go to local memory
+            const float own_max = stats_s[w * kQkRows + n].x;
+            const float f_inv = (own_max > -INFINITY ? fast_exp2(own_max - r.m) : 0.f) * r.inv;
+            trace(it, kSoftmaxPoint0 + 2);
+            trace(it, kSoftmaxPoint0 + 3);
+#pragma unroll
+            for (int i = 0; i < kOwnRows; ++i) {
+                const int src = 8 * (i / 2) + 2 * c + (i % 2);
+                f_inv_of[i] = __shfl_sync(FULL_MASK, f_inv, src);
+                gamma_l_of[i] = __shfl_sync(FULL_MASK, r.gamma_l, src);
+            }
+        } else {
+            if (wtid < kQkRows) {
+                // alternate pages: the row state after block it - 1 (the other warpgroup's)
+                const float4 st = kAltPages ? rowstate_at(it - 1)[wtid] : make_float4(row_m, row_sig, 1.f, 0.f);
+                float fk[4];
+                const RowStep r = row_step(st, wtid, fk);
+                row_m = r.m;
+                row_sig = r.sig;
+                if constexpr (kAltPages) rowstate_at(it)[wtid] = make_float4(row_m, row_sig, r.gamma, 0.f);
+                float4* info = reinterpret_cast<float4*>(rowinfo_s + wtid * kRowInfoFloats);
+                info[0] = make_float4(r.sig, r.inv, r.gamma, r.gamma_l);
+                info[1] = make_float4(fk[0], fk[1], fk[2], fk[3]);
+                gamma_buf[qk_row0 + wtid] = r.gamma;
+            }
+            trace(it, kSoftmaxPoint0 + 2);
+            named_barrier_sync(kBarWg0 + wg, kWgThreads);
+            trace(it, kSoftmaxPoint0 + 3);
         }
-        named_barrier_sync(kBarWg0 + wg, kWgThreads);
+        // (f_w / sigma, L's rescale) of the thread's row i
+        auto row_factors = [&](int i) {
+            if constexpr (kWarpRowState) {
+                return make_float2(f_inv_of[i], gamma_l_of[i]);
+            } else {
+                const float* info = rowinfo_s + (8 * (i / 2) + 2 * c + (i % 2)) * kRowInfoFloats;
+                return make_float2(info[4 + w] * info[1], info[3]);
+            }
+        };
 
         // ---- P = e4m3(e s_k f / sigma) into P^T[row][token'], L partials ---------------------
         // Lanes g and g^1 hold tokens k and k+1 of the permuted token order; each pair packs 4
@@ -824,11 +914,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int i = 2 * j + e;
-                const float* info = rowinfo_s + (8 * j + 2 * c + e) * kRowInfoFloats;
-                const float4 head = *reinterpret_cast<const float4*>(info);
-                const float gamma_l = head.w, f_inv = info[4 + w] * head.y;  // f / sigma
+                const float2 factors = row_factors(i);
+                const float f_inv = factors.x;
                 const float esum = s_acc[4 * j + e] + s_acc[4 * j + 2 + e];  // this thread's e of the row
-                l_run[i] = gamma_l * l_run[i] + esum * f_inv;
+                l_run[i] = factors.y * l_run[i] + esum * f_inv;
                 pv[e][0] = s_acc[4 * j + e] * ks_a * f_inv;
                 pv[e][1] = s_acc[4 * j + 2 + e] * ks_b * f_inv;
             }
@@ -1091,28 +1180,26 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // the other warpgroup's block it - 1 (P^T, gamma, row state), runs the softmax of it
         // (handing it over), then PV(it - 1) and PV(it) for its dims. Each block's hand-over is
         // arrived at once by its owner and waited for once by the other, at the turn after it.
-        auto trace = [&](int it, int point) {  // TRACE_PHASES only (see the top of the file)
-#if TRACE_PHASES
-            if (blockIdx.x == 0 && blockIdx.y == 0 && wtid == 0 && it / 2 < kTraceTurns)
-                snapmla_phase_trace[(wg * kTraceTurns + it / 2) * kTracePoints + point] = clock64();
-#endif
-        };
         for (int it = wg; it <= num_blocks; it += 2) {
             const bool mine = it < num_blocks;
             trace(it, 0);
-            if (mine) qk_step(it);
+#if TRACE_PHASES  // the time spent waiting for the page's bytes, apart from QK (whose wait then passes)
+            if (mine) mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
+#endif
             trace(it, 1);
-            if (it > 0) named_barrier_sync(kBarPass0 + wg, kConsumerThreads);
+            if (mine) qk_step(it);
             trace(it, 2);
+            if (it > 0) named_barrier_sync(kBarPass0 + wg, kConsumerThreads);
+            trace(it, 3);
             if constexpr (kRowsM) {
                 if (mine) softmax_rows_m(it);
             } else {
                 if (mine) softmax_step(it);
             }
-            trace(it, 3);
+            trace(it, 8);
             if constexpr (kVtSmem) {
                 if (it > 0) pv_rows_m(it - 1);
-                trace(it, 4);
+                trace(it, 9);
                 if (mine) pv_rows_m(it);
             } else if constexpr (kPvPairs) {
                 if (it > 0 && mine) {
@@ -1123,13 +1210,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 } else if (mine) {
                     pv_step(it, true);
                 }
-                trace(it, 4);
+                trace(it, 9);
             } else {
                 if (it > 0) pv_step(it - 1);
-                trace(it, 4);
+                trace(it, 9);
                 if (mine) pv_step(it, true);
             }
-            trace(it, 5);
+            trace(it, 10);
         }
     } else {
         for (int it = 0; it < num_blocks; ++it) {
@@ -1227,7 +1314,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         const int n = qk_row0 + wtid;
         const int row = row0 + n;
         if constexpr (kAltPages) {
-            const float4 st = rowstate_s[n];
+            const float4 st = rowstate_at(num_blocks - 1)[n];
             row_m = st.x;
             row_sig = st.y;
         }

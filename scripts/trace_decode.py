@@ -2,9 +2,13 @@
 
 Builds the kernel with ``TRACE_PHASES=1`` (kernels/decode_fp8_wgmma.cu: CTA (0, 0) stores
 ``clock64()`` at each phase boundary of every warpgroup turn), runs profile_decode.py's decode
-call on a benchmark shape and prints, per turn of two pages, the cycles spent in QK, waiting for
-the other warpgroup's row state, the softmax and the two PVs, then the medians of the
-steady-state turns. A diagnostic: the trace build may keep a few more registers than the real
+call on a benchmark shape and prints, per turn of two pages, the cycles spent waiting for the
+page's bytes, in QK, waiting for the other warpgroup's row state, the softmax in five parts and
+the two PVs (with paired PVs the pair's cycles go to "pv other"), then the medians of the
+steady-state turns and the SM clock (cycles over %globaltimer) during them. The softmax parts:
+mode 3 (sm1-sm5): the warps' block statistics, the first warpgroup barrier, the rows' state,
+the second barrier, P^T and its hand-over; rows = M: block max, block max of e s_k, the rows'
+state, P^T, the hand-over. A diagnostic: the trace build may keep a few more registers than the real
 one (see docs/PERF.md, "Softmax latency, ablations, timeline").
 
     python3 scripts/trace_decode.py --heads 64 --mtp 1 --ctx 32768 [--config 3:4:1:4:1:1:1:4]
@@ -22,20 +26,21 @@ from snapmla_cli.bench.decode_case import extra_defines
 from snapmla_cli.runtime import launch
 
 TRACE_SYMBOL = "snapmla_phase_trace"
-TURNS, POINTS = 64, 6  # kTraceTurns, kTracePoints of the kernel
-PHASES = ("qk", "wait", "softmax", "pv other", "pv own")
+TURNS, POINTS = 64, 11  # kTraceTurns, kTracePoints of the kernel
+TIMER_SYMBOL = "snapmla_phase_ns"
+PHASES = ("data", "qk", "wait", "sm1", "sm2", "sm3", "sm4", "sm5", "pv other", "pv own")
 WARMUP_TURNS = 4  # the pipeline fills during the first turns
 
-def read_trace() -> np.ndarray:
-    """The trace array of the loaded module that has one, as [warpgroup, turn, point] cycles."""
+def read_global(symbol: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The int64 device global ``symbol`` of the loaded module that has a non-zero one."""
     import cupy
 
     for module in launch._MODULES.values():
         try:
-            ptr = module.get_global_var(TRACE_SYMBOL)
+            ptr = module.get_global_var(symbol)
         except cupy.cuda.driver.CUDADriverError:
             continue
-        host = np.zeros((2, TURNS, POINTS), np.int64)
+        host = np.zeros(shape, np.int64)
         cupy.cuda.runtime.memcpy(host.ctypes.data, ptr, host.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
         if host.any():
             return host
@@ -50,25 +55,33 @@ def main() -> None:
     args = ap.parse_args()
     with extra_defines({"TRACE_PHASES": 1}):
         run_decode(args)  # the second call's trace is read
-    trace = read_trace()
+    trace = read_global(TRACE_SYMBOL, (2, TURNS, POINTS))  # [warpgroup, turn, point] cycles
+    turn_ns = read_global(TIMER_SYMBOL, (2, TURNS))           # %globaltimer at each turn start
     start = trace[0, 0, 0]
     steady: dict[str, list[int]] = {name: [] for name in PHASES}
-    print("turn wg | start cycle | " + " ".join(f"{name:>9s}" for name in PHASES))
+    print("turn wg | start cycle | " + " ".join(f"{name:>8s}" for name in PHASES))
     for turn in range(TURNS):
         for wg in range(2):
             points = trace[wg, turn]
             if not points.any():
                 continue
             spans = np.diff(points)
-            print(f"{2 * turn + wg:4d} {wg:2d} | {points[0] - start:11d} | " + " ".join(f"{s:9d}" for s in spans))
-            if turn >= WARMUP_TURNS:
+            print(f"{2 * turn + wg:4d} {wg:2d} | {points[0] - start:11d} | " + " ".join(f"{s:8d}" for s in spans))
+            # a turn without a page of its own (the last) records no QK or softmax points
+            if turn >= WARMUP_TURNS and points.all():
                 for name, span in zip(PHASES, spans):
                     steady[name].append(int(span))
     if steady["qk"]:
         medians = {name: statistics.median(v) for name, v in steady.items()}
         print("median cycles per turn (two pages) from turn", 2 * WARMUP_TURNS, ": " +
               ", ".join(f"{name} {m:.0f}" for name, m in medians.items()) + f"; total {sum(medians.values()):.0f}")
-
+    traced = np.nonzero(turn_ns[0])[0]
+    first, last = WARMUP_TURNS, int(traced[-1]) if traced.size else 0
+    if last > first:
+        cycles = trace[0, last, 0] - trace[0, first, 0]
+        ns = turn_ns[0, last] - turn_ns[0, first]
+        print(f"SM clock over turns {first}-{last}: {cycles / ns * 1e3:.0f} MHz; "
+              f"{cycles / (2 * (last - first)):.0f} cycles, {ns / (2 * (last - first)):.0f} ns per page")
 
 if __name__ == "__main__":
     main()

@@ -58,6 +58,9 @@ WGMMA_SMEM_ALIGN = 1024
 WGMMA_ROW_INFO_BYTES = 32  # per row: sigma, 1/sigma, gamma, pad, one rescale factor per warp
 WGMMA_ROW_CONST_BYTES = 8  # per row: logit scale, visible keys
 WGMMA_ROW_STATE_BYTES = 16  # alternate pages, per row: m, sigma, last gamma, pad
+# WG_MODE 3 up to this many rows keeps the row state twice, by block parity (every warp derives
+# the rows' new state while the other warps still read the old one; kWarpRowState)
+WGMMA_ROW_STATE_DOUBLE_MAX_ROWS = 32
 # BF16 kernel versions, numbered as the FP8 ones: 2 = mma.sync (decode_bf16.cu), 3 = wgmma + TMA
 # (decode_bf16_wgmma.cu: 64 query rows as wgmma's M, a page of nine 64 x 128 B tiles per stage).
 BF16_MMA_SYNC, BF16_WGMMA = FP8_MMA_SYNC, FP8_WGMMA
@@ -129,11 +132,12 @@ def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     # the per-warp statistics exchange: (max, max e*s_k) per warp and row, row info; rows = M
     # reduces inside quads and needs neither
     exchange = 0 if cfg.wg_mode in WG_ROWS_M_MODES else 2 * 4 * qk_rows * 8 + 2 * qk_rows * WGMMA_ROW_INFO_BYTES
+    row_state_buffers = 2 if cfg.wg_mode == WG_ALT_PAGES and qk_rows <= WGMMA_ROW_STATE_DOUBLE_MAX_ROWS else 1
     return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * WGMMA_STAGE_BYTES
             + p_buffers * rows * (WGMMA_P_BYTES_PER_ROW + 4)  # P^T and gamma per buffered block
             + exchange + 2 * 4 * qk_rows * 4  # L partials per warp and row
             + rows * WGMMA_ROW_CONST_BYTES
-            + (rows * WGMMA_ROW_STATE_BYTES if alt_pages else 0)
+            + (row_state_buffers * rows * WGMMA_ROW_STATE_BYTES if alt_pages else 0)
             + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
 

@@ -108,22 +108,38 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
             assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
 
 
-@pytest.mark.parametrize("s_q,h_q,min_ctas", [(2, 16, 1), (1, 24, 1), (1, 16, 1), (1, 16, 2)],
-                         ids=["32rows", "24rows", "16rows", "16rows-2ctas"])
-def test_fp8_alt_pages_pv_pairs_are_bitwise_the_separate_pvs(s_q, h_q, min_ctas):
-    """Alternate pages below 64 rows runs a turn's two PVs as one pair (PV_PAIRS, one CTA per SM):
-    the same float32 operations in the same order as two single-page PVs, so the same bits;
-    partial last pages, single-page work items and odd page counts included."""
+# Kernel switches that reorder work without changing a float32 operation (A/B defines of the
+# benchmarks, not DecodeConfig fields): (define, the value it replaces, s_q, h_q, configuration)
+EXACT_SWITCHES = [
+    # a turn's two PVs as one pair (alternate pages, up to 32 rows, one CTA per SM)
+    ("PV_PAIRS", 0, 2, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
+    ("PV_PAIRS", 0, 1, 24, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
+    ("PV_PAIRS", 0, 1, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
+    ("PV_PAIRS", 0, 1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2}),
+    # every warp derives the rows' new state (alternate pages, up to 32 rows)
+    ("WARP_ROW_STATE", 0, 2, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
+    ("WARP_ROW_STATE", 0, 1, 24, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
+    ("WARP_ROW_STATE", 0, 1, 16, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
+    ("WARP_ROW_STATE", 0, 1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 1}),
+]
+
+
+@pytest.mark.parametrize("define,old_value,s_q,h_q,kernel", EXACT_SWITCHES,
+                         ids=[f"{d}-{s * h}rows-{i}" for i, (d, _, s, h, _) in enumerate(EXACT_SWITCHES)])
+def test_fp8_exact_switches_keep_every_bit(define, old_value, s_q, h_q, kernel):
+    """Each switch runs the same float32 operations on the same values in the same order as the
+    code it replaced (``define=old_value``), so the output and lse are the same bits: partial
+    last pages, empty and single-page work items, odd page counts and the causal mask included."""
     from snapmla_cli.bench.decode_case import extra_defines
 
     device = torch.device("cuda")
-    prob = random_problem([9000, 70, 0, 4097, 129, 64], s_q, h_q, causal=True, seed=11)
-    cfg = _config(s_q * h_q, 3, device, wg_mode=3, stages=4 if min_ctas == 1 else 2, min_ctas_per_sm=min_ctas)
-    paired = _run_fp8(prob, device, cfg)
-    with extra_defines({"PV_PAIRS": 0}):
-        separate = _run_fp8(prob, device, cfg)
-    assert paired[0].isfinite().all()
-    assert torch.equal(paired[0], separate[0]) and torch.equal(paired[1], separate[1])
+    prob = random_problem([9000, 70, 0, 4097, 129, 64, 1], s_q, h_q, causal=True, seed=11)
+    cfg = _config(s_q * h_q, 3, device, **kernel)
+    new = _run_fp8(prob, device, cfg)
+    with extra_defines({define: old_value}):
+        old = _run_fp8(prob, device, cfg)
+    assert new[0].isfinite().all()
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
 
 
 @pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2, 3, 4, 6)] + [(2, {})],
