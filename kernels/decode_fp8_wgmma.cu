@@ -92,6 +92,12 @@
 #ifndef WARP_ROW_STATE
 #define WARP_ROW_STATE 1
 #endif
+// 1: the swapped-layout softmax (modes 0-3) reduces a group of rows' warp statistics by
+// transposition (each shuffle level halves the rows a lane holds: 7 shuffles for 8 rows instead
+// of 24); 0: one three-shuffle reduction per row (an A/B switch, not a DecodeConfig field)
+#ifndef TRANSPOSED_STATS
+#define TRANSPOSED_STATS 1
+#endif
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
 // global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
@@ -154,6 +160,11 @@ constexpr int kOAcc = kPvRows / 2;                     // O^T floats per thread 
 // rows whose softmax state (L partial) a thread keeps: rows = M holds rows 16w + g and + 8
 constexpr int kOwnRows = kRowsM ? 2 : kQkRows / 4;
 constexpr int kStatRows = kOwnRows < 8 ? kOwnRows : 8;  // rows whose statistics interleave
+// Transposed statistics where a thread holds 4 or 8 rows of a softmax of up to 32 rows: 1.0-2.6%
+// at 32 rows (same call); with 2 rows (mode 0 at 16 rows) they save one shuffle in six and were
+// 0.4% slower, and the 64-row mode-3 kernel (two groups of 8 rows) spills with them.
+constexpr int kTransposedMinRows = 4, kTransposedMaxQkRows = 32;
+constexpr bool kTransposedStats = TRANSPOSED_STATS && kStatRows >= kTransposedMinRows && kQkRows <= kTransposedMaxQkRows;
 constexpr int kAllRows = kPvRows / 4;                  // rows of O^T a thread holds
 // Accumulation precision: Hopper's FP8 tensor cores keep fewer bits than float32 when they add
 // into an accumulator, so a long chain of wgmmas into one accumulator loses precision (the
@@ -383,6 +394,35 @@ __device__ __forceinline__ float warp_col_max(float v) {  // over the 8 lanes of
     v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 4));
     v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 8));
     return fmaxf(v, __shfl_xor_sync(FULL_MASK, v, 16));
+}
+// The maxima of kRowsIn rows (one value each per lane) over the 8 lanes of equal lane % 4, by
+// transposition: at each shuffle level (lane bits 4, 3, 2) a lane keeps half of its rows and
+// sends the other half to its partner, so kRowsIn = 8 takes 4 + 2 + 1 shuffles where one
+// reduction per row takes 24. Lane 4g + c returns the maximum of row g / (8 / kRowsIn) (its
+// writer: g % (8 / kRowsIn) == 0). Exact: max does not round, so the order does not matter.
+template <int kRowsIn>
+__device__ __forceinline__ float transposed_col_max(const float (&in)[kRowsIn], int lane) {
+    static_assert(kRowsIn == 1 || kRowsIn == 2 || kRowsIn == 4 || kRowsIn == 8, "1, 2, 4 or 8 rows");
+    float v[kRowsIn];
+#pragma unroll
+    for (int k = 0; k < kRowsIn; ++k) v[k] = in[k];
+#pragma unroll
+    for (int level = 0; level < 3; ++level) {
+        const int mask = 16 >> level;
+        const int held = kRowsIn >> level;  // rows a lane holds before this level
+        if (held >= 2) {
+            const bool upper = lane & mask;  // keeps the upper half of its rows
+#pragma unroll
+            for (int k = 0; k < held / 2; ++k) {
+                const float send = upper ? v[k] : v[k + held / 2];
+                const float keep = upper ? v[k + held / 2] : v[k];
+                v[k] = fmaxf(keep, __shfl_xor_sync(FULL_MASK, send, mask));
+            }
+        } else {
+            v[0] = fmaxf(v[0], __shfl_xor_sync(FULL_MASK, v[0], mask));
+        }
+    }
+    return v[0];
 }
 __device__ __forceinline__ float warp_col_sum(float v) {
     v += __shfl_xor_sync(FULL_MASK, v, 4);
@@ -773,27 +813,61 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // the 64-row layouts a spill; rows = M has its own).
         // (whole_page is a literal at both call sites, so each inlined copy folds it; the device's
         // NVRTC rejects generic lambdas, so it is not a template parameter)
+        // The rows' (warp max, warp max of e * s_k): one reduction per row, interleaved row by
+        // row, into mw / etw (stored below by lanes g = 0); kTransposedStats: reduced by
+        // transposition (transposed_col_max) and stored here by the lanes that hold each row,
+        // the warp maxima broadcast back for the exponentials.
         auto stats_group = [&](int i0, const bool whole_page, float (&mw)[kStatRows], float (&etw)[kStatRows]) {
+            constexpr int kLanesPerRow = 8 / kStatRows;  // transposed: lanes g that hold one row
+            float own_max = 0.f;
+            if constexpr (kTransposedStats) {
+#pragma unroll
+                for (int r = 0; r < kStatRows; ++r) {
+                    const int i = i0 + r, j = i / 2, e = i % 2;
+                    float& sa = s_acc[4 * j + e];
+                    float& sb = s_acc[4 * j + 2 + e];
+                    const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
+                    const int vis = __float_as_int(rc.y);
+                    if (whole_page) {
+                        sa *= rc.x * ks_a;
+                        sb *= rc.x * ks_b;
+                    } else {
+                        sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
+                        sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
+                    }
+                    etw[r] = fmaxf(sa, sb);  // (the row's maxima, before the transposition)
+                }
+                own_max = transposed_col_max(etw, lane);
+#pragma unroll
+                for (int r = 0; r < kStatRows; ++r) mw[r] = __shfl_sync(FULL_MASK, own_max, 4 * kLanesPerRow * r + c);
+            }
 #pragma unroll
             for (int r = 0; r < kStatRows; ++r) {
                 const int i = i0 + r, j = i / 2, e = i % 2;
                 float& sa = s_acc[4 * j + e];
                 float& sb = s_acc[4 * j + 2 + e];
-                const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
-                const int vis = __float_as_int(rc.y);
-                if (whole_page) {
-                    sa *= rc.x * ks_a;
-                    sb *= rc.x * ks_b;
-                } else {
-                    sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
-                    sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
+                if constexpr (!kTransposedStats) {
+                    const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
+                    const int vis = __float_as_int(rc.y);
+                    if (whole_page) {
+                        sa *= rc.x * ks_a;
+                        sb *= rc.x * ks_b;
+                    } else {
+                        sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
+                        sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
+                    }
+                    mw[r] = warp_col_max(fmaxf(sa, sb));
                 }
-                mw[r] = warp_col_max(fmaxf(sa, sb));
                 const float ea = whole_page || (mw[r] > -INFINITY && sa > -INFINITY) ? fast_exp2(sa - mw[r]) : 0.f;
                 const float eb = whole_page || (mw[r] > -INFINITY && sb > -INFINITY) ? fast_exp2(sb - mw[r]) : 0.f;
                 sa = ea;
                 sb = eb;
-                etw[r] = warp_col_max(fmaxf(ea * ks_a, eb * ks_b));
+                etw[r] = kTransposedStats ? fmaxf(ea * ks_a, eb * ks_b) : warp_col_max(fmaxf(ea * ks_a, eb * ks_b));
+            }
+            if constexpr (kTransposedStats) {
+                const float own_et = transposed_col_max(etw, lane);
+                const int i = i0 + g / kLanesPerRow;
+                if (g % kLanesPerRow == 0) stats_s[w * kQkRows + 8 * (i / 2) + 2 * c + (i % 2)] = make_float2(own_max, own_et);
             }
         };
         constexpr bool kWholePath = kRows < 64;
@@ -807,7 +881,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             } else {
                 stats_group(i0, false, mw, etw);
             }
-            if (g == 0) {
+            if (!kTransposedStats && g == 0) {
 #pragma unroll
                 for (int r = 0; r < kStatRows; ++r) {
                     const int i = i0 + r;

@@ -121,6 +121,12 @@ EXACT_SWITCHES = [
     ("WARP_ROW_STATE", 0, 1, 24, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
     ("WARP_ROW_STATE", 0, 1, 16, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
     ("WARP_ROW_STATE", 0, 1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 1}),
+    # the warp statistics of a thread's 4 or 8 rows reduced by transposition (swapped layouts,
+    # <= 32 rows per softmax)
+    ("TRANSPOSED_STATS", 0, 2, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
+    ("TRANSPOSED_STATS", 0, 1, 24, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
+    ("TRANSPOSED_STATS", 0, 1, 16, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
+    ("TRANSPOSED_STATS", 0, 1, 64, {"wg_mode": 0, "row_groups": 4, "stages": 3}),
 ]
 
 
