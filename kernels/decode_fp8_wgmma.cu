@@ -817,6 +817,19 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // row, into mw / etw (stored below by lanes g = 0); kTransposedStats: reduced by
         // transposition (transposed_col_max) and stored here by the lanes that hold each row,
         // the warp maxima broadcast back for the exponentials.
+        // row i's logits times its logit scale and the tokens' s_k, in place; masked to -inf past
+        // the row's visible keys
+        auto scale_logits = [&](int i, const bool whole_page, float& sa, float& sb) {
+            const float2 rc = rowconst_s[qk_row0 + 8 * (i / 2) + 2 * c + (i % 2)];
+            const int vis = __float_as_int(rc.y);
+            if (whole_page) {
+                sa *= rc.x * ks_a;
+                sb *= rc.x * ks_b;
+            } else {
+                sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
+                sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
+            }
+        };
         auto stats_group = [&](int i0, const bool whole_page, float (&mw)[kStatRows], float (&etw)[kStatRows]) {
             constexpr int kLanesPerRow = 8 / kStatRows;  // transposed: lanes g that hold one row
             float own_max = 0.f;
@@ -826,15 +839,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                     const int i = i0 + r, j = i / 2, e = i % 2;
                     float& sa = s_acc[4 * j + e];
                     float& sb = s_acc[4 * j + 2 + e];
-                    const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
-                    const int vis = __float_as_int(rc.y);
-                    if (whole_page) {
-                        sa *= rc.x * ks_a;
-                        sb *= rc.x * ks_b;
-                    } else {
-                        sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
-                        sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
-                    }
+                    scale_logits(i, whole_page, sa, sb);
                     etw[r] = fmaxf(sa, sb);  // (the row's maxima, before the transposition)
                 }
                 own_max = transposed_col_max(etw, lane);
@@ -847,15 +852,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 float& sa = s_acc[4 * j + e];
                 float& sb = s_acc[4 * j + 2 + e];
                 if constexpr (!kTransposedStats) {
-                    const float2 rc = rowconst_s[qk_row0 + 8 * j + 2 * c + e];
-                    const int vis = __float_as_int(rc.y);
-                    if (whole_page) {
-                        sa *= rc.x * ks_a;
-                        sb *= rc.x * ks_b;
-                    } else {
-                        sa = page_first + tok_a < vis ? sa * (rc.x * ks_a) : -INFINITY;
-                        sb = page_first + tok_b < vis ? sb * (rc.x * ks_b) : -INFINITY;
-                    }
+                    scale_logits(i, whole_page, sa, sb);
                     mw[r] = warp_col_max(fmaxf(sa, sb));
                 }
                 const float ea = whole_page || (mw[r] > -INFINITY && sa > -INFINITY) ? fast_exp2(sa - mw[r]) : 0.f;

@@ -7,9 +7,10 @@ page's bytes, in QK, waiting for the other warpgroup's row state, the softmax in
 the two PVs (with paired PVs the pair's cycles go to "pv other"), then the medians of the
 steady-state turns and the SM clock (cycles over %globaltimer) during them. The softmax parts:
 mode 3 (sm1-sm5): the warps' block statistics, the first warpgroup barrier, the rows' state,
-the second barrier, P^T and its hand-over; rows = M: block max, block max of e s_k, the rows'
-state, P^T, the hand-over. A diagnostic: the trace build may keep a few more registers than the real
-one (see docs/PERF.md, "Softmax latency, ablations, timeline").
+the second barrier (none with the per-warp row state), P^T and its hand-over; rows = M: block
+max, block max of e s_k, the rows' state, P^T, the hand-over. A diagnostic: its stores sit in
+the chains it times, so the trace build is slower than the real one; read phases against each
+other (see docs/PERF.md, "Softmax latency, ablations, timeline" and the eleventh session).
 
     python3 scripts/trace_decode.py --heads 64 --mtp 1 --ctx 32768 [--config 3:4:1:4:1:1:1:4]
 """
@@ -82,6 +83,7 @@ def main() -> None:
         ns = turn_ns[0, last] - turn_ns[0, first]
         print(f"SM clock over turns {first}-{last}: {cycles / ns * 1e3:.0f} MHz; "
               f"{cycles / (2 * (last - first)):.0f} cycles, {ns / (2 * (last - first)):.0f} ns per page")
+
 
 if __name__ == "__main__":
     main()
