@@ -470,33 +470,44 @@ def test_racecheck_skeleton_compiles_without_spills(defines) -> None:
     assert res.spill_store_bytes == 0 and res.local_bytes == 0
 
 
+# The FP8 wgmma kernel's A/B switches (defines, not DecodeConfig fields) and the layouts each one
+# must change (it applies there) or leave as they were (variant_config arguments: rows, overrides).
+SWITCH_LAYOUTS = [
+    # a turn's two PVs as one pair: alternate pages, up to 32 rows, one CTA per SM
+    ("PV_PAIRS", 0, [(32, {"wg_mode": 3})], [(64, {"wg_mode": 4, "row_groups": 4}),
+                                              (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})]),
+    # every warp derives the rows' state: mode 3 up to 32 rows
+    ("WARP_ROW_STATE", 0, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1})],
+     [(64, {"wg_mode": 3, "row_groups": 4, "stages": 3}), (16, {"wg_mode": 0, "stages": 2, "min_ctas_per_sm": 2})]),
+    # transposed statistics: 4 or 8 rows per thread, up to 32 rows per softmax
+    ("TRANSPOSED_STATS", 0, [(32, {"wg_mode": 3}), (64, {"wg_mode": 0, "row_groups": 4, "stages": 3})],
+     [(64, {"wg_mode": 3, "row_groups": 4, "stages": 3}), (16, {"wg_mode": 0, "stages": 2, "min_ctas_per_sm": 2}),
+      (64, {"wg_mode": 4, "row_groups": 4})]),
+]
+
+
 @needs_nvrtc
-def test_pv_pairs_switch_changes_only_the_layouts_it_applies_to() -> None:
-    """PV_PAIRS (alternate pages, up to 32 rows, one CTA per SM) builds a different kernel at
-    32 rows and leaves the 64-row and two-CTA layouts' code as it was."""
-    from dataclasses import replace
+@pytest.mark.parametrize("define,old_value,changed,unchanged", SWITCH_LAYOUTS,
+                         ids=[row[0] for row in SWITCH_LAYOUTS])
+def test_ab_switch_changes_only_the_layouts_it_applies_to(define, old_value, changed, unchanged) -> None:
+    """Each switch builds a different kernel where it applies and leaves the other layouts'
+    code as it was (the same cubin with the old value), so a claim like "64 rows keep the old
+    code" is checked without a GPU."""
+    from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, variant_config
 
-    from snapmla_cli.ops.decode_config import (
-        FP8_WGMMA,
-        fp8_defines,
-        heuristic_config,
-        variant_config,
-    )
-
-    def cubins(cfg):
+    def cubins(rows, overrides):  # (the old value, the kernel's default)
+        cfg = variant_config(rows, FP8_WGMMA, **overrides)
+        assert cfg.stages == overrides.get("stages", cfg.stages), "the layout must fit as given"
         defines = fp8_defines(cfg)
-        return [nvrtc.compile_module("decode_fp8_wgmma.cu", {**defines, "PV_PAIRS": v}, "sm_90a").cubin
-                for v in (0, 1)]
+        return [nvrtc.compile_module("decode_fp8_wgmma.cu", d, "sm_90a").cubin
+                for d in ({**defines, define: old_value}, defines)]
 
-    alt32 = variant_config(32, FP8_WGMMA, wg_mode=3)
-    assert alt32.min_ctas_per_sm == 1
-    off, on = cubins(alt32)
-    assert off != on
-    off, on = cubins(heuristic_config(64, True, FP8_WGMMA))
-    assert off == on
-    two_ctas = replace(variant_config(16, FP8_WGMMA, wg_mode=3, stages=2), min_ctas_per_sm=2)
-    off, on = cubins(two_ctas)
-    assert off == on
+    for rows, overrides in changed:
+        old, new = cubins(rows, overrides)
+        assert old != new, (define, rows, overrides)
+    for rows, overrides in unchanged:
+        old, new = cubins(rows, overrides)
+        assert old == new, (define, rows, overrides)
 
 
 @needs_nvrtc
