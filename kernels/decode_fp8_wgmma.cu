@@ -201,13 +201,15 @@ static_assert(!(kPvPairs && kPrefetchQk), "pv_pair does not hand over a prefetch
 // block from the warps' statistics (lane n: row n), so the P^T pass needs no second warpgroup
 // barrier and no row info in shared memory; the state is double-buffered by block parity, since
 // the other warps still read the state after block it - 1 while warp 0 writes the one after it.
+// kWarpRowStateLayout: the layouts it applies to; they keep the double-buffered row state and
+// the SFU reciprocal whatever WARP_ROW_STATE says, so that its A/B compares the same operations.
 constexpr int kWarpRowStateMaxRows = 32;
-constexpr bool kWarpRowState = WARP_ROW_STATE && WG_MODE == 3 && kQkRows <= kWarpRowStateMaxRows;
-// The row step's 1 / sigma: the SFU's reciprocal in those layouts, whatever WARP_ROW_STATE says
-// (so that its A/B compares the same operations; measured 1.4% at 32 rows together with
-// kWarpRowState, where the row step is on every warp's critical path); elsewhere the correctly
-// rounded one (the 64-row mode-3 kernel spills 16 bytes with the SFU's)
-constexpr bool kRowStepFastRcp = WG_MODE == 3 && kQkRows <= kWarpRowStateMaxRows;
+constexpr bool kWarpRowStateLayout = WG_MODE == 3 && kQkRows <= kWarpRowStateMaxRows;
+constexpr bool kWarpRowState = WARP_ROW_STATE && kWarpRowStateLayout;
+// The row step's 1 / sigma: the SFU's reciprocal in those layouts (measured 1.4% at 32 rows
+// together with kWarpRowState, where the row step is on every warp's critical path); elsewhere
+// the correctly rounded one (the 64-row mode-3 kernel spills 16 bytes with the SFU's)
+constexpr bool kRowStepFastRcp = kWarpRowStateLayout;
 constexpr float kInvE4m3Max = 1.f / E4M3_MAX;  // sigma = max(e s_k) / 448 as a product
 constexpr float kPScaleFloor = P_SCALE_FLOOR;
 // named barrier ids (0 = __syncthreads); ping-pong's turns and alternate pages' hand-overs
@@ -236,7 +238,7 @@ constexpr int kOffRowConst = kOffLsum + 2 * 4 * kQkRows * 4;
 constexpr int kOffRowState = kOffRowConst + kRows * 8;  // alternate pages: m, sigma, last gamma
 // WG_MODE 3 up to 32 rows keeps the row state twice, by block parity (see kWarpRowState); the
 // layout does not depend on WARP_ROW_STATE, so that both builds share the host's formula
-constexpr int kRowStateBuffers = WG_MODE == 3 && kQkRows <= kWarpRowStateMaxRows ? 2 : 1;
+constexpr int kRowStateBuffers = kWarpRowStateLayout ? 2 : 1;
 constexpr int kRowStateBytes = kAltPages ? kRowStateBuffers * kRows * 16 : 0;
 constexpr int kOffBars = kOffRowState + kRowStateBytes;
 constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;

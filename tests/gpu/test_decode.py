@@ -109,25 +109,23 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
 
 
 # Kernel switches that reorder work without changing a float32 operation (A/B defines of the
-# benchmarks, not DecodeConfig fields): (define, the value it replaces, s_q, h_q, configuration)
-EXACT_SWITCHES = [
+# benchmarks, not DecodeConfig fields): define -> (the value it replaces, [(s_q, h_q, configuration)])
+ALT_1CTA = {"wg_mode": 3, "min_ctas_per_sm": 1}
+EXACT_SWITCH_CASES = {
     # a turn's two PVs as one pair (alternate pages, up to 32 rows, one CTA per SM)
-    ("PV_PAIRS", 0, 2, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
-    ("PV_PAIRS", 0, 1, 24, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
-    ("PV_PAIRS", 0, 1, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
-    ("PV_PAIRS", 0, 1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2}),
+    "PV_PAIRS": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
+                     (1, 16, {**ALT_1CTA, "stages": 4}), (1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})]),
     # every warp derives the rows' new state (alternate pages, up to 32 rows)
-    ("WARP_ROW_STATE", 0, 2, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
-    ("WARP_ROW_STATE", 0, 1, 24, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
-    ("WARP_ROW_STATE", 0, 1, 16, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
-    ("WARP_ROW_STATE", 0, 1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 1}),
+    "WARP_ROW_STATE": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
+                           (1, 16, {**ALT_1CTA, "stages": 5}), (1, 16, {**ALT_1CTA, "stages": 2})]),
     # the warp statistics of a thread's 4 or 8 rows reduced by transposition (swapped layouts,
     # <= 32 rows per softmax)
-    ("TRANSPOSED_STATS", 0, 2, 16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
-    ("TRANSPOSED_STATS", 0, 1, 24, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1}),
-    ("TRANSPOSED_STATS", 0, 1, 16, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
-    ("TRANSPOSED_STATS", 0, 1, 64, {"wg_mode": 0, "row_groups": 4, "stages": 3}),
-]
+    "TRANSPOSED_STATS": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
+                             (1, 16, {**ALT_1CTA, "stages": 5}),
+                             (1, 64, {"wg_mode": 0, "row_groups": 4, "stages": 3})]),
+}
+EXACT_SWITCHES = [(define, old, s_q, h_q, kernel)
+                  for define, (old, cases) in EXACT_SWITCH_CASES.items() for s_q, h_q, kernel in cases]
 
 
 @pytest.mark.parametrize("define,old_value,s_q,h_q,kernel", EXACT_SWITCHES,
