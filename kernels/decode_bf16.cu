@@ -59,9 +59,9 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const unsigned cha
 extern "C" __global__ void __launch_bounds__(snapmla::bf16::kThreads, MIN_CTAS_PER_SM)
 snapmla_decode_bf16(const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int* block_table,
                     const int* cache_seqlens, const snapmla::WorkItem* work_list,
-                    __nv_bfloat16* out, float* lse, float* partial_out, float* partial_lse,
-                    int block_table_stride, float softmax_scale_log2, int h_q, int s_q,
-                    int causal) {
+                    int /*items_per_column: one item per CTA*/, __nv_bfloat16* out, float* lse,
+                    float* partial_out, float* partial_lse, int block_table_stride,
+                    float softmax_scale_log2, int h_q, int s_q, int causal) {
     using namespace snapmla;
     using namespace snapmla::bf16;
     launch_dependents();  // the combine may launch now; it waits for this grid to finish

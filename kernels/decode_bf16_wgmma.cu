@@ -39,6 +39,9 @@
 #ifndef STAGES
 #define STAGES 2  // pages in flight per CTA
 #endif
+#ifndef COLUMN_ITEMS
+#define COLUMN_ITEMS 0  // 1: a CTA runs the column of work items its list row starts (see WorkItem)
+#endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
 #endif
@@ -46,6 +49,7 @@
 namespace snapmla {
 namespace bf16wg {
 
+constexpr bool kColumnItems = COLUMN_ITEMS;
 constexpr int kRows = 16 * ROW_GROUPS;
 // CTA roles and the register split: common/warp_roles.cuh
 using roles::kConsumerThreads;
@@ -108,6 +112,7 @@ struct Params {
     const int* block_table;
     const int* cache_seqlens;
     const WorkItem* work;
+    int items_per_column;
     __nv_bfloat16* out;
     float* lse;
     float* partial_out;
@@ -118,9 +123,11 @@ struct Params {
 };
 
 // Producer: one lane streams the pages of [block_begin, block_end) through the stages.
+// `base`: the CTA's pages before this work item (a multiple of STAGES: see roles::run_column),
+// whose stages the first pages of this item wait for as well.
 __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, unsigned long long* full,
                                         unsigned long long* empty, const int* table, int block_begin,
-                                        int num_blocks) {
+                                        int num_blocks, int base) {
     prefetch_tensor_map(p.tmap);
     for (int it = 0; it < num_blocks; ++it) {
         const int stage = it % STAGES;
@@ -133,7 +140,7 @@ __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, un
 #pragma unroll
         for (int k = 0; k < kParts; ++k) {
             const int part = order[k], bar = stage * kParts + part;
-            if (it >= STAGES) mbarrier_wait_parity(&empty[bar], ((it / STAGES) - 1) & 1);
+            if (base + it >= STAGES) mbarrier_wait_parity(&empty[bar], (((base + it) / STAGES) - 1) & 1);
             mbarrier_arrive_expect_tx(&full[bar], part_tiles(part) * kTileBytes);
             for (int t = part_first_tile(part); t < part_first_tile(part) + part_tiles(part); ++t)
                 tma_load_2d(dst + t * kTileBytes, p.tmap, t * kBox, row, &full[bar]);
@@ -160,9 +167,10 @@ __device__ __forceinline__ void load_q(unsigned char* q_s, const Params& p, long
 }
 
 __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, unsigned long long* full,
-                                        unsigned long long* empty, int block_begin, int num_blocks,
-                                        int seqlen, int rows, int row0, long row_base, int req) {
-    const int tid = threadIdx.x;
+                                        unsigned long long* empty, int item, int block_begin,
+                                        int num_blocks, int seqlen, int rows, int row0, long row_base,
+                                        int req, int phase) {
+    const int tid = static_cast<int>(threadIdx.x) + (kColumnItems ? loop_zero() : 0);
     // warp-uniform as far as ptxas knows (a branch on wg around wgmmas must not serialize them)
     const int wg = __shfl_sync(FULL_MASK, tid / kWgThreads, 0);
     const int w = (tid / 32) % 4, lane = tid % 32, g = lane / 4, c = lane % 4;
@@ -208,7 +216,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         if (lane == 0) mbarrier_arrive(&empty[(it % STAGES) * kParts + part]);
     };
     auto wait_part = [&](int it, int part) {
-        mbarrier_wait_parity(&full[(it % STAGES) * kParts + part], (it / STAGES) & 1);
+        // the item's round it / STAGES after its first, of parity `phase` (roles::run_column)
+        mbarrier_wait_parity(&full[(it % STAGES) * kParts + part], ((it / STAGES) ^ phase) & 1);
     };
     const int own_part = 1 + wg, other_part = 2 - wg;
 
@@ -379,7 +388,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     }
 
     // ---- epilogue: out = O / L (dims 256 wg + 8j + 2c, + 1), lse = m ln2 + log(L) ---------------
-    const int partial = __ldg(&p.work[blockIdx.y].partial);
+    const int partial = __ldg(&p.work[kColumnItems ? item : static_cast<int>(blockIdx.y)].partial);
     const bool to_partial = partial >= 0;
     const long part_rows = static_cast<long>(partial) * rows;
 #pragma unroll
@@ -402,18 +411,36 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     }
 }
 
-__device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
+// smem: smem_raw rounded up to the swizzle atom at the kernel's entry
+__device__ __forceinline__ void run(const Params& p, unsigned char* smem, unsigned char* smem_raw) {
     const int rows = p.shape.s_q * p.shape.h_q;
     const int row0 = blockIdx.x * kRows;
     if (row0 >= rows) return;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES * kParts;
     roles::init_pipeline_barriers(full, empty, STAGES * kParts, kPartWarps);
-    roles::run_work_item<kConsumerRegs>(
-        p, [&p, smem, full, empty](const int* table, int begin, int n) { produce(p, smem, full, empty, table, begin, n); },
-        [&p, smem, full, empty, rows, row0](int begin, int n, int seqlen, int req) {
-            consume(p, smem, full, empty, begin, n, seqlen, rows, row0, static_cast<long>(req) * rows, req);
-        });
+    auto producer = [&p, smem, full, empty](const int* table, int begin, int n, int base) {
+        produce(p, smem, full, empty, table, begin, n, base);
+    };
+    // a column's items: what the consumers derive from the CTA and shared memory's base is
+    // derived again for each item (loop_zero), not carried through the item in registers
+    auto consumer = [&p, smem_raw](int item, int begin, int n, int seqlen, int req, int phase) {
+        const int zero = loop_zero();
+        const unsigned base = smem_addr(smem_raw + zero);
+        unsigned char* s = smem_raw + zero + ((kSmemAlign - (base % kSmemAlign)) % kSmemAlign);
+        unsigned long long* f = reinterpret_cast<unsigned long long*>(s + kOffBars);
+        const int rows = p.shape.s_q * p.shape.h_q + zero;
+        consume(p, s, f, f + STAGES * kParts, item, begin, n, seqlen, rows,
+                (static_cast<int>(blockIdx.x) + zero) * kRows, static_cast<long>(req) * rows, req, phase);
+    };
+    auto consumer_one = [&p, smem, full, empty, rows, row0](int item, int begin, int n, int seqlen, int req, int) {
+        consume(p, smem, full, empty, item, begin, n, seqlen, rows, row0, static_cast<long>(req) * rows, req, 0);
+    };
+    const roles::Pipeline pipeline{full, empty, STAGES, kParts, kPartWarps, kBarConsumers};
+    if constexpr (kColumnItems)
+        roles::run_column<true, kConsumerRegs>(p, pipeline, producer, consumer);
+    else
+        roles::run_column<false, kConsumerRegs>(p, pipeline, producer, consumer_one);
 }
 
 }  // namespace bf16wg
@@ -421,7 +448,7 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
 
 extern "C" __global__ void __launch_bounds__(snapmla::bf16wg::kThreads, MIN_CTAS_PER_SM)
 snapmla_decode_bf16_wgmma(const __nv_bfloat16* q, const unsigned char* tmap, const int* block_table,
-                          const int* cache_seqlens, const snapmla::WorkItem* work_list,
+                          const int* cache_seqlens, const snapmla::WorkItem* work_list, int items_per_column,
                           __nv_bfloat16* out, float* lse, float* partial_out, float* partial_lse,
                           int block_table_stride, float softmax_scale_log2, int h_q, int s_q,
                           int causal) {
@@ -431,8 +458,8 @@ snapmla_decode_bf16_wgmma(const __nv_bfloat16* q, const unsigned char* tmap, con
     const unsigned base = snapmla::smem_addr(smem_raw);
     unsigned char* smem = smem_raw + ((snapmla::bf16wg::kSmemAlign - (base % snapmla::bf16wg::kSmemAlign)) %
                                       snapmla::bf16wg::kSmemAlign);
-    const snapmla::bf16wg::Params p{q, tmap, block_table, cache_seqlens, work_list, out, lse, partial_out,
+    const snapmla::bf16wg::Params p{q, tmap, block_table, cache_seqlens, work_list, items_per_column, out, lse, partial_out,
                                     partial_lse, block_table_stride, softmax_scale_log2,
                                     snapmla::DecodeShape{h_q, s_q, causal}};
-    snapmla::bf16wg::run(p, smem);
+    snapmla::bf16wg::run(p, smem, smem_raw);
 }

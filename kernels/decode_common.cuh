@@ -18,8 +18,13 @@ constexpr int kRowsPerGroup = 16;      // MMA M: query rows per row group
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// One CTA column of work: request, its KV blocks [block_begin, block_end) and the partial slot
-// (-1: the request has a single split, write the final output directly).
+// One piece of work: request, its KV blocks [block_begin, block_end) and the partial slot (-1:
+// the request has a single split, write the final output directly). The work list is
+// [columns x items_per_column], a column's items first to last; an unused place holds an empty
+// item (no blocks, request 0) whose partial slot nobody reads. A kernel that runs columns
+// (COLUMN_ITEMS) gives CTA row y the items y * items_per_column + k in turn, up to the first
+// empty one; the others give it the one item at flat index y (an empty item costs such a CTA
+// its Q load and a scratch write, and keeps those kernels' code as it was).
 struct WorkItem {
     int request;
     int block_begin;

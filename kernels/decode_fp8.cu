@@ -445,9 +445,9 @@ extern "C" __global__ void __launch_bounds__(snapmla::fp8::kThreads, MIN_CTAS_PE
 snapmla_decode_fp8(const unsigned char* q_content, const float* q_scale,
                    const __nv_bfloat16* q_rope, const unsigned char* k_cache,
                    const int* block_table, const int* cache_seqlens,
-                   const snapmla::WorkItem* work_list, __nv_bfloat16* out, float* lse,
-                   float* partial_out, float* partial_lse, int block_table_stride,
-                   float softmax_scale_log2, int h_q, int s_q, int causal) {
+                   const snapmla::WorkItem* work_list, int /*items_per_column: one item per CTA*/,
+                   __nv_bfloat16* out, float* lse, float* partial_out, float* partial_lse,
+                   int block_table_stride, float softmax_scale_log2, int h_q, int s_q, int causal) {
     extern __shared__ __align__(128) unsigned char smem[];
     snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
     const snapmla::fp8::Params p{q_content, q_scale, q_rope, k_cache, block_table, cache_seqlens,

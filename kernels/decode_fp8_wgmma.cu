@@ -98,6 +98,12 @@
 #ifndef TRANSPOSED_STATS
 #define TRANSPOSED_STATS 1
 #endif
+// 1: a CTA runs the column of work items its list row starts (the planner's balanced columns,
+// several requests' pieces per CTA); 0: its row's item only (DecodeConfig.column_items; the
+// 64-row layouts spill in the column loop)
+#ifndef COLUMN_ITEMS
+#define COLUMN_ITEMS 0
+#endif
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
 // global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
@@ -121,6 +127,7 @@ namespace fp8wg {
 // state); rows = M: block max, block max of e s_k, row state, P^T stored
 constexpr int kTraceTurns = 64, kTracePoints = 11, kSoftmaxPoint0 = 4;
 
+constexpr bool kColumnItems = COLUMN_ITEMS;
 constexpr bool kOwnRowsPv = WG_MODE == 1 || WG_MODE == 2;
 constexpr bool kPingPong = WG_MODE == 2;
 constexpr bool kVtSmem = WG_MODE == 6;  // V^T transposed in shared memory, PV with rows = M
@@ -266,6 +273,7 @@ struct Params {
     const int* block_table;
     const int* cache_seqlens;
     const WorkItem* work;
+    int items_per_column;
     __nv_bfloat16* out;
     float* lse;
     float* partial_out;
@@ -352,16 +360,18 @@ __device__ __forceinline__ void transpose_tile(unsigned src, unsigned dst, int w
 }
 
 // Producer: one elected lane streams the pages of [block_begin, block_end) through the stages.
+// `base`: the CTA's pages before this work item (a multiple of STAGES: see roles::run_column),
+// whose stages the first pages of this item wait for as well.
 __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, unsigned long long* full,
                                         unsigned long long* empty, const int* table, int block_begin,
-                                        int num_blocks) {
+                                        int num_blocks, int base) {
     const unsigned char* map_tiles = p.tmaps;
     const unsigned char* map_scale = p.tmaps + kTensorMapBytes;
     prefetch_tensor_map(map_tiles);
     prefetch_tensor_map(map_scale);
     for (int it = 0; it < num_blocks; ++it) {
         const int stage = it % STAGES;
-        if (it >= STAGES) mbarrier_wait_parity(&empty[stage], ((it / STAGES) - 1) & 1);
+        if (base + it >= STAGES) mbarrier_wait_parity(&empty[stage], (((base + it) / STAGES) - 1) & 1);
         const int row = table[block_begin + it] * kPageTokens;
         unsigned char* dst = smem + kOffStages + stage * kStageBytes;
         mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
@@ -459,17 +469,26 @@ __device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long 
     }
 }
 
+// The consumers' view of the full barriers: block `it` of the work item is in stage it % STAGES,
+// in the round of the stages (it / STAGES) after the item's first, whose parity is `phase` (a
+// CTA's later items start where the earlier ones left the pipeline: roles::run_column).
+struct FullBarriers {
+    unsigned long long* bars;
+    int phase;
+    __device__ __forceinline__ void wait(int it) const {
+        mbarrier_wait_parity(&bars[it % STAGES], ((it / STAGES) ^ phase) & 1);
+    }
+};
+
 // Wait until block `it`'s page has landed; the descriptor of its K tiles.
-__device__ __forceinline__ unsigned long long page_k_desc(unsigned char* smem, unsigned long long* full,
-                                                          int it) {
-    const int stage = it % STAGES;
-    mbarrier_wait_parity(&full[stage], (it / STAGES) & 1);
-    return make_smem_desc(smem + kOffStages + stage * kStageBytes, kSwizzle128B, kSwizzleAtom128);
+__device__ __forceinline__ unsigned long long page_k_desc(unsigned char* smem, const FullBarriers& full, int it) {
+    full.wait(it);
+    return make_smem_desc(smem + kOffStages + (it % STAGES) * kStageBytes, kSwizzle128B, kSwizzleAtom128);
 }
 
 // Issue (no wait) S^T = K . Q^T for block `it` into `acc`: all chunks in one accumulator.
 template <int kAcc>
-__device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem, unsigned long long* full,
+__device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem, const FullBarriers& full,
                                          int it, unsigned long long q_desc_base) {
     const unsigned long long k_desc = page_k_desc(smem, full, it);
     wgmma_fence();
@@ -519,7 +538,7 @@ struct PageTranspose {
 // over the tile of chunk i - 1, which is complete: every warp waited for it, and finished
 // reading the tile before it (transposition step i - 2), before the warpgroup barrier.
 template <int kAcc>
-__device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* smem, unsigned long long* full,
+__device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* smem, const FullBarriers& full,
                                             int it, unsigned long long q_desc_base, const PageTranspose& vt) {
     const unsigned long long k_desc = page_k_desc(smem, full, it);
     if constexpr (!kQkPipelined) {
@@ -562,11 +581,11 @@ __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* sme
         });
 }
 
-__device__ __forceinline__ void consume(const Params& p, unsigned char* smem, unsigned long long* full,
-                                        unsigned long long* empty, int block_begin, int num_blocks,
-                                        int seqlen, int rows, int row0, long row_base,
+__device__ __forceinline__ void consume(const Params& p, unsigned char* smem, const FullBarriers full,
+                                        unsigned long long* empty, int item, int block_begin,
+                                        int num_blocks, int seqlen, int rows, int row0, long row_base,
                                         int req) {
-    const int tid = threadIdx.x;
+    const int tid = static_cast<int>(threadIdx.x) + (kColumnItems ? loop_zero() : 0);
     // alternate pages branches on wg around wgmmas: a shuffle from lane 0 makes it warp-uniform
     // as far as ptxas knows, so that it does not serialize them (C7519); the other modes keep
     // the plain division (the shuffle costs the unpromoted kernel a spill)
@@ -1013,7 +1032,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
         // alternate pages: the other warpgroup waited for this page; the completed phase is
         // this warpgroup's proof that the TMA bytes are visible (the page cannot be refilled
         // before this PV releases it)
-        if (kAltPages && !seen) mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
+        if (kAltPages && !seen) full.wait(it);
         unsigned char* page = page_of(it);
         const int valid = valid_of(it);
         const unsigned char* p_s = p_tile_of(it);
@@ -1151,7 +1170,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     // `masked`: page it is a request's last (page it - 1, followed by it, never is).
     auto pv_pair = [&](int it, const bool masked) {
         const int other = it - 1;
-        mbarrier_wait_parity(&full[other % STAGES], (other / STAGES) & 1);  // see pv_page
+        full.wait(other);  // see pv_page
         const unsigned char* pages[2] = {page_of(other), page_of(it)};
         unsigned long long p_desc[2];
         float2 gam[2][kPvRows / 8];
@@ -1257,7 +1276,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             const bool mine = it < num_blocks;
             trace(it, 0);
 #if TRACE_PHASES  // the time spent waiting for the page's bytes, apart from QK (whose wait then passes)
-            if (mine) mbarrier_wait_parity(&full[it % STAGES], (it / STAGES) & 1);
+            if (mine) full.wait(it);
 #endif
             trace(it, 1);
             if (mine) qk_step(it);
@@ -1343,7 +1362,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
 
     // ---- epilogue: out = O / L (swapped PV: dims 2g, 2g+1 of each warp's 16), lse = m ln2 + log(sigma L)
     // the work item's partial slot is read here, not kept in a register through the page loop
-    const int partial = __ldg(&p.work[blockIdx.y].partial);
+    // (one item per CTA: its list row is blockIdx.y, which ptxas can read again here)
+    const int partial = __ldg(&p.work[kColumnItems ? item : static_cast<int>(blockIdx.y)].partial);
     const bool to_partial = partial >= 0;
     const long part_rows = static_cast<long>(partial) * rows;
     // out = O / L: rows 16w + g + 8h; column 8j + 2c + e of a 64-dim chunk is dim 4c + 2e of its
@@ -1401,20 +1421,42 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     }
 }
 
-__device__ __forceinline__ void run(const Params& p, unsigned char* smem) {
+// Dynamic shared memory is only 16-byte aligned: round up to the swizzle atom.
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+    const unsigned base = smem_addr(raw);
+    return raw + ((kSmemAlign - (base % kSmemAlign)) % kSmemAlign);
+}
+
+// smem: aligned_smem(smem_raw), derived once at the kernel's entry
+__device__ __forceinline__ void run(const Params& p, unsigned char* smem, unsigned char* smem_raw) {
     const int rows = p.shape.s_q * p.shape.h_q;
     const int row0 = blockIdx.x * kRows;
     if (row0 >= rows) return;
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES;
     roles::init_pipeline_barriers(full, empty, STAGES, kConsumerWarps);
-    auto producer = [&p, smem, full, empty](const int* table, int begin, int n) {
-        produce(p, smem, full, empty, table, begin, n);
+    auto producer = [&p, smem, full, empty](const int* table, int begin, int n, int base) {
+        produce(p, smem, full, empty, table, begin, n, base);
     };
-    auto consumer = [&p, smem, full, empty, rows, row0](int begin, int n, int seqlen, int req) {
-        consume(p, smem, full, empty, begin, n, seqlen, rows, row0, static_cast<long>(req) * rows, req);
+    // a column's items: everything the consumers derive from the CTA and shared memory's base
+    // is derived again for each item (loop_zero), not carried through the item in registers
+    auto consumer = [&p, smem_raw](int item, int begin, int n, int seqlen, int req, int phase) {
+        const int zero = loop_zero();
+        unsigned char* s = aligned_smem(smem_raw + zero);
+        unsigned long long* f = reinterpret_cast<unsigned long long*>(s + kOffBars);
+        const int rows = p.shape.s_q * p.shape.h_q + zero;
+        consume(p, s, FullBarriers{f, phase}, f + STAGES, item, begin, n, seqlen, rows,
+                (static_cast<int>(blockIdx.x) + zero) * kRows, static_cast<long>(req) * rows, req);
     };
-    roles::run_work_item<kConsumerRegs>(p, producer, consumer);
+    auto consumer_one = [&p, smem, full, empty, rows, row0](int item, int begin, int n, int seqlen, int req, int) {
+        consume(p, smem, FullBarriers{full, 0}, empty, item, begin, n, seqlen, rows, row0,
+                static_cast<long>(req) * rows, req);
+    };
+    const roles::Pipeline pipeline{full, empty, STAGES, 1, kConsumerWarps, kBarConsumers};
+    if constexpr (kColumnItems)
+        roles::run_column<true, kConsumerRegs>(p, pipeline, producer, consumer);
+    else
+        roles::run_column<false, kConsumerRegs>(p, pipeline, producer, consumer_one);
 }
 
 }  // namespace fp8wg
@@ -1424,7 +1466,7 @@ extern "C" __global__ void __launch_bounds__(snapmla::fp8wg::kThreads, MIN_CTAS_
 snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
                          const __nv_bfloat16* q_rope, const unsigned char* tmaps,
                          const int* block_table, const int* cache_seqlens,
-                         const snapmla::WorkItem* work_list, __nv_bfloat16* out, float* lse,
+                         const snapmla::WorkItem* work_list, int items_per_column, __nv_bfloat16* out, float* lse,
                          float* partial_out, float* partial_lse, int block_table_stride,
                          float softmax_scale_log2, int h_q, int s_q, int causal) {
     extern __shared__ unsigned char smem_raw[];
@@ -1434,7 +1476,7 @@ snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
     unsigned char* smem = smem_raw + ((snapmla::fp8wg::kSmemAlign - (base % snapmla::fp8wg::kSmemAlign)) %
                                       snapmla::fp8wg::kSmemAlign);
     const snapmla::fp8wg::Params p{q_content, q_scale, q_rope, tmaps, block_table, cache_seqlens,
-                                   work_list, out, lse, partial_out, partial_lse, block_table_stride,
+                                   work_list, items_per_column, out, lse, partial_out, partial_lse, block_table_stride,
                                    softmax_scale_log2, snapmla::DecodeShape{h_q, s_q, causal}};
-    snapmla::fp8wg::run(p, smem);
+    snapmla::fp8wg::run(p, smem, smem_raw);
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from dataclasses import replace
 
 import torch
 
@@ -56,9 +57,13 @@ def run_case(w: DecodeWork, ceilings, device, timer=time_graph, clocks: Clocks |
     return res
 
 
+BALANCED = "balanced"
+
+
 def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph, clocks: Clocks | None = BURST) -> None:
     """Time FP8 kernel variants (``config_from_spec`` format, optionally followed by
-    ``+NAME=VALUE`` extra defines) on one shape (tuning probe; version 3 = wgmma, 2 = mma.sync)."""
+    ``+NAME=VALUE`` extra defines or ``+balanced``, the balanced split policy) on one shape
+    (tuning probe; version 3 = wgmma, 2 = mma.sync)."""
     from snapmla_cli.ops.decode_config import config_from_spec, fp8_config_valid
 
     case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
@@ -66,9 +71,12 @@ def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph, clocks: Clock
     for spec in specs.split(","):
         base, *extras = spec.split("+")
         cfg = config_from_spec(base).with_sms(sms)
+        if BALANCED in extras:  # the balanced split policy (columns of work items)
+            cfg = replace(cfg, split=replace(cfg.split, balanced=True))
         if not fp8_config_valid(cfg):
             continue
-        with extra_defines({k: int(v) for k, v in (e.split("=") for e in extras)}):
+        defines = {k: int(v) for k, v in (e.split("=") for e in extras if e != BALANCED)}
+        with extra_defines(defines):
             call = case.fp8(cfg)
             t = timer(call, clocks=clocks)
         print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} {spec:18s} work{call.work_items}: "
@@ -86,7 +94,8 @@ def main() -> None:
     ap.add_argument("--clocks", choices=sorted(CLOCKS), default=BURST.name,
                     help="burst: boost clock (idle, brief warm-up); steady: after 0.2 s of work, power-capped")
     ap.add_argument("--sweep", help="FP8 variants version:rg:kv:stages:ctas[:qk_promote:pv_promote[:wg_mode]],"
-                                    "... timed on each shape instead; a spec may end in +NAME=VALUE extra kernel defines")
+                                    "... timed on each shape instead; a spec may end in +NAME=VALUE extra kernel defines "
+                                    "or +balanced (the balanced split policy)")
     args = ap.parse_args()
     device = torch.device("cuda")
     timer = time_cuda if args.eager else time_graph

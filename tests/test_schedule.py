@@ -14,6 +14,7 @@ import torch
 from snapmla_cli.ops.schedule import (
     CTA_OVERHEAD_BLOCKS,
     SplitPolicy,
+    balanced_columns,
     build_metadata,
     estimated_makespan,
     plan_splits,
@@ -99,7 +100,8 @@ def test_work_list_runs_longest_splits_first_and_keeps_the_slots():
     seqlens = [100 * PAGE, 7 * PAGE, 0, 3000 * PAGE + 5, 64]
     lens = torch.tensor(seqlens, dtype=torch.int32)
     work, num_splits = build_metadata(lens, 64, 64, SplitPolicy())
-    items = work.tolist()
+    assert work.shape[1:] == (1, 4)  # one item per column: the split plan
+    items = work.reshape(-1, 4).tolist()
     sizes = [end - begin for _req, begin, end, _slot in items]
     assert sizes == sorted(sizes, reverse=True)
     cumulative = num_splits.tolist()
@@ -114,3 +116,76 @@ def test_work_list_runs_longest_splits_first_and_keeps_the_slots():
     bounds = split_token_bounds(num_splits, work, seqlens)
     for n, b in zip(seqlens, bounds):
         assert b[0] == 0 and b[-1] == n and b == sorted(b)
+
+
+def _check_work_list(work: torch.Tensor, num_splits: torch.Tensor, seqlens: list[int]) -> list[list[list[int]]]:
+    """Every block of every request in exactly one real item, each request's partial slots
+    num_splits[i] + split index in block order (-1 alone), empty places after a column's real
+    items with a slot no real item has. Returns the columns' real items."""
+    columns = [[item for item in column if item[2] > item[1]] for column in work.tolist()]
+    places = work.shape[0] * work.shape[1]
+    real_slots = set()
+    for column, raw in zip(columns, work.tolist()):
+        assert column and raw[:len(column)] == column  # real items first, at least one
+        for empty in raw[len(column):]:
+            assert empty == [0, 0, 0, places - 1]
+        real_slots.update(item[3] for item in column)
+    if sum(map(len, columns)) < places:  # the empty places' scratch slot is nobody's
+        assert places - 1 not in real_slots
+    cumulative = num_splits.tolist()
+    for req, n in enumerate(seqlens):
+        mine = sorted((b, e, slot) for column in columns for r, b, e, slot in column if r == req)
+        covered = [blk for b, e, _slot in mine for blk in range(b, e)]
+        assert covered == list(range((n + PAGE - 1) // PAGE))
+        assert len(mine) == cumulative[req + 1] - cumulative[req]
+        slots = [slot for _b, _e, slot in mine]
+        assert slots == ([-1] if len(mine) == 1 else list(range(cumulative[req], cumulative[req + 1])))
+    bounds = split_token_bounds(num_splits, work, seqlens)
+    for n, b in zip(seqlens, bounds):
+        assert b[0] == 0 and b[-1] == n and b == sorted(b)
+    return columns
+
+
+@pytest.mark.parametrize("rows,block_m,ctas", [(16, 16, 2), (32, 32, 1), (64, 64, 1), (128, 64, 1)])
+def test_balanced_columns_fill_every_sm_at_batch_64(rows, block_m, ctas):
+    """b = 64 x 256 blocks: the split plan runs 128 (256 at two CTAs per SM) equal splits on 132
+    (264) slots; balanced columns run one per slot, within one block of each other."""
+    seqlens = [16384] * 64
+    policy = SplitPolicy(ctas_per_sm=ctas, balanced=True)
+    work, num_splits = build_metadata(torch.tensor(seqlens, dtype=torch.int32), rows, block_m, policy,
+                                      runs_columns=True)
+    columns = _check_work_list(work, num_splits, seqlens)
+    slots = 132 * ctas // -(-rows // block_m)
+    assert len(columns) == slots
+    lengths = [sum(e - b for _r, b, e, _s in column) for column in columns]
+    assert max(lengths) - min(lengths) <= 1 and sum(lengths) == 64 * 256
+    split_plan, _ = build_metadata(torch.tensor(seqlens, dtype=torch.int32), rows, block_m, policy)
+    assert split_plan.shape[1] == 1 and split_plan.shape[0] < slots  # not for a one-item kernel
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_work_lists_are_consistent(seed):
+    rng = random.Random(seed)
+    seqlens = [rng.choice([0, 1, 63, 64, 65, rng.randint(1, 300000)]) for _ in range(rng.randint(1, 150))]
+    for rows, block_m, ctas in ((16, 16, 2), (32, 32, 1), (128, 64, 1)):
+        policy = SplitPolicy(ctas_per_sm=ctas, balanced=True)
+        work, num_splits = build_metadata(torch.tensor(seqlens, dtype=torch.int32), rows, block_m, policy,
+                                          runs_columns=True)
+        if sum(seqlens) == 0:
+            assert work.shape[0] == 0
+            continue
+        _check_work_list(work, num_splits, seqlens)
+
+
+def test_balanced_columns_fall_back_where_a_request_needs_too_many_pieces():
+    """One 128k request on 132 columns would need 132 pieces: the split plan (at most 64) runs
+    instead; short batches get fewer columns than SMs (min_blocks_per_split each)."""
+    policy = SplitPolicy(balanced=True)
+    assert balanced_columns([131072], 32, 32, policy) is None
+    work, num_splits = build_metadata(torch.tensor([131072], dtype=torch.int32), 32, 32, policy,
+                                      runs_columns=True)
+    assert work.shape[1] == 1 and work.shape[0] <= policy.max_splits_per_request
+    _check_work_list(work, num_splits, [131072])
+    plan = balanced_columns([64 * 10] * 4, 32, 32, policy)
+    assert plan is not None and len(plan) == 40 // policy.min_blocks_per_split
+    assert balanced_columns([0, 0], 32, 32, policy) is None

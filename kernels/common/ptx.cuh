@@ -405,6 +405,13 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
 __device__ __forceinline__ void mbarrier_arrive(void* bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
+// A zero the optimizer cannot see through: `threadIdx.x + loop_zero()` inside a loop keeps what
+// is derived from the thread index inside the loop (ptxas still sees a plain add of zero).
+__device__ __forceinline__ int loop_zero() {
+    int zero;
+    asm volatile("mov.u32 %0, 0;" : "=r"(zero));
+    return zero;
+}
 // Make mbarrier.init visible to the async proxy (TMA completes on these barriers).
 __device__ __forceinline__ void fence_mbarrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");

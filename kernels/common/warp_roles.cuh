@@ -47,26 +47,107 @@ __device__ __forceinline__ void init_pipeline_barriers(unsigned long long* full,
     __syncthreads();
 }
 
-// The register split and the roles over this CTA's work item: the producer warpgroup gives
-// its registers back and one lane runs `produce(block_table_row, first_block, num_blocks)`; the
-// consumers take them and run `consume(first_block, num_blocks, seqlen, request)`. Each role
-// reads the work item after the split, so that nothing computed before setmaxnreg stays live
-// across it.
-template <int kConsumerRegs, class Params, class Produce, class Consume>
-__device__ __forceinline__ void run_work_item(const Params& p, Produce produce, Consume consume) {
-    if (threadIdx.x >= kConsumerThreads) {
-        setmaxnreg_dec<kProducerRegs>();
-        if (threadIdx.x == kConsumerThreads) {
-            const WorkItem work = p.work[blockIdx.y];
-            produce(p.block_table + static_cast<long>(work.request) * p.block_table_stride, work.block_begin,
-                    work.block_end - work.block_begin);
+// The pipeline between the producer lane and the consumers: `stages` rounds of `parts` full and
+// empty barriers each (a page in parts), an empty barrier completed by `empty_arrivals` consumer
+// warps; `consumer_barrier`: the named barrier of all consumer threads.
+struct Pipeline {
+    unsigned long long* full;
+    unsigned long long* empty;
+    int stages;
+    int parts;
+    int empty_arrivals;
+    int consumer_barrier;
+};
+
+// The register split and the roles over this CTA's work: the producer warpgroup gives its
+// registers back and one lane runs `produce(block_table_row, first_block, num_blocks, base)` per
+// item; the consumers take them and run `consume(item, first_block, num_blocks, seqlen, request,
+// phase)`. Each role reads the work item after the split, so that nothing computed before
+// setmaxnreg stays live across it.
+// kColumnItems false: the one item at this CTA's place (base 0, phase 0). True: the items of its
+// column, until the column's end or an empty item. The roles then loop apart and never rejoin
+// in code (ptxas would have to fit the consumers' code into the producer's register share, and
+// spills), and the pipeline runs on from item to item: the producer starts the next item's
+// pages while the consumers finish the last ones of this item and its epilogue. Each item starts
+// at a pipeline position `base` that is a multiple of the stages (the producer pads an item's
+// pages to whole rounds with pages that complete their barriers' phases without bytes, and the
+// consumers pass them), so that block `it` of any item is in stage it % stages; `phase` is the
+// parity of the round the item starts in. The consumers meet between items (the next item's Q
+// and row state overwrite what the last epilogue reads).
+template <bool kColumnItems, int kConsumerRegs, class Params, class Produce, class Consume>
+__device__ __forceinline__ void run_column(const Params& p, const Pipeline& pipe, Produce produce, Consume consume) {
+    auto produce_item = [&](int item, int base) {
+        const WorkItem work = p.work[item];
+        produce(p.block_table + static_cast<long>(work.request) * p.block_table_stride, work.block_begin,
+                work.block_end - work.block_begin, base);
+    };
+    auto consume_item = [&](int item, int phase) {
+        const WorkItem work = p.work[item];
+        consume(item, work.block_begin, work.block_end - work.block_begin, p.cache_seqlens[work.request],
+                work.request, phase);
+    };
+    const bool producer = threadIdx.x >= kConsumerThreads;
+    if constexpr (!kColumnItems) {
+        if (producer) {
+            setmaxnreg_dec<kProducerRegs>();
+            if (threadIdx.x == kConsumerThreads) produce_item(blockIdx.y, 0);
+            return;
         }
-        return;
+        setmaxnreg_inc<kConsumerRegs>();
+        consume_item(blockIdx.y, 0);
+    } else {
+        // the column's next item after `item`, or -1; both roles read the same list
+        auto next_of = [&p](int item) {
+            const int column_end = (static_cast<int>(blockIdx.y) + 1) * p.items_per_column;
+            return item + 1 < column_end && __ldg(&p.work[item + 1].block_end) > __ldg(&p.work[item + 1].block_begin)
+                       ? item + 1 : -1;
+        };
+        // an item's pages rounded up to whole rounds of the stages
+        auto padded = [&p, &pipe](int item) {
+            const int blocks = __ldg(&p.work[item].block_end) - __ldg(&p.work[item].block_begin);
+            return (blocks + pipe.stages - 1) / pipe.stages * pipe.stages;
+        };
+        if (producer) {
+            setmaxnreg_dec<kProducerRegs>();
+            if (threadIdx.x != kConsumerThreads) return;
+            for (int item = static_cast<int>(blockIdx.y) * p.items_per_column, base = 0; item >= 0;) {
+                // the next item first: one register through the item's pages (the producer has 24)
+                const int next = next_of(item);
+                produce_item(item, base);
+                const int end = base + padded(item);
+                base += __ldg(&p.work[item].block_end) - __ldg(&p.work[item].block_begin);
+                for (; base < end; ++base) {  // padding pages: their stage's phases, no bytes
+                    const int stage = base % pipe.stages;
+                    for (int part = 0; part < pipe.parts; ++part) {
+                        if (base >= pipe.stages)
+                            mbarrier_wait_parity(&pipe.empty[stage * pipe.parts + part], (base / pipe.stages - 1) & 1);
+                        mbarrier_arrive(&pipe.full[stage * pipe.parts + part]);
+                    }
+                }
+                item = next;
+            }
+            return;
+        }
+        setmaxnreg_inc<kConsumerRegs>();
+        const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+        // the item index and phase from lane 0: warp-uniform as far as ptxas knows (a wgmma on a
+        // path it thinks divergent is serialized)
+        for (int item = static_cast<int>(blockIdx.y) * p.items_per_column, phase = 0; item >= 0;) {
+            consume_item(item, phase);
+            const int blocks = __ldg(&p.work[item].block_end) - __ldg(&p.work[item].block_begin);
+            const int rounds = padded(item) / pipe.stages;
+            for (int it = blocks; it < rounds * pipe.stages; ++it) {  // the padding pages
+                const int stage = it % pipe.stages;
+                for (int part = 0; part < pipe.parts; ++part) {
+                    mbarrier_wait_parity(&pipe.full[stage * pipe.parts + part], ((it / pipe.stages) ^ phase) & 1);
+                    if (lane == 0 && warp < pipe.empty_arrivals) mbarrier_arrive(&pipe.empty[stage * pipe.parts + part]);
+                }
+            }
+            phase = __shfl_sync(FULL_MASK, (phase + rounds) & 1, 0);
+            item = __shfl_sync(FULL_MASK, next_of(item), 0);
+            named_barrier_sync(pipe.consumer_barrier, kConsumerThreads);
+        }
     }
-    setmaxnreg_inc<kConsumerRegs>();
-    const WorkItem work = p.work[blockIdx.y];
-    const int req = work.request;
-    consume(work.block_begin, work.block_end - work.block_begin, p.cache_seqlens[req], req);
 }
 
 }  // namespace roles

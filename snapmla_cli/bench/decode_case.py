@@ -31,7 +31,7 @@ class DecodeCall:
     """One decode call of a case (FP8 or BF16, a configuration or the default path)."""
 
     run: Callable[[], object]
-    work_items: int  # entries of the split-KV work list (CTA columns of the grid)
+    work_items: int  # columns of the split-KV work list (CTA rows of the grid)
     case: DecodeCase
 
     def __call__(self) -> object:

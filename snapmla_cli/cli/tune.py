@@ -120,15 +120,16 @@ def _dry_run(buckets, limit, folder: Path) -> None:
                           str(k.row_groups), str(getattr(k, "kv_split", "-")) if b.fp8 else "-",
                           str(k.stages), str(k.block_n) if not b.fp8 else "-",
                           str(k.min_ctas_per_sm), str(smem_bytes(k, b.format)),
-                          str(len(split_policies(k, space.default.split))))
+                          str(len(split_policies(k, space.default.split, b.fp8))))
         out.print(table)
         reasons = Counter(re.sub(r"\d+", "N", why) for _, why in space.pruned)
         if space.pruned:
             out.print(f"pruned {len(space.pruned)} variants: "
                       + "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items())))
-    policies = split_policies(spaces[0].default, spaces[0].default.split)
-    out.print("split policies (target CTAs per SM x waves / min blocks per split): "
-              + ", ".join(f"{p.ctas_per_sm}x{p.waves}/mb{p.min_blocks_per_split}" for p in policies))
+    policies = split_policies(spaces[0].default, spaces[0].default.split, spaces[0].bucket.fp8)
+    out.print("split policies (target CTAs per SM x waves or bal(anced columns) / min blocks per split): "
+              + ", ".join(f"{p.ctas_per_sm}x{'bal' if p.balanced else p.waves}/mb{p.min_blocks_per_split}"
+                          for p in policies))
     table = Table(title="buckets")
     for column in ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default"):
         table.add_column(column, justify="right")

@@ -42,6 +42,7 @@ from .decode_config import (
     fp8_defines,
     fp8_kernel,
     fp8_smem_bytes,
+    runs_columns,
 )
 from .schedule import WORK_FIELDS, build_metadata, host_seqlens
 
@@ -84,7 +85,7 @@ def get_mla_metadata(
     cfg = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, len(seqlens),
                                   context)
     metadata, num_splits = build_metadata(cache_seqlens, num_heads_per_head_k, cfg.block_m,
-                                          cfg.split, seqlens)
+                                          cfg.split, seqlens, runs_columns(cfg, fp8))
     record_plan(metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg))
     return metadata, num_splits
 
@@ -117,7 +118,7 @@ def _check_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b: int,
 
 
 def _check_metadata(metadata: torch.Tensor, num_splits: torch.Tensor, b: int, device: torch.device) -> None:
-    _check(metadata, "tile_scheduler_metadata", torch.int32, (None, WORK_FIELDS), device)
+    _check(metadata, "tile_scheduler_metadata", torch.int32, (None, None, WORK_FIELDS), device)
     _check(num_splits, "num_splits", torch.int32, (b + 1,), device)
 
 
@@ -184,7 +185,8 @@ def _split_kv_decode(
     _check_metadata(tile_scheduler_metadata, num_splits, b, device)
     rows = s_q * h_q
     scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
-    num_work = tile_scheduler_metadata.shape[0]
+    columns, items_per_column = tile_scheduler_metadata.shape[:2]
+    num_work = columns * items_per_column  # places, the empty ones included
     out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
     rt = _runtime()
     if num_work > 0:
@@ -194,9 +196,12 @@ def _split_kv_decode(
         else:
             kernel = rt.get_kernel(*bf16_kernel(cfg), bf16_defines(cfg))
             smem = bf16_smem_bytes(cfg)
-        rt.launch(kernel, (math.ceil(rows / cfg.block_m), num_work, 1), (cfg.threads(fp8), 1, 1),
-                  (*operands, block_table, cache_seqlens, tile_scheduler_metadata, out, lse,
-                   partial_out, partial_lse, np.int32(block_table.stride(0)),
+        # a kernel that runs columns takes one per CTA row; the others one place (item) each
+        ctas = columns if runs_columns(cfg, fp8) else num_work
+        rt.launch(kernel, (math.ceil(rows / cfg.block_m), ctas, 1), (cfg.threads(fp8), 1, 1),
+                  (*operands, block_table, cache_seqlens, tile_scheduler_metadata,
+                   np.int32(items_per_column), out, lse, partial_out, partial_lse,
+                   np.int32(block_table.stride(0)),
                    np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal))),
                   shared_mem=smem)
     _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q)

@@ -210,11 +210,30 @@ def fp8_kernel(cfg: DecodeConfig) -> tuple[str, str]:
     return "decode_fp8.cu", "snapmla_decode_fp8"
 
 
+# FP8 wgmma layouts (row_groups, wg_mode, min_ctas_per_sm) whose consumers spill when the
+# kernel loops over a column's work items (found by compiling every tuner variant with
+# COLUMN_ITEMS=1): alternate pages at 64 rows (O's 128 registers leave none for the loop),
+# alternate pages at 16 rows with two CTAs per SM (104 registers), and 32 rows with two CTAs per
+# SM (which spills without the loop too). They run one item per CTA; CI compiles every
+# registered variant with the COLUMN_ITEMS its config gets.
+COLUMN_LOOP_SPILLS = {(ROWS_M_ROW_GROUPS, WG_ALT_PAGES, 1), (ROWS_M_ROW_GROUPS, WG_ALT_ROWS_M, 1),
+                      (1, WG_ALT_PAGES, 2), (2, WG_DIMS_SPLIT, 2)}
+
+
+def runs_columns(cfg: DecodeConfig, fp8: bool) -> bool:
+    """Whether ``cfg``'s kernel runs a column of work items per CTA (``COLUMN_ITEMS``), so that
+    a balanced split policy applies to it: the wgmma kernels, but for the layouts that spill."""
+    if not cfg.wgmma:
+        return False
+    return not fp8 or (cfg.row_groups, cfg.wg_mode, cfg.min_ctas_per_sm) not in COLUMN_LOOP_SPILLS
+
+
 def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
     if cfg.wgmma:  # the kernel static_asserts that its layout needs exactly this launch size
         return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
                 "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "QK_PROMOTE": cfg.qk_promote,
-                "PV_PROMOTE": cfg.pv_promote, "WG_MODE": cfg.wg_mode, "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
+                "PV_PROMOTE": cfg.pv_promote, "WG_MODE": cfg.wg_mode,
+                "COLUMN_ITEMS": int(runs_columns(cfg, True)), "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
     return {"ROW_GROUPS": cfg.row_groups, "KV_SPLIT": cfg.kv_split, "STAGES": cfg.stages,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
@@ -251,8 +270,8 @@ def bf16_kernel(cfg: DecodeConfig) -> tuple[str, str]:
 
 def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
     if cfg.wgmma:
-        return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
-                "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "SNAPMLA_EXPECT_SMEM": bf16_wgmma_smem_bytes(cfg)}
+        return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages, "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm,
+                "COLUMN_ITEMS": int(runs_columns(cfg, False)), "SNAPMLA_EXPECT_SMEM": bf16_wgmma_smem_bytes(cfg)}
     return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages, "BLOCK_N": cfg.block_n,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 

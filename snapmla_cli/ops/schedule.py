@@ -6,6 +6,15 @@ counts. snapmla's metadata is a plain work list, int32 ``[num_work, 4]`` = (requ
 end block, partial slot or -1), computed on the host from the sequence lengths: one small copy
 per decode step (shared by every layer), and the decode kernel then needs no scheduling logic.
 Requests are cut into splits of nearly equal block counts so that the CTA count fills the GPU.
+
+The work list is int32 ``[columns, items_per_column, 4]``: a kernel that runs columns gives each
+CTA row one column and runs its items in turn (the FP8 and BF16 wgmma kernels, where they compile
+that loop without spills), the others give each CTA one item (grid ``columns *
+items_per_column``). Unused places hold an empty item (no blocks; its partial slot is a scratch
+slot nobody reads). A balanced plan (``SplitPolicy.balanced``) gives every column an equal share
+of the flattened block list, a column crossing request boundaries (FlashMLA's scheduling): at
+b = 64 on 132 SMs the one-wave plan runs 128 CTAs and leaves 4 SMs idle, the balanced one keeps
+all 132 busy at the cost of a second item (a pipeline refill) per column.
 """
 
 from __future__ import annotations
@@ -25,13 +34,17 @@ WORK_FIELDS = 4  # request, block_begin, block_end, partial slot
 class SplitPolicy:
     """How finely to split the KV sequence. ``ctas_per_sm`` is how many CTAs the decode kernel
     keeps resident per SM; ``waves`` how many rounds of those the split count aims at;
-    ``min_blocks_per_split`` stops splitting short sequences (each split costs a combine)."""
+    ``min_blocks_per_split`` stops splitting short sequences (each split costs a combine);
+    ``balanced``: equal shares of all blocks per CTA column, for kernels that run columns (the
+    others, and requests that would need more than ``max_splits_per_request`` pieces, get the
+    split plan)."""
 
     num_sms: int = 132
     ctas_per_sm: int = 1
     waves: int = 1
     min_blocks_per_split: int = 4
     max_splits_per_request: int = 64
+    balanced: bool = False
 
 
 def rows_per_cta_tiles(rows: int, block_m: int) -> int:
@@ -127,38 +140,100 @@ def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
     return seqlens
 
 
+def balanced_columns(seqlens: list[int], rows: int, block_m: int,
+                     policy: SplitPolicy) -> list[list[tuple[int, int, int]]] | None:
+    """Per CTA column its pieces ``(request, first block, end block)`` in block order, every
+    column an equal share (within one block) of the flattened block list: one wave of
+    ``num_sms * ctas_per_sm / row tiles`` columns, fewer when the blocks are too few for
+    ``min_blocks_per_split`` each. None when a request would be cut into more than
+    ``max_splits_per_request`` pieces (the split plan caps it) or there are no blocks."""
+    blocks = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens]
+    total = sum(blocks)
+    if total == 0:
+        return None
+    slots = policy.num_sms * policy.ctas_per_sm // rows_per_cta_tiles(rows, block_m)
+    columns = max(1, min(slots, total // max(1, policy.min_blocks_per_split)))
+    offsets = np.cumsum([0, *blocks]).tolist()  # the flattened first block of each request
+    pieces_per_request = [0] * len(blocks)
+    plan: list[list[tuple[int, int, int]]] = []
+    req = 0
+    for col in range(columns):
+        lo, hi = total * col // columns, total * (col + 1) // columns
+        mine: list[tuple[int, int, int]] = []
+        while lo < hi:
+            while offsets[req + 1] <= lo:  # skips empty requests too
+                req += 1
+            end = min(hi, offsets[req + 1])
+            mine.append((req, lo - offsets[req], end - offsets[req]))
+            pieces_per_request[req] += 1
+            lo = end
+        plan.append(mine)
+    if max(pieces_per_request) > policy.max_splits_per_request:
+        return None
+    return plan
+
+
+def _split_plan_columns(seqlens: list[int], rows: int, block_m: int,
+                        policy: SplitPolicy) -> list[list[tuple[int, int, int]]]:
+    """The split plan as columns of one item each, longest first: the GPU starts CTAs in grid
+    order as SMs free up, so this is the longest-processing-time-first schedule."""
+    plans = plan_splits(seqlens, rows, block_m, policy)
+    items = [(req, bounds[s], bounds[s + 1]) for req, bounds in enumerate(plans) for s in range(len(bounds) - 1)]
+    items.sort(key=lambda item: item[1] - item[2])  # stable: ties keep request order
+    return [[item] for item in items]
+
+
+def work_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy,
+                 runs_columns: bool) -> list[list[tuple[int, int, int]]]:
+    """The plan as CTA columns of ``(request, first block, end block)`` pieces: balanced
+    columns where the policy asks for them and the kernel runs columns, else one split per
+    column."""
+    if policy.balanced and runs_columns:
+        plan = balanced_columns(seqlens, rows, block_m, policy)
+        if plan is not None:
+            return plan
+    return _split_plan_columns(seqlens, rows, block_m, policy)
+
+
 def build_metadata(
     cache_seqlens: torch.Tensor, rows: int, block_m: int, policy: SplitPolicy,
-    seqlens: list[int] | None = None,
+    seqlens: list[int] | None = None, runs_columns: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Work list int32 ``[num_work, 4]`` and cumulative ``num_splits`` int32 ``[b + 1]``, both on
-    the device of ``cache_seqlens``. Partial slot of split ``s`` of request ``i`` is
-    ``num_splits[i] + s``; a request with one split writes its output directly (slot -1).
+    """Work list int32 ``[columns, items_per_column, 4]`` (see the module's docstring) and
+    cumulative ``num_splits`` int32 ``[b + 1]``, both on the device of ``cache_seqlens``. Partial
+    slot of split ``s`` of request ``i`` (splits in block order) is ``num_splits[i] + s``; a request
+    with one split writes its output directly (slot -1). ``runs_columns``: the decode kernel runs
+    a column's items in turn (``decode_config.runs_columns``), so a balanced policy applies.
     ``seqlens``: ``host_seqlens(cache_seqlens)`` when the caller has read it already (no second
     device-to-host copy); read here otherwise."""
     if seqlens is None:
         seqlens = host_seqlens(cache_seqlens)
-    plans = plan_splits(seqlens, rows, block_m, policy)
-    work: list[tuple[int, int, int, int]] = []
+    columns = work_columns(seqlens, rows, block_m, policy, runs_columns)
+    begins: list[list[int]] = [[] for _ in seqlens]
+    for column in columns:
+        for req, begin, _end in column:
+            begins[req].append(begin)
     cumulative = [0]
-    for req, bounds in enumerate(plans):
-        count = max(len(bounds) - 1, 0)
-        for s in range(count):
-            slot = cumulative[-1] + s if count > 1 else -1
-            work.append((req, bounds[s], bounds[s + 1], slot))
-        cumulative.append(cumulative[-1] + count)
-    # longest splits first: the GPU starts CTAs in grid order as SMs free up, so this is the
-    # longest-processing-time-first schedule (the order of a request's splits does not matter:
-    # each writes its own partial slot, and the combine reads the slots in split order)
-    work.sort(key=lambda item: item[1] - item[2])
+    for mine in begins:
+        cumulative.append(cumulative[-1] + len(mine))
+    slot_of = {(req, begin): cumulative[req] + s
+               for req, mine in enumerate(begins) if len(mine) > 1 for s, begin in enumerate(sorted(mine))}
+    width = max((len(column) for column in columns), default=1)
+    places = len(columns) * width
+    # an unused place: no blocks, request 0, the last slot of the partial buffers (sized by the
+    # places; the real partial slots are fewer than the real items, so it is nobody's)
+    empty = (0, 0, 0, places - 1)
+    work = [[(req, begin, end, slot_of.get((req, begin), -1)) for req, begin, end in column]
+            + [empty] * (width - len(column)) for column in columns]
     device = cache_seqlens.device
-    work_t = torch.tensor(work, dtype=torch.int32).reshape(-1, WORK_FIELDS)
+    work_t = torch.tensor(work, dtype=torch.int32).reshape(len(columns), width, WORK_FIELDS)
     return work_t.to(device), torch.tensor(cumulative, dtype=torch.int32).to(device)
 
 
 def split_token_bounds(num_splits: torch.Tensor, metadata: torch.Tensor, seqlens: list[int]) -> list[list[int]]:
     """Token boundaries of each request's splits (for the emulation of a split-KV run)."""
-    work = sorted(metadata.cpu().tolist(), key=lambda item: (item[0], item[1]))  # by request, then begin
+    items = metadata.reshape(-1, WORK_FIELDS).cpu().tolist()
+    work = sorted((item for item in items if item[2] > item[1]), key=lambda item: (item[0], item[1]))
     bounds: list[list[int]] = [[] for _ in seqlens]
     for req, begin, end, _slot in work:
         if not bounds[req]:

@@ -146,6 +146,7 @@ def search_dirs() -> list[tuple[str, Path]]:
 _CONFIG_FIELDS = [f.name for f in dataclasses.fields(DecodeConfig) if f.name != "split"]
 # fields that may be 0, with their allowed values; every other field is >= 1
 _CHOICE_FIELDS = {"qk_promote": (0, 1), "pv_promote": (0, 1), "wg_mode": WG_MODES}
+_FLAG_FIELDS = {"balanced"}  # the split policy's booleans
 _SPLIT_FIELDS = [f.name for f in dataclasses.fields(SplitPolicy) if f.name != "num_sms"]
 
 
@@ -172,7 +173,10 @@ def config_from_dict(data: object) -> DecodeConfig:
     for key, value in [*data.items(), *split_data.items()]:
         if key == "split":
             continue
-        if key in _CHOICE_FIELDS:
+        if key in _FLAG_FIELDS:
+            if not isinstance(value, bool):
+                raise ValueError(f"config: {key} must be true or false, got {value!r}")
+        elif key in _CHOICE_FIELDS:
             if value not in _CHOICE_FIELDS[key] or isinstance(value, bool):
                 raise ValueError(f"config: {key} must be one of {_CHOICE_FIELDS[key]}, got {value!r}")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -21,7 +21,7 @@ from itertools import product
 from ..errors import SnapmlaError
 from ..ops import decode_config as dc
 from ..ops.decode_config import DecodeConfig, heuristic_config
-from ..ops.schedule import SplitPolicy, plan_splits
+from ..ops.schedule import SplitPolicy, work_columns
 from ..sizes import format_size, parse_size
 
 FORMATS = ("fp8", "bf16")
@@ -283,7 +283,7 @@ def kernel_key(cfg: DecodeConfig, fmt: str) -> tuple[str, tuple[tuple[str, int],
 
 def config_id(cfg: DecodeConfig, fmt: str) -> str:
     """Short stable name, e.g. ``v3-rg4-wd-st4-c1/1x1-mb4`` or ``v2-rg4-kv1-st2-c1/1x1-mb4`` (split: target CTAs per SM x waves,
-    minimum blocks per split)."""
+    or ``bal`` for balanced columns, minimum blocks per split)."""
     parts = [f"v{cfg.kernel_version}", f"rg{cfg.row_groups}"]
     if fmt == "fp8":
         if not cfg.wgmma:
@@ -297,7 +297,7 @@ def config_id(cfg: DecodeConfig, fmt: str) -> str:
         parts.append(f"bn{cfg.block_n}")
     parts.append(f"c{cfg.min_ctas_per_sm}")
     s = cfg.split
-    split = f"{s.ctas_per_sm}x{s.waves}-mb{s.min_blocks_per_split}"
+    split = f"{s.ctas_per_sm}x{'bal' if s.balanced else s.waves}-mb{s.min_blocks_per_split}"
     if s.max_splits_per_request != SplitPolicy().max_splits_per_request:
         split += f"-ms{s.max_splits_per_request}"
     return "-".join(parts) + "/" + split
@@ -337,10 +337,12 @@ def kernel_variants(rows: int, fmt: str
     return valid, pruned
 
 
-def split_policies(kernel: DecodeConfig, default: SplitPolicy) -> list[SplitPolicy]:
+def split_policies(kernel: DecodeConfig, default: SplitPolicy, fp8: bool = True) -> list[SplitPolicy]:
     """Split policies to try with ``kernel``: the default's first (target CTAs per SM = the
     kernel's own ``min_ctas_per_sm``), then the others. Only ``ctas_per_sm * waves`` matters to
-    the scheduler, so one representative per product is kept."""
+    the scheduler, so one representative per product is kept. A kernel that runs columns of
+    work items also gets the balanced policy (one column per resident CTA; waves do not apply)
+    with each minimum split length."""
     pairs = [(kernel.min_ctas_per_sm, default.waves)]
     pairs += [(c, w) for c in SPLIT_CTAS for w in SPLIT_WAVES]
     blocks = [default.min_blocks_per_split]
@@ -351,7 +353,10 @@ def split_policies(kernel: DecodeConfig, default: SplitPolicy) -> list[SplitPoli
         if c * w in seen:
             continue
         seen.add(c * w)
-        out += [replace(default, ctas_per_sm=c, waves=w, min_blocks_per_split=b) for b in blocks]
+        out += [replace(default, ctas_per_sm=c, waves=w, min_blocks_per_split=b, balanced=False) for b in blocks]
+    if dc.runs_columns(kernel, fp8):
+        out += [replace(default, ctas_per_sm=kernel.min_ctas_per_sm, waves=1, min_blocks_per_split=b, balanced=True)
+                for b in blocks]
     return out
 
 
@@ -371,11 +376,11 @@ class SearchSpace:
         return [config_id(c, self.bucket.format) for c in self.candidates]
 
 
-def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[int, ...]:
-    """Split counts per request at the bucket's timed shape (all requests equally long)."""
-    plans = plan_splits([bucket.timed_context] * bucket.timed_batch, bucket.rows, cfg.block_m,
-                        cfg.split)
-    return tuple(max(len(b) - 1, 0) for b in plans)
+def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """The work list's columns at the bucket's timed shape (all requests equally long)."""
+    columns = work_columns([bucket.timed_context] * bucket.timed_batch, bucket.rows, cfg.block_m,
+                           cfg.split, dc.runs_columns(cfg, bucket.fp8))
+    return tuple(tuple(column) for column in columns)
 
 
 def search_space(bucket: Bucket, num_sms: int = DEFAULT_NUM_SMS) -> SearchSpace:
@@ -389,7 +394,7 @@ def search_space(bucket: Bucket, num_sms: int = DEFAULT_NUM_SMS) -> SearchSpace:
     seen = {(kernel_key(default, fmt), _plan_signature(default, bucket))}
     aliases = 0
     for kernel in kernels:
-        for policy in split_policies(kernel, default.split):
+        for policy in split_policies(kernel, default.split, bucket.fp8):
             cfg = replace(kernel, split=policy)
             if cfg == default:
                 continue

@@ -290,3 +290,96 @@ def test_fp8_decode_meets_verify_gates_on_synthetic_default(spec, heads, mtp):
     result = run_case(prob, [fp8_kernel_implementation(spec)])
     impl = result.impls[0]
     assert impl.passed, [(c.name, c.value, c.limit) for c in impl.checks]
+
+
+# Column work lists (balanced split policy): (s_q, h_q, FP8 kernel overrides) of kernels that run
+# a column's items in turn (16 rows with two CTAs or five stages, 32 rows alternate pages, 64 rows
+# dims split and V^T in shared memory), and of kernels that run one item per CTA and must still
+# run such a list (64-row rows = M, the default at 64+ rows, and the mma.sync kernel).
+COLUMN_KERNELS = [(1, 16, 3, {}), (1, 16, 3, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
+                  (2, 16, 3, {"wg_mode": 3, "stages": 4}), (1, 20, 3, {"wg_mode": 3, "stages": 4}),
+                  (2, 32, 3, {"wg_mode": 0, "row_groups": 4, "stages": 2}),
+                  (1, 64, 3, {"wg_mode": 6, "row_groups": 4})]
+ONE_ITEM_KERNELS = [(2, 64, 3, {"wg_mode": 4, "row_groups": 4}), (2, 16, 2, {})]
+COLUMN_LENS = [0, 1, 63, 64, 65, 4097, 9000, 300, 0, 2500]
+COLUMN_SMS = 11  # few columns, so that most cross request boundaries
+
+
+def _balanced(cfg):
+    from dataclasses import replace
+
+    return replace(cfg, split=replace(cfg.split, balanced=True)).with_sms(COLUMN_SMS)
+
+
+def _check_fp8_against_emulation(prob, out, lse, cache, meta, splits, device):
+    from snapmla_cli.ops.schedule import split_token_bounds
+
+    seqlens = prob.layout.cache_seqlens.tolist()
+    bounds = split_token_bounds(splits, meta, seqlens)
+    emul_out, emul_lse = emulate_fp8_decode(quantize_rows(prob.q.to(device)), cache,
+                                            prob.layout.block_table.to(device),
+                                            prob.layout.cache_seqlens.to(device), prob.softmax_scale,
+                                            prob.causal, split_bounds=bounds)
+    assert compare(out, emul_out).rel_l2 <= EMUL_GATE
+    assert compare(lse, emul_lse).max_abs < 1e-2
+    for i, n in enumerate(seqlens):
+        if n == 0:
+            assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
+
+
+@pytest.mark.parametrize("s_q,h_q,version,kernel", COLUMN_KERNELS,
+                         ids=["v3-c2", "v3-alt16-st5", "v3-alt32", "v3-alt20", "v3-dims64", "v3-vt"])
+def test_fp8_balanced_columns_match_emulation_and_repeat_bitwise(s_q, h_q, version, kernel):
+    """A CTA runs several requests' pieces in turn (the pipeline starts over for each): the
+    result matches the emulation of the same split bounds and repeats bit for bit."""
+    from snapmla_cli.ops.decode_config import runs_columns
+
+    device = torch.device("cuda")
+    prob = random_problem(COLUMN_LENS, s_q, h_q, causal=True, seed=h_q * 7 + s_q)
+    cfg = _balanced(_config(s_q * h_q, version, device, **kernel))
+    assert runs_columns(cfg, True)
+    out, lse, cache, meta, splits = _run_fp8(prob, device, cfg)
+    assert meta.shape[0] <= COLUMN_SMS * cfg.split.ctas_per_sm and meta.shape[1] > 1  # columns of items
+    _check_fp8_against_emulation(prob, out, lse, cache, meta, splits, device)
+    again = _run_fp8(prob, device, cfg)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+@pytest.mark.parametrize("s_q,h_q,version,kernel", ONE_ITEM_KERNELS, ids=["v3-rows-m", "v2"])
+def test_fp8_one_item_kernels_run_a_column_work_list(s_q, h_q, version, kernel):
+    """A work list built for a kernel that runs columns, given to one that runs an item per CTA:
+    each place is a CTA, the empty places write only the scratch slot."""
+    from snapmla_cli.ops.decode import decode_fp8
+    from snapmla_cli.ops.decode_config import runs_columns
+    from snapmla_cli.ops.schedule import build_metadata
+
+    device = torch.device("cuda")
+    prob = random_problem(COLUMN_LENS, s_q, h_q, causal=True, seed=h_q + s_q)
+    cfg = _config(s_q * h_q, version, device, **kernel)
+    assert not runs_columns(cfg, True)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
+    meta, splits = build_metadata(seqlens_t, s_q * h_q, cfg.block_m, _balanced(cfg).split, runs_columns=True)
+    assert meta.shape[1] > 1 and bool((meta[:, :, 2] == meta[:, :, 1]).any())  # empty places
+    cache = prob.fp8_cache().to(device)
+    b = len(COLUMN_LENS)
+    out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=device)
+    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=device)
+    out, lse = decode_fp8(quantize_rows(prob.q.to(device)), cache, prob.layout.block_table.to(device),
+                          seqlens_t, meta, splits, prob.softmax_scale, True, config=cfg, out=out, lse=lse)
+    _check_fp8_against_emulation(prob, out, lse, cache, meta, splits, device)
+
+
+def test_bf16_wgmma_balanced_columns_match_float64():
+    device = torch.device("cuda")
+    prob = random_problem(COLUMN_LENS, 2, 16, causal=True, seed=23)
+    cfg = _balanced(_bf16_config(32, 3, device))
+    out, lse, cache, meta = _run_bf16(prob, device, cfg)
+    assert meta.shape[1] > 1
+    table = prob.layout.block_table.to(device)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
+    ref_out, ref_lse = decode_reference(prob.q.to(device), cache.squeeze(2), table, seqlens_t,
+                                        prob.softmax_scale, True)
+    assert compare(out, ref_out).cos_diff <= BF16_COS_GATE
+    assert compare(lse, ref_lse).max_abs < 1e-2
+    again = _run_bf16(prob, device, cfg)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
