@@ -220,12 +220,24 @@ COLUMN_LOOP_SPILLS = {(ROWS_M_ROW_GROUPS, WG_ALT_PAGES, 1), (ROWS_M_ROW_GROUPS, 
                       (1, WG_ALT_PAGES, 2), (2, WG_DIMS_SPLIT, 2)}
 
 
-def runs_columns(cfg: DecodeConfig, fp8: bool) -> bool:
-    """Whether ``cfg``'s kernel runs a column of work items per CTA (``COLUMN_ITEMS``), so that
-    a balanced split policy applies to it: the wgmma kernels, but for the layouts that spill."""
+def column_capable(cfg: DecodeConfig, fp8: bool) -> bool:
+    """Whether ``cfg``'s kernel layout can run a column of work items per CTA: the wgmma
+    kernels, but for the layouts whose column loop spills."""
     if not cfg.wgmma:
         return False
     return not fp8 or (cfg.row_groups, cfg.wg_mode, cfg.min_ctas_per_sm) not in COLUMN_LOOP_SPILLS
+
+
+def runs_columns(cfg: DecodeConfig, fp8: bool) -> bool:
+    """Whether ``cfg``'s kernel is built to run a column of work items per CTA (``COLUMN_ITEMS``):
+    where its policy is balanced and its layout can. Only then: the other configurations keep
+    the one-item build (the column loop's code is not free where nothing uses it)."""
+    return cfg.split.balanced and column_capable(cfg, fp8)
+
+
+def balanced(cfg: DecodeConfig) -> DecodeConfig:
+    """``cfg`` with the balanced split policy (columns where its kernel can run them)."""
+    return replace(cfg, split=replace(cfg.split, balanced=True))
 
 
 def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:

@@ -64,8 +64,10 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         FP8_MMA_SYNC,
         FP8_WGMMA,
         WG_MODES,
+        balanced,
         bf16_defines,
         bf16_kernel,
+        column_capable,
         fp8_config_valid,
         fp8_defines,
         fp8_kernel,
@@ -87,8 +89,18 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         modes = (variant_config(r, FP8_WGMMA, wg_mode=m) for m in WG_MODES if m != base.wg_mode)
         others = (c for c in modes if fp8_config_valid(c))
         variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in others)
+    # the balanced split policy's column builds of every FP8 wgmma layout above that can run them
+    wgmma_fp8 = [heuristic_config(r, True, FP8_WGMMA) for r in rows]
+    wgmma_fp8 += [c for r in rows for c in (variant_config(r, FP8_WGMMA, wg_mode=m) for m in WG_MODES)
+                  if fp8_config_valid(c)]
+    columns = {tuple(sorted(fp8_defines(balanced(c)).items())): balanced(c) for c in wgmma_fp8
+               if column_capable(c, True)}
+    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c))
+                                             for c in columns.values())
     for version in (BF16_WGMMA, BF16_MMA_SYNC):  # the wgmma kernel has one tile for all rows
         configs = {tuple(sorted(bf16_defines(c).items())): c for c in (heuristic_config(r, False, version) for r in rows)}
+        configs.update({tuple(sorted(bf16_defines(balanced(c)).items())): balanced(c)
+                        for c in list(configs.values()) if column_capable(c, False)})
         source, name = bf16_kernel(next(iter(configs.values())))
         variants[source] = tuple(variant(name, **bf16_defines(c)) for c in configs.values())
     variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)

@@ -354,7 +354,7 @@ def split_policies(kernel: DecodeConfig, default: SplitPolicy, fp8: bool = True)
             continue
         seen.add(c * w)
         out += [replace(default, ctas_per_sm=c, waves=w, min_blocks_per_split=b, balanced=False) for b in blocks]
-    if dc.runs_columns(kernel, fp8):
+    if dc.column_capable(kernel, fp8):
         out += [replace(default, ctas_per_sm=kernel.min_ctas_per_sm, waves=1, min_blocks_per_split=b, balanced=True)
                 for b in blocks]
     return out
