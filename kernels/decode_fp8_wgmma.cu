@@ -1471,7 +1471,9 @@ snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
                          float softmax_scale_log2, int h_q, int s_q, int causal) {
     extern __shared__ unsigned char smem_raw[];
     snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
-    // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom
+    // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom (aligned_smem,
+    // written out: through the helper here ptxas allocates the 64-row kernel differently and
+    // spills 4 bytes)
     const unsigned base = snapmla::smem_addr(smem_raw);
     unsigned char* smem = smem_raw + ((snapmla::fp8wg::kSmemAlign - (base % snapmla::fp8wg::kSmemAlign)) %
                                       snapmla::fp8wg::kSmemAlign);
