@@ -221,6 +221,31 @@ def test_search_space_drops_split_aliases():
     assert len(small.candidates) > len(big.candidates)
 
 
+def test_balanced_columns_in_the_space_only_where_the_kernel_runs_them():
+    """The balanced policy is searched for layouts whose column build compiles without spills,
+    and only a balanced configuration gets that build (COLUMN_ITEMS), and its work list columns."""
+    from snapmla_cli.tuning.space import split_policies
+
+    for rows, capable in ((16, True), (32, True), (64, False), (128, False)):
+        kernel = heuristic_config(rows)
+        policies = split_policies(kernel, kernel.split, True)
+        assert any(p.balanced for p in policies) == capable == dc.column_capable(kernel, True)
+        assert dc.fp8_defines(kernel)["COLUMN_ITEMS"] == 0
+        assert dc.fp8_defines(dc.balanced(kernel))["COLUMN_ITEMS"] == int(capable)
+    bf16 = heuristic_config(64, False)
+    assert dc.bf16_defines(dc.balanced(bf16))["COLUMN_ITEMS"] == 1 and dc.bf16_defines(bf16)["COLUMN_ITEMS"] == 0
+    assert not dc.runs_columns(dc.balanced(heuristic_config(32, True, dc.FP8_MMA_SYNC)), True)
+    space = search_space(Bucket(32, 1, (64, 64), (16384, 16384), "fp8"), 132)
+    balanced = [c for c in space.candidates if c.split.balanced]
+    assert balanced and all(dc.column_capable(c, True) for c in balanced)
+    assert all("bal" in config_id(c, "fp8") for c in balanced)
+    # stored as a YAML boolean, and read back only as one
+    stored = tdb.config_to_dict(balanced[0])
+    assert stored["split"]["balanced"] is True and tdb.config_from_dict(stored).split.balanced
+    with pytest.raises(ValueError, match="balanced must be true or false"):
+        tdb.config_from_dict({**stored, "split": {**stored["split"], "balanced": 1}})
+
+
 # ---------------------------------------------------------------------------------------------
 # database file
 
