@@ -426,6 +426,8 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem, unsign
     // derived again for each item (loop_zero), not carried through the item in registers
     auto consumer = [&p, smem_raw](int item, int begin, int n, int seqlen, int req, int phase) {
         const int zero = loop_zero();
+        // roles::aligned_smem written out: through the helper ptxas allocates this kernel
+        // differently (SASS checked; the GPU-tested build is this one)
         const unsigned base = smem_addr(smem_raw + zero);
         unsigned char* s = smem_raw + zero + ((kSmemAlign - (base % kSmemAlign)) % kSmemAlign);
         unsigned long long* f = reinterpret_cast<unsigned long long*>(s + kOffBars);

@@ -1421,13 +1421,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     }
 }
 
-// Dynamic shared memory is only 16-byte aligned: round up to the swizzle atom.
-__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
-    const unsigned base = smem_addr(raw);
-    return raw + ((kSmemAlign - (base % kSmemAlign)) % kSmemAlign);
-}
-
-// smem: aligned_smem(smem_raw), derived once at the kernel's entry
+// smem: roles::aligned_smem<kSmemAlign>(smem_raw), derived once at the kernel's entry
 __device__ __forceinline__ void run(const Params& p, unsigned char* smem, unsigned char* smem_raw) {
     const int rows = p.shape.s_q * p.shape.h_q;
     const int row0 = blockIdx.x * kRows;
@@ -1442,7 +1436,7 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem, unsign
     // is derived again for each item (loop_zero), not carried through the item in registers
     auto consumer = [&p, smem_raw](int item, int begin, int n, int seqlen, int req, int phase) {
         const int zero = loop_zero();
-        unsigned char* s = aligned_smem(smem_raw + zero);
+        unsigned char* s = roles::aligned_smem<kSmemAlign>(smem_raw + zero);
         unsigned long long* f = reinterpret_cast<unsigned long long*>(s + kOffBars);
         const int rows = p.shape.s_q * p.shape.h_q + zero;
         consume(p, s, FullBarriers{f, phase}, f + STAGES, item, begin, n, seqlen, rows,
@@ -1471,9 +1465,9 @@ snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
                          float softmax_scale_log2, int h_q, int s_q, int causal) {
     extern __shared__ unsigned char smem_raw[];
     snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
-    // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom (aligned_smem,
-    // written out: through the helper here ptxas allocates the 64-row kernel differently and
-    // spills 4 bytes)
+    // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom (roles::
+    // aligned_smem, written out: through the helper here ptxas allocates the 64-row kernel
+    // differently and spills 4 bytes)
     const unsigned base = snapmla::smem_addr(smem_raw);
     unsigned char* smem = smem_raw + ((snapmla::fp8wg::kSmemAlign - (base % snapmla::fp8wg::kSmemAlign)) %
                                       snapmla::fp8wg::kSmemAlign);

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-from dataclasses import replace
 
 import torch
 
@@ -64,7 +63,7 @@ def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph, clocks: Clock
     """Time FP8 kernel variants (``config_from_spec`` format, optionally followed by
     ``+NAME=VALUE`` extra defines or ``+balanced``, the balanced split policy) on one shape
     (tuning probe; version 3 = wgmma, 2 = mma.sync)."""
-    from snapmla_cli.ops.decode_config import config_from_spec, fp8_config_valid
+    from snapmla_cli.ops.decode_config import balanced, config_from_spec, fp8_config_valid
 
     case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -72,7 +71,7 @@ def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph, clocks: Clock
         base, *extras = spec.split("+")
         cfg = config_from_spec(base).with_sms(sms)
         if BALANCED in extras:  # the balanced split policy (columns of work items)
-            cfg = replace(cfg, split=replace(cfg.split, balanced=True))
+            cfg = balanced(cfg)
         if not fp8_config_valid(cfg):
             continue
         defines = {k: int(v) for k, v in (e.split("=") for e in extras if e != BALANCED)}

@@ -47,6 +47,13 @@ __device__ __forceinline__ void init_pipeline_barriers(unsigned long long* full,
     __syncthreads();
 }
 
+// Dynamic shared memory is only 16-byte aligned: `raw` rounded up to kAlign (the swizzle atom).
+template <int kAlign>
+__device__ __forceinline__ unsigned char* aligned_smem(unsigned char* raw) {
+    const unsigned base = smem_addr(raw);
+    return raw + ((kAlign - (base % kAlign)) % kAlign);
+}
+
 // The pipeline between the producer lane and the consumers: `stages` rounds of `parts` full and
 // empty barriers each (a page in parts), an empty barrier completed by `empty_arrivals` consumer
 // warps; `consumer_barrier`: the named barrier of all consumer threads.

@@ -2,8 +2,8 @@
 
 FlashMLA's contract is kept: ``get_mla_metadata(cache_seqlens, s_q * h_q, 1)`` returns
 ``(tile_scheduler_metadata, num_splits)`` with ``num_splits`` int32 ``[b + 1]`` cumulative split
-counts. snapmla's metadata is a plain work list, int32 ``[num_work, 4]`` = (request, first block,
-end block, partial slot or -1), computed on the host from the sequence lengths: one small copy
+counts. snapmla's metadata is a plain work list of (request, first block, end block, partial slot
+or -1) items, computed on the host from the sequence lengths: one small copy
 per decode step (shared by every layer), and the decode kernel then needs no scheduling logic.
 Requests are cut into splits of nearly equal block counts so that the CTA count fills the GPU.
 
@@ -14,7 +14,7 @@ items_per_column``). Unused places hold an empty item (no blocks; its partial sl
 slot nobody reads). A balanced plan (``SplitPolicy.balanced``) gives every column an equal share
 of the flattened block list, a column crossing request boundaries (FlashMLA's scheduling): at
 b = 64 on 132 SMs the one-wave plan runs 128 CTAs and leaves 4 SMs idle, the balanced one keeps
-all 132 busy at the cost of a second item (a pipeline refill) per column.
+all 132 busy at the cost of a second item per column (its epilogue, Q load and partial outputs).
 """
 
 from __future__ import annotations

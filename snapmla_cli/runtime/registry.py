@@ -81,18 +81,17 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         configs = [heuristic_config(r, True, version) for r in rows]
         source, name = fp8_kernel(configs[0])
         variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
+    wgmma_fp8: list = []  # every FP8 wgmma layout registered below
     # the wgmma kernel's other warpgroup modes: selectable (verify --fp8-kernel v3-rows /
     # v3-pingpong / v3-alt / v3-rows-m), so CI compiles them too, as the verifier builds them
     # (rows = M only where it is valid, at 64 rows)
     for r in rows:
         base = heuristic_config(r, True, FP8_WGMMA)
         modes = (variant_config(r, FP8_WGMMA, wg_mode=m) for m in WG_MODES if m != base.wg_mode)
-        others = (c for c in modes if fp8_config_valid(c))
+        others = [c for c in modes if fp8_config_valid(c)]
+        wgmma_fp8 += [base, *others]
         variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in others)
     # the balanced split policy's column builds of every FP8 wgmma layout above that can run them
-    wgmma_fp8 = [heuristic_config(r, True, FP8_WGMMA) for r in rows]
-    wgmma_fp8 += [c for r in rows for c in (variant_config(r, FP8_WGMMA, wg_mode=m) for m in WG_MODES)
-                  if fp8_config_valid(c)]
     columns = {tuple(sorted(fp8_defines(balanced(c)).items())): balanced(c) for c in wgmma_fp8
                if column_capable(c, True)}
     variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c))

@@ -306,9 +306,9 @@ COLUMN_SMS = 11  # few columns, so that most cross request boundaries
 
 
 def _balanced(cfg):
-    from dataclasses import replace
+    from snapmla_cli.ops.decode_config import balanced
 
-    return replace(cfg, split=replace(cfg.split, balanced=True)).with_sms(COLUMN_SMS)
+    return balanced(cfg).with_sms(COLUMN_SMS)
 
 
 def _check_fp8_against_emulation(prob, out, lse, cache, meta, splits, device):
