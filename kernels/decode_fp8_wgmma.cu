@@ -111,6 +111,17 @@
 #define TRACE_PHASES 0
 #endif
 
+// Diagnostic (scripts/cta_times.py sets it): 1 records per CTA (blockIdx.y * gridDim.x +
+// blockIdx.x, up to kMaxTimedCtas) the %globaltimer when its consumers start its first work item
+// and end its last, its SM and its pages, into the global snapmla_cta_times[cta][4] (zeroed by
+// the script before the call): launch skew, imbalance and the fixed cost of a call, CTA by CTA.
+#ifndef CTA_TIMES
+#define CTA_TIMES 0
+#endif
+#if CTA_TIMES
+extern "C" __device__ long long snapmla_cta_times[4096 * 4];
+#endif
+
 #if TRACE_PHASES
 // [2 warpgroups][kTraceTurns][kTracePoints]: turn start, the page's bytes arrived, QK done, row
 // state received, four points inside the softmax (from kSoftmaxPoint0), softmax done, PV of the other
@@ -599,6 +610,16 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     float* rowinfo_s = reinterpret_cast<float*>(smem + kOffRowInfo) + wg * kQkRows * kRowInfoFloats;
     float4* rowstate_s = reinterpret_cast<float4*>(smem + kOffRowState);  // alternate pages only
     const int wtid = tid % kWgThreads;  // threads wtid < kQkRows keep one row's running state
+#if CTA_TIMES
+    constexpr int kMaxTimedCtas = 4096;
+    const int timed_cta = blockIdx.y * gridDim.x + blockIdx.x;
+    if (tid == 0 && timed_cta < kMaxTimedCtas) {  // a column: its first item's start, all items' pages
+        if (item == (kColumnItems ? static_cast<int>(blockIdx.y) * p.items_per_column : static_cast<int>(blockIdx.y)))
+            snapmla_cta_times[4 * timed_cta] = globaltimer_ns();
+        snapmla_cta_times[4 * timed_cta + 2] = sm_id();
+        snapmla_cta_times[4 * timed_cta + 3] += num_blocks;
+    }
+#endif
     const int qk_row0 = kAltPages ? 0 : wg * kRowsPerWg;  // first CTA row of this warpgroup's QK (N)
     const int pv_row0 = kOwnRowsPv ? wg * kRowsPerWg : 0;  // first CTA row of this warpgroup's PV (N)
     const int pv_dim0 = kOwnRowsPv ? 0 : wg * kWgDims;     // first output dim of its PV (M)
@@ -659,11 +680,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
 #if TRACE_PHASES
         if (blockIdx.x == 0 && blockIdx.y == 0 && wtid == 0 && it / 2 < kTraceTurns) {
             snapmla_phase_trace[(wg * kTraceTurns + it / 2) * kTracePoints + point] = clock64();
-            if (point == 0) {
-                long long ns;
-                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-                snapmla_phase_ns[wg * kTraceTurns + it / 2] = ns;
-            }
+            if (point == 0) snapmla_phase_ns[wg * kTraceTurns + it / 2] = globaltimer_ns();
         }
 #endif
     };
@@ -1419,6 +1436,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             else p.lse[lse_index(req, row, p.shape)] = value;
         }
     }
+#if CTA_TIMES
+    if (tid == 0 && timed_cta < kMaxTimedCtas) snapmla_cta_times[4 * timed_cta + 1] = globaltimer_ns();
+#endif
 }
 
 // smem: roles::aligned_smem<kSmemAlign>(smem_raw), derived once at the kernel's entry

@@ -448,16 +448,24 @@ def test_wgmma_kernels_are_not_serialized_by_the_system_ptxas(fmt_rows: str, tmp
 
 
 @needs_nvrtc
-def test_wgmma_phase_trace_build_compiles_and_exports_its_buffer() -> None:
-    """scripts/trace_decode.py's build (TRACE_PHASES=1) compiles for the default 64-row layout
-    and exports the buffer the script reads back by name."""
+@pytest.mark.parametrize("rows", [16, 32, 64])
+@pytest.mark.parametrize(("switch", "symbol"), [("TRACE_PHASES", b"snapmla_phase_trace"),
+                                                ("CTA_TIMES", b"snapmla_cta_times")])
+def test_wgmma_diagnostic_builds_compile_and_export_their_buffers(switch: str, symbol: bytes, rows: int) -> None:
+    """The diagnostic builds of scripts/trace_decode.py (TRACE_PHASES=1) and scripts/cta_times.py
+    (CTA_TIMES=1) compile for the default layouts and export the buffer the script reads back by
+    name; the shipped build carries neither. CTA_TIMES times the real kernel, so it must not
+    spill (the trace's clock64 stores sit in the chains and spill 28 bytes at 64 rows: its
+    phases are read relative to each other)."""
     from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config
 
-    defines = fp8_defines(heuristic_config(64, True, FP8_WGMMA))
-    module = nvrtc.compile_module("decode_fp8_wgmma.cu", {**defines, "TRACE_PHASES": 1}, "sm_90a")
-    assert b"snapmla_phase_trace" in module.cubin
+    defines = fp8_defines(heuristic_config(rows, True, FP8_WGMMA))
+    module = nvrtc.compile_module("decode_fp8_wgmma.cu", {**defines, switch: 1}, "sm_90a")
+    assert symbol in module.cubin
+    if switch == "CTA_TIMES":
+        assert module.resources["snapmla_decode_fp8_wgmma"].spill_store_bytes == 0
     plain = nvrtc.compile_module("decode_fp8_wgmma.cu", defines, "sm_90a")
-    assert b"snapmla_phase_trace" not in plain.cubin  # the shipped build carries no trace
+    assert symbol not in plain.cubin
 
 
 @needs_nvrtc

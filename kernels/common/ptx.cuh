@@ -439,6 +439,17 @@ __device__ __forceinline__ void wait_for_predecessor() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// %globaltimer (ns) and the SM this thread runs on, for the kernels' timing diagnostics
+__device__ __forceinline__ long long globaltimer_ns() {
+    long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    return ns;
+}
+__device__ __forceinline__ int sm_id() {
+    int id;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+    return id;
+}
 // Named barrier over `count` threads (a multiple of 32); id 0 is __syncthreads'.
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
