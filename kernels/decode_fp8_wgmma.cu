@@ -119,7 +119,8 @@
 #define CTA_TIMES 0
 #endif
 #if CTA_TIMES
-extern "C" __device__ long long snapmla_cta_times[4096 * 4];
+constexpr int kMaxTimedCtas = 4096, kCtaTimeFields = 4;  // start ns, end ns, SM, pages
+extern "C" __device__ long long snapmla_cta_times[kMaxTimedCtas * kCtaTimeFields];
 #endif
 
 #if TRACE_PHASES
@@ -611,13 +612,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     float4* rowstate_s = reinterpret_cast<float4*>(smem + kOffRowState);  // alternate pages only
     const int wtid = tid % kWgThreads;  // threads wtid < kQkRows keep one row's running state
 #if CTA_TIMES
-    constexpr int kMaxTimedCtas = 4096;
-    const int timed_cta = blockIdx.y * gridDim.x + blockIdx.x;
-    if (tid == 0 && timed_cta < kMaxTimedCtas) {  // a column: its first item's start, all items' pages
-        if (item == (kColumnItems ? static_cast<int>(blockIdx.y) * p.items_per_column : static_cast<int>(blockIdx.y)))
-            snapmla_cta_times[4 * timed_cta] = globaltimer_ns();
-        snapmla_cta_times[4 * timed_cta + 2] = sm_id();
-        snapmla_cta_times[4 * timed_cta + 3] += num_blocks;
+    long long* cta_times = snapmla_cta_times + (blockIdx.y * gridDim.x + blockIdx.x) * kCtaTimeFields;
+    const bool timed = tid == 0 && blockIdx.y * gridDim.x + blockIdx.x < kMaxTimedCtas;
+    if (timed) {  // a column: its first item's start, all its items' pages
+        const int first_item = kColumnItems ? static_cast<int>(blockIdx.y) * p.items_per_column : blockIdx.y;
+        if (item == first_item) cta_times[0] = globaltimer_ns();
+        cta_times[2] = sm_id();
+        cta_times[3] += num_blocks;
     }
 #endif
     const int qk_row0 = kAltPages ? 0 : wg * kRowsPerWg;  // first CTA row of this warpgroup's QK (N)
@@ -1437,7 +1438,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         }
     }
 #if CTA_TIMES
-    if (tid == 0 && timed_cta < kMaxTimedCtas) snapmla_cta_times[4 * timed_cta + 1] = globaltimer_ns();
+    if (timed) cta_times[1] = globaltimer_ns();
 #endif
 }
 
