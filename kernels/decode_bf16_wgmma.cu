@@ -15,9 +15,11 @@
 //        the other.
 // Schedule (alternate pages, as the FP8 kernel's WG_MODE 4): warpgroup wg computes QK and the
 // softmax of blocks wg, wg + 2, ..., and PV of every block for its dims. A turn of warpgroup wg
-// at block it: QK(it); wait for the other warpgroup's hand-over of block it - 1 (P, the row
-// state m and gamma); issue PV(it - 1) with that P from shared memory and run softmax(it) in
-// registers while it runs; store P(it) and the new row state, hand them over; PV(it) from
+// at block it: wait for the other warpgroup's hand-over of block it - 1 (P, the row state m and
+// gamma) and issue PV(it - 1) with that P from shared memory; QK(it) behind it (page it went
+// into the slot page it - 2 left at the end of this warpgroup's last turn: PV(it - 1) gives its
+// load time, HANDOVER_FIRST; measured 1.07-1.17x); softmax(it) in registers; store P(it) and
+// the new row state, hand them over; PV(it) from
 // registers. Blocks enter O in strictly increasing order, each after O is rescaled by its
 // gamma = exp2(m_before - m_after). One P buffer suffices: P(it) is stored after this
 // warpgroup's PV(it - 1), the only reader of P(it - 1), has completed; the other warpgroup
@@ -44,6 +46,12 @@
 #endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
+#endif
+// 1: a turn takes the other warpgroup's hand-over and issues PV(it - 1) before QK(it), so that
+// the load of page it (into the slot page it - 2 just left) has PV(it - 1) to hide behind; 0:
+// QK(it) first and PV(it - 1) under the softmax (the first version)
+#ifndef HANDOVER_FIRST
+#define HANDOVER_FIRST 1
 #endif
 
 namespace snapmla {
@@ -224,7 +232,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     for (int it = wg; it <= num_blocks; it += 2) {
         const bool mine = it < num_blocks;
         float s[kSAcc];
-        if (mine) {
+        // QK(it), zeroing V past a partial page's valid tokens; its wgmmas are waited for by the
+        // caller
+        auto qk_page = [&]() {
             // ---- QK(it), the page's parts in their load order: RoPE, own V dims, other V dims ----
             unsigned char* page = page_of(it);
             const unsigned long long k_desc = make_smem_desc(page, kSwizzle128B, kSwizzleAtom);
@@ -255,13 +265,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                     *reinterpret_cast<uint4*>(page + t * kTileBytes + valid * kBox + off) = make_uint4(0, 0, 0, 0);
                 }
             }
-            wgmma_wait<0>();
-            fence_accumulators(s);
-            release(it, kPartRope);  // the RoPE tile's only reader was this QK
-        }
-        // ---- hand-over of block it - 1 (P, m, gamma); PV(it - 1) runs under the softmax ------
+        };
+        // ---- hand-over of block it - 1 (P, m, gamma) and the issue of PV(it - 1) ---------------
         float gamma_prev[kRowsPerThread] = {1.f, 1.f};
-        if (it > 0) {
+        auto take_handover = [&]() {
             named_barrier_sync(kBarHand0 + wg, kConsumerThreads);
 #pragma unroll
             for (int h = 0; h < kRowsPerThread; ++h) {
@@ -279,6 +286,31 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
             for (int ks = 0; ks < kPvKSteps; ++ks)
                 wgmma_bf16_ss_tb(o, p_desc + ((ks * kKStepBytes) >> 4), v_desc(it - 1, ks), 1);
             wgmma_commit();
+        };
+        // PV(it - 1) done: P(it - 1) read, this warpgroup's V dims of the page free (the wait is
+        // unconditional: ptxas does not pair it with the issue under the same condition above,
+        // and serializes every wgmma of the kernel otherwise, C7514)
+        auto finish_pv_prev = [&]() {
+            wgmma_wait<0>();
+            fence_accumulators(o);
+            if (it > 0) release(it - 1, own_part);
+        };
+        auto finish_qk = [&]() {
+            wgmma_wait<0>();
+            fence_accumulators(s);
+            release(it, kPartRope);  // the RoPE tile's only reader was this QK
+        };
+        if constexpr (HANDOVER_FIRST) {
+            if (it > 0) take_handover();
+            if (mine) qk_page();
+            if (mine) finish_qk();  // PV(it - 1) too (the older group)
+            finish_pv_prev();
+        } else {
+            if (mine) {
+                qk_page();
+                finish_qk();
+            }
+            if (it > 0) take_handover();
         }
         // ---- softmax of block it (rows = M: thread (w, g, c) holds rows 16w + g + 8h at tokens
         // 8j + 2c + e, s[4j + 2h + e]) ------------------------------------------------------------
@@ -327,12 +359,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
                 pfrag[ks][3] = pack_bf16x2(e[6], e[7]);
             }
         }
-        // PV(it - 1) done: P(it - 1) read, this warpgroup's V dims of the page free (the wait is
-        // unconditional: ptxas does not pair it with the issue under the same condition above,
-        // and serializes every wgmma of the kernel otherwise, C7514)
-        wgmma_wait<0>();
-        fence_accumulators(o);
-        if (it > 0) release(it - 1, own_part);
+        if constexpr (!HANDOVER_FIRST) finish_pv_prev();  // PV(it - 1) ran under the softmax
         // ---- hand P(it) and the row state over, then PV(it) from registers -------------------
         if (mine) {
             __syncwarp();  // the quad's other lanes read rowstate_s above

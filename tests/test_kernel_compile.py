@@ -519,6 +519,27 @@ def test_ab_switch_changes_only_the_layouts_it_applies_to(define, old_value, cha
 
 
 @needs_nvrtc
+def test_bf16_turn_orders_both_build_without_spills() -> None:
+    """The BF16 wgmma kernel's QK-first turn (HANDOVER_FIRST=0, the A/B's old side) still builds,
+    as a different kernel from the default hand-over-first turn, and neither spills."""
+    from snapmla_cli.ops.decode_config import (
+        BF16_WGMMA,
+        bf16_defines,
+        bf16_kernel,
+        heuristic_config,
+    )
+
+    cfg = heuristic_config(64, False, BF16_WGMMA)
+    source, name = bf16_kernel(cfg)
+    builds = [nvrtc.compile_module(source, {**bf16_defines(cfg), **extra}, "sm_90a")
+              for extra in ({}, {"HANDOVER_FIRST": 0})]
+    assert builds[0].cubin != builds[1].cubin
+    for module in builds:
+        res = module.resources[name]
+        assert res.spill_store_bytes == 0 and res.local_bytes == 0
+
+
+@needs_nvrtc
 def test_wgmma_smem_mirror_is_checked_by_the_kernel() -> None:
     """A wrong host-side shared-memory size must be a compile error, not a silent overflow."""
     from snapmla_cli.ops.decode_config import FP8_WGMMA, fp8_defines, heuristic_config

@@ -79,14 +79,15 @@ class DecodeCase:
 
 
 @contextmanager
-def extra_defines(defines: dict[str, int]) -> Iterator[None]:
-    """FP8 kernels compiled inside this block get ``defines`` on top of their configuration's:
-    a kernel switch that is not a DecodeConfig field (an A/B such as ``PV_PAIRS=0``, or the
-    ``TRACE_PHASES`` diagnostic build). The kernel cache keys on the defines, so the other
-    builds stay as they are."""
-    plain = decode_ops.fp8_defines
-    decode_ops.fp8_defines = lambda cfg: {**plain(cfg), **defines}
+def extra_defines(defines: dict[str, int], bf16: bool = False) -> Iterator[None]:
+    """FP8 kernels (``bf16``: the BF16 kernels instead) compiled inside this block get
+    ``defines`` on top of their configuration's: a kernel switch that is not a DecodeConfig field
+    (an A/B such as ``PV_PAIRS=0`` or ``HANDOVER_FIRST=0``, or the ``TRACE_PHASES`` diagnostic
+    build). The kernel cache keys on the defines, so the other builds stay as they are."""
+    name = "bf16_defines" if bf16 else "fp8_defines"
+    plain = getattr(decode_ops, name)
+    setattr(decode_ops, name, lambda cfg: {**plain(cfg), **defines})
     try:
         yield
     finally:
-        decode_ops.fp8_defines = plain
+        setattr(decode_ops, name, plain)

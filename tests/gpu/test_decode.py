@@ -146,6 +146,23 @@ def test_fp8_exact_switches_keep_every_bit(define, old_value, s_q, h_q, kernel):
     assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
 
 
+@pytest.mark.parametrize("s_q,h_q", [(1, 16), (1, 64), (2, 64), (1, 48)])
+def test_bf16_handover_first_keeps_every_bit(s_q, h_q):
+    """The BF16 wgmma kernel's turn that takes the hand-over and issues PV(it - 1) before QK(it)
+    (HANDOVER_FIRST) runs the same float32 operations in the same order as the QK-first turn:
+    the same bits, partial last pages, empty and single-page items and the causal mask included."""
+    from snapmla_cli.bench.decode_case import extra_defines
+
+    device = torch.device("cuda")
+    prob = random_problem([9000, 70, 0, 4097, 129, 64, 1], s_q, h_q, causal=True, seed=13)
+    cfg = _bf16_config(s_q * h_q, 3, device)
+    new = _run_bf16(prob, device, cfg)
+    with extra_defines({"HANDOVER_FIRST": 0}, bf16=True):
+        old = _run_bf16(prob, device, cfg)
+    assert new[0].isfinite().all()
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+
+
 @pytest.mark.parametrize("version,kernel", [(3, {"wg_mode": m}) for m in (0, 1, 2, 3, 4, 6)] + [(2, {})],
                          ids=["v3-dims", "v3-rows", "v3-pingpong", "v3-alt", "v3-rows-m", "v3-vt", "v2"])
 def test_fp8_decode_bitwise_deterministic_and_split_invariant(version, kernel):
