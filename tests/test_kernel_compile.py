@@ -522,16 +522,11 @@ def test_ab_switch_changes_only_the_layouts_it_applies_to(define, old_value, cha
 def test_bf16_turn_orders_both_build_without_spills() -> None:
     """The BF16 wgmma kernel's QK-first turn (HANDOVER_FIRST=0, the A/B's old side) still builds,
     as a different kernel from the default hand-over-first turn, and neither spills."""
-    from snapmla_cli.ops.decode_config import (
-        BF16_WGMMA,
-        bf16_defines,
-        bf16_kernel,
-        heuristic_config,
-    )
+    from snapmla_cli.ops import decode_config as dc
 
-    cfg = heuristic_config(64, False, BF16_WGMMA)
-    source, name = bf16_kernel(cfg)
-    builds = [nvrtc.compile_module(source, {**bf16_defines(cfg), **extra}, "sm_90a")
+    cfg = dc.heuristic_config(64, False, dc.BF16_WGMMA)
+    source, name = dc.bf16_kernel(cfg)
+    builds = [nvrtc.compile_module(source, {**dc.bf16_defines(cfg), **extra}, "sm_90a")
               for extra in ({}, {"HANDOVER_FIRST": 0})]
     assert builds[0].cubin != builds[1].cubin
     for module in builds:
