@@ -21,17 +21,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from trace_decode import read_global  # this folder is sys.path[0]
+from trace_decode import loaded_globals, read_global  # this folder is sys.path[0]
 
 from snapmla_cli.bench.decode_case import DecodeCall, DecodeCase, extra_defines
 from snapmla_cli.bench.roofline import DecodeWork
-from snapmla_cli.bench.timing import BURST, capture_graph, time_graph
-from snapmla_cli.runtime import launch
+from snapmla_cli.bench.timing import BURST, capture_graph, time_graph, warm_up
 
 SYMBOL = "snapmla_cta_times"
 MAX_CTAS = 4096  # kMaxTimedCtas of the kernel
 FIELDS = 4  # start ns, end ns, SM, pages
 PROFILED_REPLAYS = 10
+BURST_WARMUP_CALLS = 3  # as bench timing's warm-up
 DECODE_KERNEL, COMBINE_KERNEL = "snapmla_decode_fp8", "snapmla_combine"
 
 
@@ -39,11 +39,7 @@ def clear_times() -> None:
     """Zero the times of every loaded build (the next read then finds this call's build)."""
     import cupy
 
-    for module in launch._MODULES.values():
-        try:
-            ptr = module.get_global_var(SYMBOL)
-        except cupy.cuda.driver.CUDADriverError:
-            continue
+    for ptr in loaded_globals(SYMBOL):
         cupy.cuda.runtime.memset(ptr, 0, MAX_CTAS * FIELDS * 8)
 
 
@@ -74,14 +70,15 @@ def replay_timeline(call: DecodeCall) -> str:
             f"{statistics.median(run_on):.1f} us after it, gap to the next replay {statistics.median(gaps):.1f} us")
 
 
-def cta_spread(w: DecodeWork, call: DecodeCall) -> str:
+def cta_spread(call: DecodeCall) -> str:
     """The CTA_TIMES build's launch skew, end-time spread and time per page."""
     with extra_defines({"CTA_TIMES": 1}):
-        time_graph(call)  # compiles and warms up the diagnostic build
+        warm_up(call, BURST_WARMUP_CALLS, BURST.warmup_s)  # compiles the diagnostic build, warms the clocks
         clear_times()
         call()
         torch.cuda.synchronize()
-    times = read_global(SYMBOL, (MAX_CTAS, FIELDS))
+    times = read_global(SYMBOL, (MAX_CTAS, FIELDS), "cta_times: no CTA times: the default path did not run "
+                                                    "the FP8 wgmma kernel")
     used = times[times[:, 0] > 0]
     start, end, pages = used[:, 0], used[:, 1], used[:, 3]
     t0 = start.min()
@@ -98,7 +95,7 @@ def report(w: DecodeWork, device: torch.device, copy_bandwidth: float) -> None:
     t_call = time_graph(call, clocks=BURST)
     roof_us = w.bytes(True) / copy_bandwidth * 1e6
     print(f"cta_times h{w.h_q} s{w.s_q} ctx{w.context} b{w.batch}: graph replay {t_call * 1e6:.1f} us "
-          f"(memory roofline {roof_us:.1f} us); {replay_timeline(call)}; {cta_spread(w, call)}", flush=True)
+          f"(memory roofline {roof_us:.1f} us); {replay_timeline(call)}; {cta_spread(call)}", flush=True)
 
 
 def main() -> None:

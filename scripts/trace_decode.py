@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Iterator
 
 import numpy as np
 from profile_decode import add_shape_args, run_decode  # this folder is sys.path[0]
@@ -32,8 +33,9 @@ TIMER_SYMBOL = "snapmla_phase_ns"
 PHASES = ("data", "qk", "wait", "sm1", "sm2", "sm3", "sm4", "sm5", "pv other", "pv own")
 WARMUP_TURNS = 4  # the pipeline fills during the first turns
 
-def read_global(symbol: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The int64 device global ``symbol`` of the loaded module that has a non-zero one."""
+def loaded_globals(symbol: str) -> Iterator[int]:
+    """Device addresses of the global ``symbol`` in every loaded kernel module that defines it
+    (a diagnostic build exports it; the other builds do not)."""
     import cupy
 
     for module in launch._MODULES.values():
@@ -41,12 +43,22 @@ def read_global(symbol: str, shape: tuple[int, ...]) -> np.ndarray:
             ptr = module.get_global_var(symbol)
         except cupy.cuda.driver.CUDADriverError:
             continue
+        yield ptr
+
+
+def read_global(symbol: str, shape: tuple[int, ...],
+                missing: str = "trace_decode: nothing traced: the configuration is not an alternate-pages "
+                               "one (WG_MODE 3 or 4), or CTA (0, 0) had no pages") -> np.ndarray:
+    """The int64 device global ``symbol`` of the loaded module that has a non-zero one (else
+    exits with ``missing``)."""
+    import cupy
+
+    for ptr in loaded_globals(symbol):
         host = np.zeros(shape, np.int64)
         cupy.cuda.runtime.memcpy(host.ctypes.data, ptr, host.nbytes, cupy.cuda.runtime.memcpyDeviceToHost)
         if host.any():
             return host
-    raise SystemExit("trace_decode: nothing traced: the configuration is not an alternate-pages "
-                     "one (WG_MODE 3 or 4), or CTA (0, 0) had no pages")
+    raise SystemExit(missing)
 
 
 def main() -> None:
