@@ -145,6 +145,14 @@ constexpr bool kPingPong = WG_MODE == 2;
 constexpr bool kVtSmem = WG_MODE == 6;  // V^T transposed in shared memory, PV with rows = M
 constexpr bool kRowsM = WG_MODE == 4 || kVtSmem;
 constexpr bool kAltPages = WG_MODE == 3 || kRowsM;
+// Rows = M running a column of work items (balanced columns): the column loop's state leaves
+// the 64-row PV no room for a page's 16 gammas in registers nor for the V^T fragments' lane
+// offsets kept through the page loop (ptxas spilled 48 bytes), so that build loads the gammas
+// per m-tile, the first kGammaEarly pairs while the m-tile's wgmmas run (all 8 spill; loaded
+// after the wait, they cost the column build 5% a page, measured) and the others where used, and
+// derives the lane offsets again per page; the one-item build keeps both (its SASS unchanged).
+constexpr bool kRowsMColumns = kRowsM && COLUMN_ITEMS;
+constexpr int kGammaEarly = 4;
 constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;
 constexpr int kQkRows = kAltPages ? kRows : kRowsPerWg;  // N of QK: the rows of a warpgroup's softmax
@@ -1063,12 +1071,14 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         auto gamma_load = [&](int j) {
             return *reinterpret_cast<const float2*>(gamma_buf + pv_row0 + 8 * j + 2 * c);
         };
-        constexpr bool kGammaInRegs = !kAltPages || kRowsM;
+        constexpr bool kGammaInRegs = !kAltPages || (kRowsM && !kRowsMColumns);
         if constexpr (kGammaInRegs) {
 #pragma unroll
             for (int j = 0; j < kPvRows / 8; ++j) gam[j] = gamma_load(j);
         }
-        auto gamma_pair = [&](int j) { return kGammaInRegs ? gam[j] : gamma_load(j); };
+        auto gamma_pair = [&](int j) {
+            return kGammaInRegs || (kRowsMColumns && j < kGammaEarly) ? gam[j] : gamma_load(j);
+        };
         if constexpr (!kPvPromote) {  // the tensor cores add P V to the rescaled O
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt)
@@ -1089,8 +1099,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             for (int h = 0; h < 2; ++h) vmask[ks][h] = !masked ? ~0u : v_token_mask(ks, h, c, valid);
         const unsigned long long p_desc = make_smem_desc(p_s + pv_row0 * kPRowBytes, kSwizzle64B, kSwizzleAtom64);
         // V^T A fragment of this warp's 16 dims of m-tile mt, tokens [32 ks, 32 ks + 32)
+        const int v_lane = kRowsMColumns ? lane + loop_zero() : lane;
         auto v_fragment_of = [&](int mt, int ks, unsigned (&frag)[4]) {
-            v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, lane, frag);
+            v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, v_lane, frag);
             if (masked) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];
@@ -1128,6 +1139,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
                         wgmma_fp8_rs(t[0], frags[mt % 2][ks], p_desc + ((kFp8KStep * ks) >> 4), ks > 0);
                     wgmma_commit();
                     if (mt + 1 < kMTiles) build_frags(mt + 1);
+                    if constexpr (kRowsMColumns) {  // loads in flight during the wgmmas
+#pragma unroll
+                        for (int j = 0; j < kGammaEarly; ++j) gam[j] = gamma_load(j);
+                    }
                     wgmma_wait<0>();
                 } else if (mt + 1 < kMTiles) {
                     issue_pv(mt + 1, t[(mt + 1) % 2]);

@@ -2,7 +2,8 @@
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
 # Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|ship16-hN|bench|prep|decode|steady ...]
 # With no argument everything but `ship` / `ship16*` / `steady` runs (`ship`: re-tune the shipped database's
-# FP8 entries from scratch, every bucket of the decode issues' sweep, about 3 minutes; `ship16-hN`:
+# FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 3
+# minutes; the other entries stay; `ship16-hN`:
 # the BF16 entries of h_q N only, replacing the stored ones (--force: after a BF16 kernel change),
 # since on a cold machine 12 BF16 buckets took 7 minutes and all 32 do not fit one device call; `ship16`:
 # add the BF16 entries of the same buckets; the new file lands in $OUT).
@@ -24,8 +25,7 @@ for step in $steps; do
               | tee "$OUT/probe_precision.log" | grep -v '^$' ;;
     tune)   snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 32k --format fp8 --budget 8s \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune.log" | tail -20; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
-    ship)   rm -f tuning_db/*.yaml
-            snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format fp8 --budget 8s \
+    ship)   snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format fp8 --budget 8s --force \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     ship16) snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 4s \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship16.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;

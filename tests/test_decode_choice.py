@@ -38,7 +38,8 @@ def _split_variant(waves: int, min_blocks: int) -> DecodeConfig:
     """The heuristic kernel with another split policy: valid whatever the kernels' current
     constraints, and visible in the work list."""
     base = heuristic_config(ROWS)
-    return replace(base, split=replace(base.split, waves=waves, min_blocks_per_split=min_blocks))
+    return replace(base, split=replace(base.split, waves=waves, min_blocks_per_split=min_blocks,
+                                       auto_balance=False))
 
 
 C16K, C128K = _split_variant(2, 2), _split_variant(4, 8)
@@ -178,3 +179,39 @@ def test_decode_runs_the_metadata_config(launch_probe, monkeypatch):
     decode_bf16(q16, cache16, table, lens128, meta128, splits128)
     assert choices == [(ROWS, False, CPU, BATCH, 131072.0)]
     assert launch_probe[-1] == heuristic_config(ROWS, False)  # no BF16 entries
+
+
+AUTO_H_Q, AUTO_S_Q = 64, 1
+
+
+def test_automatic_balance_is_settled_by_the_metadata_and_run_by_the_decode(launch_probe, monkeypatch):
+    """The heuristic leaves balanced columns against the split plan to the planner; the metadata
+    settles it for its batch (55 requests of 16k at 64 rows: columns; 64: the split plan, as
+    measured on the H200), builds that work list, and the decode runs the matching build, also
+    when the caller passes the unsettled configuration explicitly, as the tuner does."""
+    from snapmla_cli.ops.decode_config import runs_columns, settle_blind
+
+    monkeypatch.setattr(lookup, "lookup_decode_config", lambda **kw: None)  # the heuristic runs
+    rows = AUTO_H_Q * AUTO_S_Q
+    auto = choose_config(rows, True, CPU, 55, 16384.0)
+    assert auto.split.auto_balance and auto == heuristic_config(rows).with_sms(auto.split.num_sms)
+    cache = torch.zeros(1, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    for batch, columns in ((55, True), (64, False)):
+        lens = _lens(16384, batch)
+        meta, splits = get_mla_metadata(lens, rows, 1)
+        settled = metadata_plan(meta).config
+        assert not settled.split.auto_balance and settled.split.balanced == columns
+        assert runs_columns(settled, True) == columns and (meta.shape[1] > 1) == columns
+        ref_meta, _ = build_metadata(lens, rows, settled.block_m, settled.split, runs_columns=columns)
+        assert torch.equal(meta, ref_meta)
+        table = torch.zeros(batch, 1, dtype=torch.int32)
+        q_b = QuantizedRows(torch.zeros(batch, AUTO_S_Q, AUTO_H_Q, 512, dtype=torch.uint8),
+                            torch.ones(batch, AUTO_S_Q, AUTO_H_Q, dtype=torch.float32),
+                            torch.zeros(batch, AUTO_S_Q, AUTO_H_Q, 64, dtype=torch.bfloat16))
+        decode_fp8(q_b, cache, table, lens, meta, splits)
+        assert launch_probe[-1] == settled
+        decode_fp8(q_b, cache, table, lens, meta, splits, config=auto)  # explicit, unsettled
+        assert launch_probe[-1] == settled
+        # a work list the plan does not know (a copy): the one-item build, which runs any list
+        decode_fp8(q_b, cache, table, lens, meta.clone(), splits, config=auto)
+        assert launch_probe[-1] == settle_blind(auto) and not runs_columns(launch_probe[-1], True)

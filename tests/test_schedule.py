@@ -18,6 +18,7 @@ from snapmla_cli.ops.schedule import (
     build_metadata,
     estimated_makespan,
     plan_splits,
+    prefer_balanced,
     split_token_bounds,
 )
 
@@ -189,3 +190,24 @@ def test_balanced_columns_fall_back_where_a_request_needs_too_many_pieces():
     plan = balanced_columns([64 * 10] * 4, 32, 32, policy)
     assert plan is not None and len(plan) == 40 // policy.min_blocks_per_split
     assert balanced_columns([0, 0], 32, 32, policy) is None
+
+
+# (batch, context, rows, balanced columns measured faster than the split plan) on the H200,
+# one CTA per SM, 64-row tiles (docs/PERF.md, fourteenth session): the planner's model must
+# agree where the measured difference is clear (> 2%)
+MEASURED_BALANCE = [(55, 16384, 128, True), (13, 65536, 128, False), (64, 16384, 64, False),
+                    (64, 16384, 128, False)]
+
+
+@pytest.mark.parametrize("batch,context,rows,balanced", MEASURED_BALANCE)
+def test_planner_prefers_balanced_columns_where_they_were_measured_faster(batch, context, rows, balanced):
+    assert prefer_balanced([context] * batch, rows, 64, SplitPolicy(num_sms=132)) == balanced
+
+
+def test_planner_keeps_the_split_plan_where_columns_cannot_run():
+    assert not prefer_balanced([], 64, 64, SplitPolicy())
+    assert not prefer_balanced([0, 0], 64, 64, SplitPolicy())
+    # one request that balanced columns would cut into more pieces than a request may have
+    capped = SplitPolicy(num_sms=132, max_splits_per_request=4)
+    assert balanced_columns([1 << 20], 64, 64, capped) is None
+    assert not prefer_balanced([1 << 20], 64, 64, capped)

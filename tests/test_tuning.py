@@ -18,6 +18,7 @@ from snapmla_cli.cli.tune import tune_command
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.ops import decode_config as dc
 from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
+from snapmla_cli.ops.schedule import SplitPolicy
 from snapmla_cli.tuning import db as tdb
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, load_file, normalise_gpu_name, save_entries
@@ -35,6 +36,7 @@ from snapmla_cli.tuning.space import (
     parse_formats,
     parse_int_list,
     parse_ranges,
+    same_kernel,
     search_space,
     smem_bytes,
 )
@@ -221,13 +223,41 @@ def test_search_space_drops_split_aliases():
     assert len(small.candidates) > len(big.candidates)
 
 
+def test_automatic_balance_leads_the_space_and_settles_at_the_timed_shape():
+    """The heuristic's policy (the planner's choice of balanced columns or the split plan) is the
+    default candidate; the fixed policy it settles to at the timed shape is its alias, so an
+    entry keeps the automatic policy unless another candidate beats it; it round-trips through
+    the database file."""
+    from snapmla_cli.tuning.space import settled_at, split_policies
+
+    kernel = heuristic_config(128)
+    assert kernel.split.auto_balance
+    policies = split_policies(kernel, kernel.split, True)
+    assert policies[0].auto_balance and sum(p.auto_balance for p in policies) == 1
+    assert not any(p.auto_balance for p in split_policies(heuristic_config(32, True, dc.FP8_MMA_SYNC),
+                                                            kernel.split, True)[1:])
+    odd = Bucket(64, 2, (55, 55), (16384, 16384), "fp8")
+    space = search_space(odd, 132)
+    assert space.default.split.auto_balance and "auto" in config_id(space.default, "fp8")
+    assert settled_at(space.default, odd).split.balanced  # 55 requests: columns
+    assert not any(c.split.balanced and same_kernel(c, space.default) and
+                   c.split.min_blocks_per_split == space.default.split.min_blocks_per_split
+                   for c in space.candidates[1:])  # the settled plan is an alias of the default
+    assert not settled_at(space.default, Bucket(64, 2, (64, 64), (16384, 16384), "fp8")).split.balanced
+    stored = tdb.config_to_dict(space.default)
+    assert stored["split"]["auto_balance"] is True and tdb.config_from_dict(stored) == replace(
+        space.default, split=replace(space.default.split, num_sms=SplitPolicy().num_sms))
+
+
 def test_balanced_columns_in_the_space_only_where_the_kernel_runs_them():
     """The balanced policy is searched for layouts whose column build compiles without spills,
     and only a balanced configuration gets that build (COLUMN_ITEMS), and its work list columns."""
     from snapmla_cli.tuning.space import split_policies
 
-    for rows, capable in ((16, True), (32, True), (64, False), (128, False)):
-        kernel = heuristic_config(rows)
+    # the heuristic's layouts all run columns (rows = M at 64+ rows since its column build reads
+    # the gammas from shared memory); alternate pages at 64 rows spills in its column loop
+    alt_64 = dc.fit_stages(replace(heuristic_config(64), wg_mode=dc.WG_ALT_PAGES))
+    for kernel, capable in [(heuristic_config(rows), True) for rows in (16, 32, 64, 128)] + [(alt_64, False)]:
         policies = split_policies(kernel, kernel.split, True)
         assert any(p.balanced for p in policies) == capable == dc.column_capable(kernel, True)
         assert dc.fp8_defines(kernel)["COLUMN_ITEMS"] == 0
@@ -558,6 +588,25 @@ def test_tuner_confirmation_medians_decide():
     fake.time = time
     result = Tuner(fake, Budget(count=1000), INFO).tune(space)
     assert result.best.cid != lucky
+
+
+@pytest.mark.parametrize("faster_by,stored_default", [(0.01, True), (0.05, False)])
+def test_tuner_keeps_the_default_within_the_tie_margin(faster_by, stored_default):
+    """A candidate 1% faster than the default on the confirmation medians is within the noise,
+    and the default (whose split policy settles per batch size) stays; one 5% faster replaces it."""
+    from snapmla_cli.tuning.tuner import TIE_MARGIN
+
+    assert 0.01 < TIE_MARGIN < 0.05
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    default_cid, rival = fake.ids[0], fake.ids[7]
+    base = 1e-3
+    for cid in fake.times:
+        fake.times[cid] = base * 2
+    fake.times[default_cid], fake.times[rival] = base, base / (1 + faster_by)
+    result = Tuner(fake, Budget(count=1000), INFO).tune(space)
+    assert (result.best.cid == default_cid) == stored_default
+    assert result.best.cid in (default_cid, rival)
 
 
 def test_tuner_keeps_the_default_when_confirmation_favours_it():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -127,8 +128,9 @@ def _dry_run(buckets, limit, folder: Path) -> None:
             out.print(f"pruned {len(space.pruned)} variants: "
                       + "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items())))
     policies = split_policies(spaces[0].default, spaces[0].default.split, spaces[0].bucket.fp8)
-    out.print("split policies (target CTAs per SM x waves or bal(anced columns) / min blocks per split): "
-              + ", ".join(f"{p.ctas_per_sm}x{'bal' if p.balanced else p.waves}/mb{p.min_blocks_per_split}"
+    out.print("split policies (target CTAs per SM x waves, bal(anced columns) or auto (the planner's choice "
+              "of the two per batch) / min blocks per split): "
+              + ", ".join(config_id(replace(spaces[0].default, split=p), spaces[0].bucket.format).split("/", 1)[1]
                           for p in policies))
     table = Table(title="buckets")
     for column in ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default"):
@@ -156,7 +158,7 @@ def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) 
     from ..tuning.db import find_entry, save_entries
     from ..tuning.lookup import clear_cache, device_gpu_key
     from ..tuning.measure import GpuMeasurer
-    from ..tuning.space import search_space
+    from ..tuning.space import search_space, settled_at
     from ..tuning.tuner import BucketResult, EntryInfo, PartialStore, Tuner, partial_path
 
     measurer = GpuMeasurer()  # NoGpuError without a GPU
@@ -180,7 +182,7 @@ def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) 
     tuner = Tuner(measurer, limit, EntryInfo(__version__, command, kernels), partial=partial)
     t0 = time.monotonic()
     with progress(err) as bar:
-        items = [(s.bucket.format, c) for s in todo for c in tuner.likely_candidates(s)]
+        items = [(s.bucket.format, settled_at(c, s.bucket)) for s in todo for c in tuner.likely_candidates(s)]
         task = bar.add_task("compiling kernel variants", total=None)
         measurer.precompile(items, lambda done, total: bar.update(task, completed=done, total=total))
         bar.remove_task(task)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tuning import lookup
-from .decode_config import DecodeConfig, heuristic_config
+from .decode_config import DecodeConfig, heuristic_config, settle_blind
 
 
 def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None,
@@ -39,7 +39,8 @@ class MetadataPlan:
     rows: int
     fp8: bool
     context: float | None
-    config: DecodeConfig
+    config: DecodeConfig  # its balance settled for the batch (decode_config.settle_balance)
+    requested: DecodeConfig | None = None  # what the caller passed or the choice gave, unsettled
 
 
 # Work list tensor -> its MetadataPlan, so that the decode call runs the configuration the
@@ -84,10 +85,17 @@ def decode_config_for(config: DecodeConfig | None, tile_scheduler_metadata: obje
     did not build, today's context-blind choice. Any of these is correct with any work list
     (the work items do not depend on the row tile), only possibly slower."""
     if config is not None:
-        return config
+        if not config.split.auto_balance:
+            return config
+        # an automatic balance is settled by get_mla_metadata; the work list's plan knows how
+        # (a list built otherwise runs on the one-item build, which runs any list)
+        plan = metadata_plan(tile_scheduler_metadata)
+        if plan is not None and plan.requested == config:
+            return plan.config
+        return settle_blind(config)
     plan = metadata_plan(tile_scheduler_metadata)
     if plan is None:
-        return choose_config(rows, fp8, device, batch)
+        return settle_blind(choose_config(rows, fp8, device, batch))
     if plan.rows == rows and plan.fp8 == fp8:
         return plan.config
-    return choose_config(rows, fp8, device, batch, plan.context)
+    return settle_blind(choose_config(rows, fp8, device, batch, plan.context))

@@ -43,6 +43,7 @@ from .decode_config import (
     fp8_kernel,
     fp8_smem_bytes,
     runs_columns,
+    settle_balance,
 )
 from .schedule import WORK_FIELDS, build_metadata, host_seqlens
 
@@ -73,20 +74,23 @@ def get_mla_metadata(
     ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA; ``num_heads_k`` must be 1.
 
     ``cache_seqlens`` is read to the host once; its mean length is the context of the
-    configuration choice (unless ``config`` is given). The chosen configuration is recorded for
-    the returned work list (:func:`metadata_plan`), and a decode call given that tensor and no
-    ``config`` runs it: the two calls cannot disagree, and the decode needs no host read."""
+    configuration choice (unless ``config`` is given), and it settles an automatic split
+    policy (balanced columns or the split plan, :func:`settle_balance`). The settled
+    configuration is recorded for the returned work list (:func:`metadata_plan`), and a decode
+    call given that tensor and no ``config`` (or the unsettled one) runs it: the two calls
+    cannot disagree, and the decode needs no host read."""
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
     if num_heads_per_head_k < 1:
         raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
     seqlens = host_seqlens(cache_seqlens)
     context = mean_context(seqlens)
-    cfg = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, len(seqlens),
-                                  context)
+    requested = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, len(seqlens),
+                                        context)
+    cfg = settle_balance(requested, seqlens, num_heads_per_head_k, fp8)
     metadata, num_splits = build_metadata(cache_seqlens, num_heads_per_head_k, cfg.block_m,
                                           cfg.split, seqlens, runs_columns(cfg, fp8))
-    record_plan(metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg))
+    record_plan(metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested))
     return metadata, num_splits
 
 

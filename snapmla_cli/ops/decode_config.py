@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .schedule import SplitPolicy
+from .schedule import SplitPolicy, prefer_balanced
 
 ROWS_PER_GROUP = 16
 WARPS_PER_GROUP = 2
@@ -215,9 +215,9 @@ def fp8_kernel(cfg: DecodeConfig) -> tuple[str, str]:
 # COLUMN_ITEMS=1): alternate pages at 64 rows (O's 128 registers leave none for the loop),
 # alternate pages at 16 rows with two CTAs per SM (104 registers), and 32 rows with two CTAs per
 # SM (which spills without the loop too). They run one item per CTA; CI compiles every
-# registered variant with the COLUMN_ITEMS its config gets.
-COLUMN_LOOP_SPILLS = {(ROWS_M_ROW_GROUPS, WG_ALT_PAGES, 1), (ROWS_M_ROW_GROUPS, WG_ALT_ROWS_M, 1),
-                      (1, WG_ALT_PAGES, 2), (2, WG_DIMS_SPLIT, 2)}
+# registered variant with the COLUMN_ITEMS its config gets. Rows = M (64 rows) runs columns
+# since its column build reads PV's gammas from shared memory (kRowsMColumns in the kernel).
+COLUMN_LOOP_SPILLS = {(ROWS_M_ROW_GROUPS, WG_ALT_PAGES, 1), (1, WG_ALT_PAGES, 2), (2, WG_DIMS_SPLIT, 2)}
 
 
 def column_capable(cfg: DecodeConfig, fp8: bool) -> bool:
@@ -237,7 +237,31 @@ def runs_columns(cfg: DecodeConfig, fp8: bool) -> bool:
 
 def balanced(cfg: DecodeConfig) -> DecodeConfig:
     """``cfg`` with the balanced split policy (columns where its kernel can run them)."""
-    return replace(cfg, split=replace(cfg.split, balanced=True))
+    return with_balance(cfg, True)
+
+
+def with_balance(cfg: DecodeConfig, balanced_columns: bool) -> DecodeConfig:
+    """``cfg`` with its split policy fixed to balanced columns or to the split plan (an
+    ``auto_balance`` policy settled)."""
+    return replace(cfg, split=replace(cfg.split, balanced=balanced_columns, auto_balance=False))
+
+
+def settle_blind(cfg: DecodeConfig) -> DecodeConfig:
+    """An ``auto_balance`` policy settled without the batch (a decode call whose work list
+    ``get_mla_metadata`` did not plan): the split plan's one-item build, which runs any work
+    list, columns included. Other configurations are returned as they are."""
+    return with_balance(cfg, False) if cfg.split.auto_balance else cfg
+
+
+def settle_balance(cfg: DecodeConfig, seqlens: list[int], rows: int, fp8: bool) -> DecodeConfig:
+    """An ``auto_balance`` policy decided for this batch: balanced columns where the layout can
+    run them and the planner's model says they finish sooner (:func:`schedule.prefer_balanced`),
+    else the split plan. Other configurations are returned as they are. ``get_mla_metadata``
+    settles once per step, and the kernel build (``COLUMN_ITEMS``) follows the settled policy."""
+    if not cfg.split.auto_balance:
+        return cfg
+    columns = column_capable(cfg, fp8) and prefer_balanced(seqlens, rows, cfg.block_m, cfg.split)
+    return with_balance(cfg, columns)
 
 
 def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
@@ -311,9 +335,10 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
     promotion on): 16 rows as two CTAs per SM with two pages each, warpgroups splitting the
     output dims; 32 rows as one CTA with the warpgroups taking alternate pages, four pages deep;
     64+ rows the same with the rows as QK's M (rows = M: 20-30% faster than alternate pages
-    alone at 64 rows, docs/PERF.md). mma.sync kernel: 16 rows as two
-    small CTAs per SM; 32 rows as two row groups with two token groups per page; 64+ rows as
-    64-row tiles. BF16 (``version`` defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always
+    alone at 64 rows, docs/PERF.md); the split policy leaves balanced columns or the split
+    plan to the planner, per batch (``auto_balance``, :func:`settle_balance`). mma.sync kernel:
+    16 rows as two small CTAs per SM; 32 rows as two row groups with two token groups per page;
+    64+ rows as 64-row tiles. BF16 (``version`` defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always
     works on 64-row tiles; the mma.sync one as before."""
     if version is None:
         version = DEFAULT_FP8_KERNEL if fp8 else DEFAULT_BF16_KERNEL
@@ -325,6 +350,9 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
             mode = WG_ALT_ROWS_M if row_groups == ROWS_M_ROW_GROUPS else WG_ALT_PAGES
             cfg = fit_stages(DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1,
                                           kernel_version=FP8_WGMMA, wg_mode=mode))
+        # each batch gets the split plan or balanced columns, whichever the planner's model
+        # says finishes sooner (every heuristic layout can run columns)
+        cfg = replace(cfg, split=replace(cfg.split, auto_balance=column_capable(cfg, True)))
     elif fp8:
         v2 = {"kernel_version": FP8_MMA_SYNC}
         if row_groups == 1:

@@ -37,7 +37,9 @@ class SplitPolicy:
     ``min_blocks_per_split`` stops splitting short sequences (each split costs a combine);
     ``balanced``: equal shares of all blocks per CTA column, for kernels that run columns (the
     others, and requests that would need more than ``max_splits_per_request`` pieces, get the
-    split plan)."""
+    split plan). ``auto_balance``: let the planner choose between the two for each batch
+    (:func:`prefer_balanced`); ``decode_config.settle_balance`` turns it into ``balanced`` before
+    a work list is built or a kernel chosen."""
 
     num_sms: int = 132
     ctas_per_sm: int = 1
@@ -45,6 +47,7 @@ class SplitPolicy:
     min_blocks_per_split: int = 4
     max_splits_per_request: int = 64
     balanced: bool = False
+    auto_balance: bool = False
 
 
 def rows_per_cta_tiles(rows: int, block_m: int) -> int:
@@ -60,6 +63,11 @@ PARTIAL_BYTES_PER_ROW = 2 * D_V * 4
 PARTIAL_BLOCKS_PER_ROW = PARTIAL_BYTES_PER_ROW / (PAGE_SIZE * FP8_TOKEN_BYTES)
 # Finer plans than the policy's `waves` that the planner also weighs (waves + 1 .. + this).
 EXTRA_WAVES = 7
+# What a page costs a column build (the kernel that runs a column's items in turn) beyond the
+# one-item build's, as a fraction, in prefer_balanced's model: the 64-row rows = M column build
+# measured 1-3% slower per page, and balanced columns 1-4% slower than the split plan at b 64
+# where both fill the GPU (docs/PERF.md, fourteenth session).
+COLUMN_PAGE_COST = 0.03
 
 
 def _split_counts(blocks: np.ndarray, chunk: int, policy: SplitPolicy) -> np.ndarray:
@@ -86,9 +94,12 @@ def estimated_makespan(blocks: np.ndarray, counts: np.ndarray, rows: int, m_tile
     waves = -(-int(ends[-1]) // per_wave)
     # the longest split of wave k is the split at position k * per_wave of the sorted list
     firsts = np.searchsorted(ends, np.arange(waves) * per_wave, side="right")
-    partial_splits = int(parts[parts > 1].sum())
-    partials = partial_splits * rows * PARTIAL_BLOCKS_PER_ROW / slots
-    return int(sizes[firsts].sum()) + waves * CTA_OVERHEAD_BLOCKS + partials
+    return int(sizes[firsts].sum()) + waves * CTA_OVERHEAD_BLOCKS + _partials_cost(parts, rows, slots)
+
+
+def _partials_cost(pieces: np.ndarray, rows: int, slots: int) -> float:
+    """The partial outputs of requests cut into more than one piece, in blocks of one CTA."""
+    return int(pieces[pieces > 1].sum()) * rows * PARTIAL_BLOCKS_PER_ROW / slots
 
 
 def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> list[list[int]]:
@@ -104,9 +115,17 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
     waves (measured 1.2-1.35x sooner on the H200, docs/PERF.md).
     """
     blocks = (np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE
-    total = int(blocks.sum())
-    if total == 0:
+    if int(blocks.sum()) == 0:
         return [[] for _ in seqlens]
+    counts = _best_split_counts(blocks, rows, block_m, policy)[1]
+    return [[round(i * nb / parts) for i in range(parts + 1)] if parts else []
+            for nb, parts in zip(blocks.tolist(), counts.tolist())]
+
+
+def _best_split_counts(blocks: np.ndarray, rows: int, block_m: int, policy: SplitPolicy
+                       ) -> tuple[float, np.ndarray]:
+    """(estimated makespan, splits per request) of the best split plan (see plan_splits)."""
+    total = int(blocks.sum())
     m_tiles = rows_per_cta_tiles(rows, block_m)
     slots = policy.num_sms * policy.ctas_per_sm
     best: tuple[float, np.ndarray] | None = None
@@ -122,8 +141,26 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
         if best is None or cost < best[0]:
             best = (cost, counts)
     assert best is not None
-    return [[round(i * nb / parts) for i in range(parts + 1)] if parts else []
-            for nb, parts in zip(blocks.tolist(), best[1].tolist())]
+    return best
+
+
+def prefer_balanced(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> bool:
+    """Whether balanced columns finish this batch sooner than the best split plan, by the
+    planner's model: the split plan's :func:`estimated_makespan` against the longest column's
+    blocks times ``1 + COLUMN_PAGE_COST``, plus a CTA's fixed cost per item of that column,
+    plus the partial outputs. Balanced columns win where the split plan's waves fit the GPU
+    badly (55 requests of 256 blocks at 128 rows: 110 of 132 SMs busy, measured 1.11x sooner
+    balanced) and lose by a few percent where both fill it (b 64, docs/PERF.md)."""
+    columns = balanced_columns(seqlens, rows, block_m, policy)
+    if columns is None:
+        return False
+    blocks = (np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE
+    split_cost = _best_split_counts(blocks, rows, block_m, policy)[0]
+    slots = policy.num_sms * policy.ctas_per_sm
+    longest = max(sum(end - begin for _, begin, end in column) * (1 + COLUMN_PAGE_COST)
+                  + len(column) * CTA_OVERHEAD_BLOCKS for column in columns)
+    pieces = np.bincount([req for column in columns for req, _, _ in column], minlength=len(seqlens))
+    return longest + _partials_cost(pieces, rows, slots) < split_cost
 
 
 def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:

@@ -283,7 +283,7 @@ def kernel_key(cfg: DecodeConfig, fmt: str) -> tuple[str, tuple[tuple[str, int],
 
 def config_id(cfg: DecodeConfig, fmt: str) -> str:
     """Short stable name, e.g. ``v3-rg4-wd-st4-c1/1x1-mb4`` or ``v2-rg4-kv1-st2-c1/1x1-mb4`` (split: target CTAs per SM x waves,
-    or ``bal`` for balanced columns, minimum blocks per split)."""
+    or ``bal`` for balanced columns, ``auto`` for the planner's choice of the two, minimum blocks per split)."""
     parts = [f"v{cfg.kernel_version}", f"rg{cfg.row_groups}"]
     if fmt == "fp8":
         if not cfg.wgmma:
@@ -297,7 +297,7 @@ def config_id(cfg: DecodeConfig, fmt: str) -> str:
         parts.append(f"bn{cfg.block_n}")
     parts.append(f"c{cfg.min_ctas_per_sm}")
     s = cfg.split
-    split = f"{s.ctas_per_sm}x{'bal' if s.balanced else s.waves}-mb{s.min_blocks_per_split}"
+    split = f"{s.ctas_per_sm}x{'bal' if s.balanced else 'auto' if s.auto_balance else s.waves}-mb{s.min_blocks_per_split}"
     if s.max_splits_per_request != SplitPolicy().max_splits_per_request:
         split += f"-ms{s.max_splits_per_request}"
     return "-".join(parts) + "/" + split
@@ -349,14 +349,19 @@ def split_policies(kernel: DecodeConfig, default: SplitPolicy, fp8: bool = True)
     blocks += [b for b in MIN_BLOCKS_PER_SPLIT if b != default.min_blocks_per_split]
     seen: set[int] = set()
     out: list[SplitPolicy] = []
+    fixed = replace(default, balanced=False, auto_balance=False)
     for c, w in pairs:
         if c * w in seen:
             continue
         seen.add(c * w)
-        out += [replace(default, ctas_per_sm=c, waves=w, min_blocks_per_split=b, balanced=False) for b in blocks]
+        out += [replace(fixed, ctas_per_sm=c, waves=w, min_blocks_per_split=b) for b in blocks]
     if dc.column_capable(kernel, fp8):
-        out += [replace(default, ctas_per_sm=kernel.min_ctas_per_sm, waves=1, min_blocks_per_split=b, balanced=True)
+        out += [replace(fixed, ctas_per_sm=kernel.min_ctas_per_sm, waves=1, min_blocks_per_split=b, balanced=True)
                 for b in blocks]
+        # first, the planner's own choice per batch (what the heuristic runs): at the timed shape
+        # it is one of the fixed policies, which then alias it, and the entry that keeps it
+        # settles again at the batch sizes the bucket's lookup serves
+        out.insert(0, replace(fixed, ctas_per_sm=kernel.min_ctas_per_sm, waves=1, auto_balance=True))
     return out
 
 
@@ -376,8 +381,15 @@ class SearchSpace:
         return [config_id(c, self.bucket.format) for c in self.candidates]
 
 
+def settled_at(cfg: DecodeConfig, bucket: Bucket) -> DecodeConfig:
+    """``cfg`` with an automatic balance settled at the bucket's timed shape: the kernel build
+    and the work list that timing it runs."""
+    return dc.settle_balance(cfg, [bucket.timed_context] * bucket.timed_batch, bucket.rows, bucket.fp8)
+
+
 def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """The work list's columns at the bucket's timed shape (all requests equally long)."""
+    cfg = settled_at(cfg, bucket)
     columns = work_columns([bucket.timed_context] * bucket.timed_batch, bucket.rows, cfg.block_m,
                            cfg.split, dc.runs_columns(cfg, bucket.fp8))
     return tuple(tuple(column) for column in columns)
@@ -391,14 +403,14 @@ def search_space(bucket: Bucket, num_sms: int = DEFAULT_NUM_SMS) -> SearchSpace:
     default_kernel = replace(default, split=SplitPolicy())
     kernels = [default_kernel] + [k for k in valid if k != default_kernel]
     candidates: list[DecodeConfig] = [default]
-    seen = {(kernel_key(default, fmt), _plan_signature(default, bucket))}
+    seen = {(kernel_key(settled_at(default, bucket), fmt), _plan_signature(default, bucket))}
     aliases = 0
     for kernel in kernels:
         for policy in split_policies(kernel, default.split, bucket.fp8):
             cfg = replace(kernel, split=policy)
             if cfg == default:
                 continue
-            sig = (kernel_key(cfg, fmt), _plan_signature(cfg, bucket))
+            sig = (kernel_key(settled_at(cfg, bucket), fmt), _plan_signature(cfg, bucket))
             if sig in seen:
                 aliases += 1
                 continue

@@ -311,12 +311,14 @@ def test_fp8_decode_meets_verify_gates_on_synthetic_default(spec, heads, mtp):
 
 # Column work lists (balanced split policy): (s_q, h_q, FP8 kernel overrides) of kernels that run
 # a column's items in turn (16 rows with two CTAs or five stages, 32 rows alternate pages, 64 rows
-# dims split and V^T in shared memory), and of kernels that run one item per CTA and must still
-# run such a list (64-row rows = M, the default at 64+ rows, and the mma.sync kernel).
+# dims split, V^T in shared memory and rows = M, 128 rows rows = M), and of kernels that run one
+# item per CTA and must still run such a list (the one-item build of rows = M, the default at
+# 64+ rows under the split plan, and the mma.sync kernel).
 COLUMN_KERNELS = [(1, 16, 3, {}), (1, 16, 3, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
                   (2, 16, 3, {"wg_mode": 3, "stages": 4}), (1, 20, 3, {"wg_mode": 3, "stages": 4}),
                   (2, 32, 3, {"wg_mode": 0, "row_groups": 4, "stages": 2}),
-                  (1, 64, 3, {"wg_mode": 6, "row_groups": 4})]
+                  (1, 64, 3, {"wg_mode": 6, "row_groups": 4}), (1, 64, 3, {"wg_mode": 4, "row_groups": 4}),
+                  (2, 64, 3, {"wg_mode": 4, "row_groups": 4, "stages": 3})]
 ONE_ITEM_KERNELS = [(2, 64, 3, {"wg_mode": 4, "row_groups": 4}), (2, 16, 2, {})]
 COLUMN_LENS = [0, 1, 63, 64, 65, 4097, 9000, 300, 0, 2500]
 COLUMN_SMS = 11  # few columns, so that most cross request boundaries
@@ -345,7 +347,8 @@ def _check_fp8_against_emulation(prob, out, lse, cache, meta, splits, device):
 
 
 @pytest.mark.parametrize("s_q,h_q,version,kernel", COLUMN_KERNELS,
-                         ids=["v3-c2", "v3-alt16-st5", "v3-alt32", "v3-alt20", "v3-dims64", "v3-vt"])
+                         ids=["v3-c2", "v3-alt16-st5", "v3-alt32", "v3-alt20", "v3-dims64", "v3-vt", "v3-rows-m64",
+                              "v3-rows-m128-st3"])
 def test_fp8_balanced_columns_match_emulation_and_repeat_bitwise(s_q, h_q, version, kernel):
     """A CTA runs several requests' pieces in turn (the pipeline starts over for each): the
     result matches the emulation of the same split bounds and repeats bit for bit."""
@@ -384,6 +387,36 @@ def test_fp8_one_item_kernels_run_a_column_work_list(s_q, h_q, version, kernel):
     out, lse = decode_fp8(quantize_rows(prob.q.to(device)), cache, prob.layout.block_table.to(device),
                           seqlens_t, meta, splits, prob.softmax_scale, True, config=cfg, out=out, lse=lse)
     _check_fp8_against_emulation(prob, out, lse, cache, meta, splits, device)
+
+
+def test_fp8_rows_m_column_build_matches_its_one_item_build_bitwise():
+    """Rows = M's column build reads PV's gammas from shared memory and derives the V^T
+    fragments' lane offsets per page (its column loop leaves no registers for them): on the same
+    column work list it must give the one-item build's bits (each place of the list run as its
+    own CTA), with NaN-poisoned outputs and partial pages."""
+    from snapmla_cli.ops.decode import decode_fp8
+    from snapmla_cli.ops.decode_config import runs_columns
+    from snapmla_cli.ops.schedule import build_metadata
+
+    device = torch.device("cuda")
+    s_q, h_q = 2, 64
+    prob = random_problem(COLUMN_LENS, s_q, h_q, causal=True, seed=31)
+    one_item = _config(s_q * h_q, 3, device, wg_mode=4, row_groups=4)
+    columns = _balanced(one_item)
+    assert runs_columns(columns, True) and not runs_columns(one_item, True)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
+    meta, splits = build_metadata(seqlens_t, s_q * h_q, one_item.block_m, columns.split, runs_columns=True)
+    assert meta.shape[1] > 1
+    cache = prob.fp8_cache().to(device)
+    q = quantize_rows(prob.q.to(device))
+    results = []
+    for cfg in (one_item, columns):
+        out = torch.full((len(COLUMN_LENS), s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((len(COLUMN_LENS), h_q, s_q), float("nan"), dtype=torch.float32, device=device)
+        results.append(decode_fp8(q, cache, prob.layout.block_table.to(device), seqlens_t, meta, splits,
+                                  prob.softmax_scale, True, config=cfg, out=out, lse=lse))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    _check_fp8_against_emulation(prob, *results[1], cache, meta, splits, device)
 
 
 def test_bf16_wgmma_balanced_columns_match_float64():
