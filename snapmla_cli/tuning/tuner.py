@@ -385,8 +385,8 @@ class Tuner:
             samples = {cid: v[1:] if len(v) > 1 else v for cid, v in samples.items()}
         medians = {cid: statistics.median(v) for cid, v in samples.items()}
         # the default competes too: where none of the top few beats it on the confirmation
-        # medians by more than TIE_MARGIN, the heuristic's own configuration is the bucket's answer, so a
-        # stored entry is never slower than the default it was measured against
+        # medians by more than TIE_MARGIN, the heuristic's own configuration is the bucket's
+        # answer, so a stored entry is never slower than the default it was measured against
         best = min(contenders, key=lambda m: (medians[m.cid], m.cid != default.cid, m.cid))
         if medians[best.cid] * (1 + TIE_MARGIN) >= medians[default.cid]:
             best = default
