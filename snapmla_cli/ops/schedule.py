@@ -19,7 +19,8 @@ all 132 busy at the cost of a second item per column (its epilogue, Q load and p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -117,14 +118,23 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
     blocks = (np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE
     if int(blocks.sum()) == 0:
         return [[] for _ in seqlens]
-    counts = _best_split_counts(blocks, rows, block_m, policy)[1]
+    counts = np.asarray(_best_split_counts(tuple(blocks.tolist()), rows, block_m, _plan_key(policy))[1])
     return [[round(i * nb / parts) for i in range(parts + 1)] if parts else []
             for nb, parts in zip(blocks.tolist(), counts.tolist())]
 
 
-def _best_split_counts(blocks: np.ndarray, rows: int, block_m: int, policy: SplitPolicy
-                       ) -> tuple[float, np.ndarray]:
+def _plan_key(policy: SplitPolicy) -> SplitPolicy:
+    """``policy`` without the fields the split plan does not read (balanced columns or not)."""
+    return replace(policy, balanced=False, auto_balance=False)
+
+
+# get_mla_metadata asks twice per step, when it settles an automatic balance
+# (prefer_balanced) and when it plans (plan_splits): the model takes about 0.2 ms on the host
+@functools.lru_cache(maxsize=4)
+def _best_split_counts(blocks_per_request: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy
+                       ) -> tuple[float, tuple[int, ...]]:
     """(estimated makespan, splits per request) of the best split plan (see plan_splits)."""
+    blocks = np.asarray(blocks_per_request, dtype=np.int64)
     total = int(blocks.sum())
     m_tiles = rows_per_cta_tiles(rows, block_m)
     slots = policy.num_sms * policy.ctas_per_sm
@@ -141,7 +151,7 @@ def _best_split_counts(blocks: np.ndarray, rows: int, block_m: int, policy: Spli
         if best is None or cost < best[0]:
             best = (cost, counts)
     assert best is not None
-    return best
+    return best[0], tuple(best[1].tolist())
 
 
 def prefer_balanced(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> bool:
@@ -154,8 +164,8 @@ def prefer_balanced(seqlens: list[int], rows: int, block_m: int, policy: SplitPo
     columns = balanced_columns(seqlens, rows, block_m, policy)
     if columns is None:
         return False
-    blocks = (np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE
-    split_cost = _best_split_counts(blocks, rows, block_m, policy)[0]
+    blocks = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens]
+    split_cost = _best_split_counts(tuple(blocks), rows, block_m, _plan_key(policy))[0]
     slots = policy.num_sms * policy.ctas_per_sm
     longest = max(sum(end - begin for _, begin, end in column) * (1 + COLUMN_PAGE_COST)
                   + len(column) * CTA_OVERHEAD_BLOCKS for column in columns)

@@ -387,9 +387,15 @@ def settled_at(cfg: DecodeConfig, bucket: Bucket) -> DecodeConfig:
     return dc.settle_balance(cfg, [bucket.timed_context] * bucket.timed_batch, bucket.rows, bucket.fp8)
 
 
-def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """The work list's columns at the bucket's timed shape (all requests equally long)."""
+def _signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[object, ...]:
+    """What timing ``cfg`` at the bucket's timed shape runs: the kernel build and the work
+    list's columns (all requests equally long), its automatic balance settled once."""
     cfg = settled_at(cfg, bucket)
+    return (kernel_key(cfg, bucket.format), _plan_signature(cfg, bucket))
+
+
+def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """The work list's columns at the bucket's timed shape for a settled ``cfg``."""
     columns = work_columns([bucket.timed_context] * bucket.timed_batch, bucket.rows, cfg.block_m,
                            cfg.split, dc.runs_columns(cfg, bucket.fp8))
     return tuple(tuple(column) for column in columns)
@@ -403,14 +409,14 @@ def search_space(bucket: Bucket, num_sms: int = DEFAULT_NUM_SMS) -> SearchSpace:
     default_kernel = replace(default, split=SplitPolicy())
     kernels = [default_kernel] + [k for k in valid if k != default_kernel]
     candidates: list[DecodeConfig] = [default]
-    seen = {(kernel_key(settled_at(default, bucket), fmt), _plan_signature(default, bucket))}
+    seen = {_signature(default, bucket)}
     aliases = 0
     for kernel in kernels:
         for policy in split_policies(kernel, default.split, bucket.fp8):
             cfg = replace(kernel, split=policy)
             if cfg == default:
                 continue
-            sig = (kernel_key(settled_at(cfg, bucket), fmt), _plan_signature(cfg, bucket))
+            sig = _signature(cfg, bucket)
             if sig in seen:
                 aliases += 1
                 continue
