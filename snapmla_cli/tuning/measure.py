@@ -10,10 +10,12 @@ numerics, time it with CUDA events.
   (SPEC section 6, as ``tests/gpu/test_decode.py``). BF16: ``cos_diff(out, float64) <= 5e-6``.
 - **Timing**: the bucket's timed shape (all requests at the timed context), KV pages in a random
   order; when one input set fits in twice the L2 cache, several copies of the cache are made and
-  the calls rotate through them, so every call reads from HBM. Each candidate: one untimed call
-  (loads the kernel), one timed call (a candidate already 1.5x slower than the best so far stops
-  here), then the median over 3-30 repeats of ``inner`` back-to-back calls (so the host's
-  per-call overhead overlaps the GPU work), about 0.1 s of GPU time per candidate.
+  the calls rotate through them, so every call reads from HBM. Each candidate: one untimed
+  rotation (loads the kernels), the rotation captured in a CUDA graph (as an engine replays its
+  decode step, and as ``snapmla bench`` and ``scripts/bench_decode.py`` time it: eager
+  back-to-back calls ranked split plans within a few percent differently, docs/PERF.md), one
+  timed replay (a candidate already 1.5x slower than the best so far stops here), then the
+  median over 3-30 repeats of ``inner`` replays, about 0.1 s of GPU time per candidate.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..bench.timing import time_cuda
+from ..bench.timing import capture_graph, time_cuda
 from ..errors import SnapmlaError
 from ..numerics.metrics import compare
 from ..ops.decode_config import DecodeConfig
@@ -284,24 +286,24 @@ class GpuMeasurer:
         meta, splits = get_mla_metadata(inp.seqlens, bucket.rows, 1, fp8=bucket.fp8, config=cfg)
         decode = decode_fp8 if bucket.fp8 else decode_bf16
         tables = inp.tables
-        state = [0]
 
-        def one() -> None:
-            i = state[0]
-            state[0] = (i + 1) % len(tables)
-            decode(inp.q, inp.cache, tables[i], inp.seqlens, meta, splits, None, bucket.causal,
-                   config=cfg, out=inp.out, lse=inp.lse)
+        def rotation() -> None:  # one call per cache copy, as an engine's step replays them
+            for table in tables:
+                decode(inp.q, inp.cache, table, inp.seqlens, meta, splits, None, bucket.causal,
+                       config=cfg, out=inp.out, lse=inp.lse)
 
-        one()  # loads the kernel
+        rotation()  # loads the kernels outside the capture
         torch.cuda.synchronize(self.device)
-        t1 = time_cuda(one, reps=1, warmup=0)
+        graph = capture_graph(rotation)  # its memory pool is freed with it, on return
+        calls = len(tables)
+        t1 = time_cuda(graph.replay, reps=1, warmup=1) / calls
         if cutoff is not None and t1 > cutoff:
-            return t1  # clearly slower than the best so far: one call tells enough
-        inner = int(min(64, max(2, math.ceil(3e-3 / max(t1, 1e-7)))))
-        reps = int(min(30, max(3, round(self.target_s / (inner * t1)))))
+            return t1  # clearly slower than the best so far: one replay tells enough
+        inner = int(min(64, max(1, math.ceil(3e-3 / max(t1 * calls, 1e-7)))))
+        reps = int(min(30, max(3, round(self.target_s / (inner * t1 * calls)))))
 
         def many() -> None:
             for _ in range(inner):
-                one()
+                graph.replay()
 
-        return time_cuda(many, reps=reps, warmup=1) / inner
+        return time_cuda(many, reps=reps, warmup=1) / (inner * calls)
