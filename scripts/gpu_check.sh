@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|ship16-hN|bench|prep|decode|steady ...]
-# With no argument everything but `ship` / `ship16*` / `steady` runs (`ship`: re-tune the shipped database's
-# FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 3
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|ship16-hN|ab|bench|prep|decode|steady ...]
+# With no argument everything but `ship` / `ship16*` / `ab` / `steady` runs (`ship`: re-tune the shipped database's
+# FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship16-hN`:
 # the BF16 entries of h_q N only, replacing the stored ones (--force: after a BF16 kernel change),
-# since on a cold machine 12 BF16 buckets took 7 minutes and all 32 do not fit one device call; `ship16`:
+# 33-36 s each on a warm machine; `ship16`:
 # add the BF16 entries of the same buckets; the new file lands in $OUT).
+# `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py).
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -30,8 +31,10 @@ for step in $steps; do
     ship16) snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 4s \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship16.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     ship16-h*) heads="${step#ship16-h}"
-            snap tune --heads "$heads" --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 4s --force \
+            snap tune --heads "$heads" --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 8s --force \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_$step.log" | tail -12; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
+    ab)     for fmt in fp8 bf16; do python3 scripts/ab_tuning.py --format "$fmt" --rounds 3; done 2>&1 \
+              | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
     prep)   python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -14 ;;
     decode) python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" | tail -34 ;;

@@ -714,6 +714,55 @@ def test_tune_errors_are_one_line(isolated_db):
         assert len(lines) == 1 and lines[0].startswith("error: ") and "GPU" in lines[0]
 
 
+class _FakeGraph:
+    def replay(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cutoff, expect_s", [(None, 1e-3), (1e-3, 2e-3)])
+def test_gpu_measurer_times_graph_replays_at_boost_clocks(monkeypatch, cutoff, expect_s):
+    """The tuner times one rotation of calls (one per cache copy) captured as a CUDA graph, per
+    call; a candidate slower than the cut-off stops after one replay; the others are timed after
+    an idle pause within a short window (TUNE_CLOCKS), so the H200 stays at its boost clock
+    instead of drifting into the power cap (docs/PERF.md, fifteenth session)."""
+    import snapmla_cli.ops.decode as decode_ops
+    from snapmla_cli.tuning import measure
+
+    decoded: list[str] = []
+    monkeypatch.setattr(decode_ops, "get_mla_metadata", lambda *a, **k: ("meta", "splits"))
+    monkeypatch.setattr(decode_ops, "decode_fp8", lambda q, cache, table, *a, **k: decoded.append(table))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    captured: list[int] = []
+
+    def capture(step):
+        before = len(decoded)
+        step()
+        captured.append(len(decoded) - before)
+        return _FakeGraph()
+
+    timings: list[tuple[int, object]] = []
+
+    def time_cuda(fn, reps=20, warmup=3, rounds=5, clocks=None):
+        timings.append((reps, clocks))
+        return 6e-3 if clocks is None else 3e-3  # seconds per replay of the 3-call rotation
+
+    monkeypatch.setattr(measure, "capture_graph", capture)
+    monkeypatch.setattr(measure, "time_cuda", time_cuda)
+    measurer = object.__new__(measure.GpuMeasurer)  # no GPU: only the timing logic runs
+    measurer.device, measurer.clocks = torch.device("cpu"), measure.TUNE_CLOCKS
+    bucket = Bucket(16, 1, (64, 64), (2048, 2048), "fp8")
+    measurer._inputs = measure._TimingInputs(bucket, None, None, ["t0", "t1", "t2"], None, None, None)
+
+    assert measurer._time(bucket, heuristic_config(16, True), cutoff) == pytest.approx(expect_s)
+    assert decoded[:3] == ["t0", "t1", "t2"] and captured == [3]  # loaded, then one rotation captured
+    assert timings[0] == (1, None)  # the cut-off's single replay
+    if cutoff is None:
+        assert timings[1][1] is measure.TUNE_CLOCKS and len(timings) == 2
+        assert measure.TUNE_CLOCKS.cooldown_s >= 0.05 and measure.TUNE_CLOCKS.measure_s <= 0.025
+    else:
+        assert len(timings) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: a tiny real run
 

@@ -60,8 +60,8 @@ def warm_up(fn: Callable[[], object], calls: int, seconds: float) -> float | Non
 
 def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
               clocks: Clocks | None = None) -> float:
-    """Median seconds per call; ``clocks`` None: ``warmup`` calls only (the tuner, whose
-    candidates run back to back and are confirmed interleaved)."""
+    """Median seconds per call; ``clocks`` None: ``warmup`` calls only, no idle (the tuner's
+    single cut-off replay; its real timings pass ``tuning.measure.TUNE_CLOCKS``)."""
     if clocks is not None and clocks.cooldown_s > 0:
         torch.cuda.synchronize()
         time.sleep(clocks.cooldown_s)

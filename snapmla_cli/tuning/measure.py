@@ -12,10 +12,14 @@ numerics, time it with CUDA events.
   order; when one input set fits in twice the L2 cache, several copies of the cache are made and
   the calls rotate through them, so every call reads from HBM. Each candidate: one untimed
   rotation (loads the kernels), the rotation captured in a CUDA graph (as an engine replays its
-  decode step, and as ``snapmla bench`` and ``scripts/bench_decode.py`` time it: eager
-  back-to-back calls ranked split plans within a few percent differently, docs/PERF.md), one
-  timed replay (a candidate already 1.5x slower than the best so far stops here), then the
-  median over 3-30 repeats of ``inner`` replays, about 0.1 s of GPU time per candidate.
+  decode step, and as ``snapmla bench`` and ``scripts/bench_decode.py`` time it), one timed
+  replay (a candidate already 1.5x slower than the best so far stops here), then
+  :data:`TUNE_CLOCKS`: 0.1 s idle, 5 ms of warm-up, the median of 5 rounds within 20 ms.
+  Why the idle and the short window (docs/PERF.md, fifteenth session): after 25-50 ms of
+  continuous work the H200's power cap lowers the SM clock by 5-15%, and a tuner that times
+  its candidates back to back (0.1 s each, as before) ranks close plans in a drifting,
+  history-dependent state: its BF16 picks lost 1-2.4% to the heuristic at boost clocks, and
+  the same pairs timed power-capped in alternation scattered from 0.81x to 1.04x.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..bench.timing import capture_graph, time_cuda
+from ..bench.timing import Clocks, capture_graph, time_cuda
 from ..errors import SnapmlaError
 from ..numerics.metrics import compare
 from ..ops.decode_config import DecodeConfig
@@ -41,7 +45,9 @@ LSE_GATE = 1e-2
 BF16_COS_GATE = 5e-6
 L2_FACTOR = 2  # timed bytes per rotation >= this x the L2 size
 MAX_COPIES = 256
-TARGET_S = 0.1  # timed GPU seconds per candidate
+# idle before each candidate's timing, then at most 20 ms of work: the clock stays at boost
+TUNE_CLOCKS = Clocks("tune", cooldown_s=0.1, warmup_s=0.005, measure_s=0.02)
+MAX_REPLAYS = 1000  # replays per timing at most (the 20 ms window binds first)
 FP8_TOKEN_BYTES = 656
 BF16_TOKEN_BYTES = 576 * 2
 PAGE = 64
@@ -80,7 +86,7 @@ def _first_line(exc: BaseException) -> str:
 class GpuMeasurer:
     """Implements :class:`snapmla_cli.tuning.tuner.Measurer` on the current CUDA device."""
 
-    def __init__(self, device: torch.device | None = None, *, target_s: float = TARGET_S,
+    def __init__(self, device: torch.device | None = None, *, clocks: Clocks = TUNE_CLOCKS,
                  compile_workers: int | None = None, seed: int = 0) -> None:
         from ..runtime.launch import device_arch, require_gpu
 
@@ -93,7 +99,7 @@ class GpuMeasurer:
         self.sm_count = int(props.multi_processor_count)
         self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
         self.arch = device_arch((props.major, props.minor))
-        self.target_s = target_s
+        self.clocks = clocks
         self.compile_workers = compile_workers
         self.seed = seed
         self.compile_errors: dict[Job, str | None] = {}
@@ -296,14 +302,7 @@ class GpuMeasurer:
         torch.cuda.synchronize(self.device)
         graph = capture_graph(rotation)  # its memory pool is freed with it, on return
         calls = len(tables)
-        t1 = time_cuda(graph.replay, reps=1, warmup=1) / calls
+        t1 = time_cuda(graph.replay, reps=1, warmup=1, rounds=1) / calls
         if cutoff is not None and t1 > cutoff:
             return t1  # clearly slower than the best so far: one replay tells enough
-        inner = int(min(64, max(1, math.ceil(3e-3 / max(t1 * calls, 1e-7)))))
-        reps = int(min(30, max(3, round(self.target_s / (inner * t1 * calls)))))
-
-        def many() -> None:
-            for _ in range(inner):
-                graph.replay()
-
-        return time_cuda(many, reps=reps, warmup=1) / (inner * calls)
+        return time_cuda(graph.replay, reps=MAX_REPLAYS, warmup=1, clocks=self.clocks) / calls

@@ -40,7 +40,8 @@ EARLY_OUT = 1.5  # a candidate this many times slower than the best so far gets 
 # and 1.6% ahead of the default were 3.8% and 4-7% behind it in CUDA-graph replays (the
 # benchmark's timing, docs/PERF.md, fourteenth session), so smaller wins are not trusted. The
 # default's split policy also settles per batch size, where a fixed winner at the timed batch
-# would carry its plan to every batch size the entry serves.
+# would carry its plan to every batch size the entry serves. (The tuner now times graph replays
+# at the boost clock, measure.TUNE_CLOCKS; calls over ~5 ms still cannot stay in that window.)
 TIE_MARGIN = 0.02
 
 
