@@ -1,32 +1,37 @@
 """This GPU's tuning-database entries against the built-in heuristic, on the same data in one call
 (issue 5's check that tuned beats or equals the heuristic): for each shape, the FP8 (or BF16)
 decode with the configuration the database gives and with the heuristic's, timed as CUDA-graph
-replays in alternation over ``--rounds`` rounds, at burst clocks (the benchmark's state) and,
-with ``--steady``, power-capped (the tuner's state). The database is the one the runtime reads
+replays in alternation over ``--rounds`` rounds, at burst clocks (the benchmark's and the
+tuner's state) and, with ``--steady``, power-capped (what an engine that decodes without pause
+gets, but too dependent on the work just before to rank plans a few percent apart: docs/PERF.md,
+fifteenth session). The database is the one the runtime reads
 (``SNAPMLA_TUNING_DIR`` to point elsewhere). Prints one line per shape and the geometric mean."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import torch
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import BURST, STEADY, Clocks, time_graph
 from snapmla_cli.ops.config_choice import choose_config
-from snapmla_cli.ops.decode_config import heuristic_config
+from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
 from snapmla_cli.tuning.space import config_id
 
 
-def time_pair(case: DecodeCase, tuned, heuristic, fp8: bool, clocks: Clocks, rounds: int) -> tuple[float, float]:
-    """Median seconds of the tuned and the heuristic configuration, timed in alternation."""
+def time_pair(case: DecodeCase, tuned: DecodeConfig, heuristic: DecodeConfig, fp8: bool, clocks: Clocks,
+              rounds: int) -> tuple[float, float]:
+    """Median seconds (the higher middle one for an even count) of the tuned and the heuristic
+    configuration, timed in alternation."""
     calls = [case.fp8(c) if fp8 else case.bf16(c) for c in (tuned, heuristic)]
     times: list[list[float]] = [[], []]
     for _ in range(rounds):
         for i, call in enumerate(calls):
             times[i].append(time_graph(call, clocks=clocks))
-    return tuple(sorted(t)[len(t) // 2] for t in times)  # type: ignore[return-value]
+    return statistics.median_high(times[0]), statistics.median_high(times[1])
 
 
 def main() -> None:
