@@ -20,6 +20,7 @@ all 132 busy at the cost of a second item per column (its epilogue, Q load and p
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -103,6 +104,11 @@ def _partials_cost(pieces: np.ndarray, rows: int, slots: int) -> float:
     return int(pieces[pieces > 1].sum()) * rows * PARTIAL_BLOCKS_PER_ROW / slots
 
 
+def _blocks_per_request(seqlens: list[int]) -> tuple[int, ...]:
+    """KV blocks (pages) per request: the planners' input, hashable for their caches."""
+    return tuple((n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens)
+
+
 def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> list[list[int]]:
     """Block boundaries per request, e.g. ``[[0, 12, 24], [0, 3], []]`` (empty: no keys).
 
@@ -115,16 +121,17 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
     on 132 SMs get one split each at one wave (80 SMs busy, the others idle) but three at two
     waves (measured 1.2-1.35x sooner on the H200, docs/PERF.md).
     """
-    blocks = (np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE
-    if int(blocks.sum()) == 0:
+    blocks = _blocks_per_request(seqlens)
+    if sum(blocks) == 0:
         return [[] for _ in seqlens]
-    counts = np.asarray(_best_split_counts(tuple(blocks.tolist()), rows, block_m, _plan_key(policy))[1])
+    counts = _best_split_counts(blocks, rows, block_m, _plan_key(policy))[1]
     return [[round(i * nb / parts) for i in range(parts + 1)] if parts else []
-            for nb, parts in zip(blocks.tolist(), counts.tolist())]
+            for nb, parts in zip(blocks, counts)]
 
 
 def _plan_key(policy: SplitPolicy) -> SplitPolicy:
-    """``policy`` without the fields the split plan does not read (balanced columns or not)."""
+    """``policy`` without the fields the planners do not read (balanced columns or not): the
+    key of their caches."""
     return replace(policy, balanced=False, auto_balance=False)
 
 
@@ -164,8 +171,7 @@ def prefer_balanced(seqlens: list[int], rows: int, block_m: int, policy: SplitPo
     columns = balanced_columns(seqlens, rows, block_m, policy)
     if columns is None:
         return False
-    blocks = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens]
-    split_cost = _best_split_counts(tuple(blocks), rows, block_m, _plan_key(policy))[0]
+    split_cost = _best_split_counts(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))[0]
     slots = policy.num_sms * policy.ctas_per_sm
     longest = max(sum(end - begin for _, begin, end in column) * (1 + COLUMN_PAGE_COST)
                   + len(column) * CTA_OVERHEAD_BLOCKS for column in columns)
@@ -187,14 +193,23 @@ def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
     return seqlens
 
 
-def balanced_columns(seqlens: list[int], rows: int, block_m: int,
-                     policy: SplitPolicy) -> list[list[tuple[int, int, int]]] | None:
+Columns = Sequence[Sequence[tuple[int, int, int]]]  # per CTA column its (request, first, end block)
+
+
+def balanced_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> Columns | None:
     """Per CTA column its pieces ``(request, first block, end block)`` in block order, every
     column an equal share (within one block) of the flattened block list: one wave of
     ``num_sms * ctas_per_sm / row tiles`` columns, fewer when the blocks are too few for
     ``min_blocks_per_split`` each. None when a request would be cut into more than
     ``max_splits_per_request`` pieces (the split plan caps it) or there are no blocks."""
-    blocks = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens]
+    return _balanced_columns(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))
+
+
+# get_mla_metadata asks twice per step when it settles an automatic balance (prefer_balanced)
+# and then builds balanced columns: 60-150 us on the host at b 64 each (tuples: shared, immutable)
+@functools.lru_cache(maxsize=4)
+def _balanced_columns(blocks: tuple[int, ...], rows: int, block_m: int,
+                      policy: SplitPolicy) -> tuple[tuple[tuple[int, int, int], ...], ...] | None:
     total = sum(blocks)
     if total == 0:
         return None
@@ -217,7 +232,7 @@ def balanced_columns(seqlens: list[int], rows: int, block_m: int,
         plan.append(mine)
     if max(pieces_per_request) > policy.max_splits_per_request:
         return None
-    return plan
+    return tuple(tuple(column) for column in plan)
 
 
 def _split_plan_columns(seqlens: list[int], rows: int, block_m: int,
@@ -231,7 +246,7 @@ def _split_plan_columns(seqlens: list[int], rows: int, block_m: int,
 
 
 def work_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy,
-                 runs_columns: bool) -> list[list[tuple[int, int, int]]]:
+                 runs_columns: bool) -> Columns:
     """The plan as CTA columns of ``(request, first block, end block)`` pieces: balanced
     columns where the policy asks for them and the kernel runs columns, else one split per
     column."""
