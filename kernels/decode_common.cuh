@@ -77,4 +77,124 @@ __device__ __forceinline__ void store_out2(__nv_bfloat16* out, float* partial_ou
     }
 }
 
+
+// ---- Merging a split request's partials (combine.cu, and the wgmma kernels' folded merge) ----
+// Both merge in the same float32 operations, so that a merge folded into the decode kernel gives
+// the separate combine's bits: the lse over the splits in split order, then per output value the
+// splits' partials weighted by exp(lse_s - lse), one fma per split in split order, a split whose
+// lse is -inf (it saw no key of the row) skipped.
+
+// lse of one row over its `count` splits, `split_lse(s)` the lse of split s: m + log(sum of
+// exp(lse_s - m)) with m the largest; +inf when no split saw a key.
+template <class SplitLse>
+__device__ __forceinline__ float merged_lse(int count, SplitLse split_lse) {
+    float m = -INFINITY;
+    for (int s = 0; s < count; ++s) m = fmaxf(m, split_lse(s));
+    if (m == -INFINITY) return INFINITY;
+    float total = 0.f;
+    for (int s = 0; s < count; ++s) total += expf(split_lse(s) - m);
+    return m + logf(total);
+}
+
+// The weight of a split's partial in the merged row; negative (skip it) when the split saw no key.
+__device__ __forceinline__ float split_weight(float split_lse, float lse_total) {
+    return split_lse == -INFINITY ? -1.f : expf(split_lse - lse_total);
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float w, const float4& x) {
+    acc.x = fmaf(w, x.x, acc.x);
+    acc.y = fmaf(w, x.y, acc.y);
+    acc.z = fmaf(w, x.z, acc.z);
+    acc.w = fmaf(w, x.w, acc.w);
+}
+
+// The folded merge's shared-memory weights: a row tile's splits, so at most this many splits
+// per request (the host folds only plans within it).
+constexpr int kMaxFoldedSplits = 64;
+constexpr int kFoldPassRows = 16;  // rows merged at once: 16 threads per row for 256 threads
+constexpr int kFoldSplitsAtOnce = 2;  // splits whose loads are in flight together
+
+// The split merge folded into the decode kernel: the CTA that stores the last split of a request
+// (per row tile; arrivals counted in `arrivals[request * row tiles + row tile]`) merges them and
+// resets the counter, instead of a combine kernel after the grid: that kernel's launch and its
+// wait for the whole grid cost 5-10 us a call (docs/PERF.md). `arrivals` is nullptr when the
+// combine merges (metadata without a fold, the mma.sync kernels).
+struct SplitFold {
+    const int* num_splits;  // [b + 1] cumulative split counts (get_mla_metadata)
+    int* arrivals;          // [b x row tiles], zero between launches
+};
+
+// Called by all kThreadsN consumer threads (thread `tid`, barrier `barrier`) after they stored
+// split `partial`'s rows [row0, row0 + kTileRows) of request `req`. `scratch`: shared memory
+// for kTileRows x kMaxFoldedSplits floats and a flag, unused until the caller's next barrier.
+template <int kThreadsN, int kTileRows>
+__device__ __forceinline__ void fold_split(const SplitFold& fold, int req, int row0, int rows, const float* partial_out,
+                                           const float* partial_lse, __nv_bfloat16* out, float* lse,
+                                           DecodeShape shape, int tid, int barrier, float* scratch) {
+    constexpr int kThreadsPerRow = kThreadsN / kFoldPassRows;
+    static_assert(kThreadsN % kFoldPassRows == 0 && (kDimV / 4) % kThreadsPerRow == 0, "a pass's rows split evenly");
+    constexpr int kVecs = kDimV / 4 / kThreadsPerRow;  // float4 per thread and row
+    int* last_s = reinterpret_cast<int*>(scratch + kTileRows * kMaxFoldedSplits);
+    const int begin = __ldg(fold.num_splits + req), count = __ldg(fold.num_splits + req + 1) - begin;
+    __threadfence();  // this thread's partial stores, GPU-wide, before the arrival below
+    named_barrier_sync(barrier, kThreadsN);
+    if (tid == 0) {
+        int* arrived = fold.arrivals + static_cast<long>(req) * gridDim.x + blockIdx.x;
+        const bool last = atomicAdd(arrived, 1) == count - 1;
+        if (last) *arrived = 0;  // every split is in: zero for the next launch
+        *last_s = last;
+    }
+    named_barrier_sync(barrier, kThreadsN);
+    const bool merges = *last_s;
+    named_barrier_sync(barrier, kThreadsN);  // every thread read the flag before `scratch` is reused
+    if (!merges) return;
+    __threadfence();  // the other splits' partials: read after their arrivals
+    // the rows' lse and split weights: one thread per row (L2 reads: __ldcg, never a stale L1 line)
+    if (tid < kTileRows && row0 + tid < rows) {
+        const int row = row0 + tid;
+        float* w = scratch + tid * kMaxFoldedSplits;
+        for (int s = 0; s < count; ++s) w[s] = __ldcg(partial_lse + static_cast<long>(begin + s) * rows + row);
+        const float lse_total = merged_lse(count, [&](int s) { return w[s]; });
+        for (int s = 0; s < count; ++s) w[s] = split_weight(w[s], lse_total);
+        lse[lse_index(req, row, shape)] = lse_total;
+    }
+    named_barrier_sync(barrier, kThreadsN);
+    const int q = tid % kThreadsPerRow;  // float4 columns q + kThreadsPerRow v of its row
+#pragma unroll 1
+    for (int r = tid / kThreadsPerRow; r < kTileRows; r += kFoldPassRows) {
+        const int row = row0 + r;
+        if (row >= rows) break;
+        const float* w = scratch + r * kMaxFoldedSplits;
+        float4 acc[kVecs];
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+        for (int s0 = 0; s0 < count; s0 += kFoldSplitsAtOnce) {
+            float4 x[kFoldSplitsAtOnce][kVecs];
+#pragma unroll
+            for (int k = 0; k < kFoldSplitsAtOnce; ++k) {
+                const int s = min(s0 + k, count - 1);  // (a repeated load past the last split)
+                const float4* src = reinterpret_cast<const float4*>(
+                    partial_out + (static_cast<long>(begin + s) * rows + row) * kDimV);
+#pragma unroll
+                for (int v = 0; v < kVecs; ++v) x[k][v] = __ldcg(src + q + kThreadsPerRow * v);
+            }
+#pragma unroll
+            for (int k = 0; k < kFoldSplitsAtOnce; ++k) {
+                const float wk = s0 + k < count ? w[s0 + k] : -1.f;
+                if (wk < 0.f) continue;
+#pragma unroll
+                for (int v = 0; v < kVecs; ++v) fma4(acc[v], wk, x[k][v]);
+            }
+        }
+        const long base = (static_cast<long>(req) * rows + row) * kDimV;
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+            const long at = base + 4 * (q + kThreadsPerRow * v);
+            store_out4(out, nullptr, at, false, acc[v].x, acc[v].y, acc[v].z, acc[v].w);
+        }
+    }
+    named_barrier_sync(barrier, kThreadsN);  // the weights are read before the caller reuses `scratch`
+}
+
 }  // namespace snapmla

@@ -281,6 +281,7 @@ static_assert(kQTileBytes % kSwizzleAtom128 == 0 && kStageBytes % kSwizzleAtom12
 static_assert(kOffP % kSwizzleAtom64 == 0 && kPBytes % kSwizzleAtom64 == 0, "P^T swizzle atoms");
 static_assert(kRowsPerWg % 8 == 0, "wgmma N is a multiple of 8");
 static_assert(kQkRows <= kWgThreads, "one thread per row keeps the row's running state");
+static_assert((kRows * kMaxFoldedSplits + 1) * 4 <= kQBytes, "the folded merge's weights fit in Q's tiles");
 #ifdef SNAPMLA_EXPECT_SMEM  // the host's launch size (ops/decode_config.py wgmma_smem_bytes)
 static_assert(kSmemBytes + kSmemAlign == SNAPMLA_EXPECT_SMEM, "host shared-memory formula is out of date");
 #endif
@@ -301,6 +302,7 @@ struct Params {
     int block_table_stride;
     float softmax_scale_log2;
     DecodeShape shape;
+    SplitFold fold;  // arrivals nullptr: the combine kernel merges the splits
 };
 
 constexpr int kTensorMapBytes = 128;
@@ -1452,6 +1454,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             else p.lse[lse_index(req, row, p.shape)] = value;
         }
     }
+    // the last split of the request to get here merges them all (Q's tiles are free now)
+    if (to_partial && num_blocks > 0 && p.fold.arrivals != nullptr)
+        fold_split<kConsumerThreads, kRows>(p.fold, req, row0, rows, p.partial_out, p.partial_lse, p.out, p.lse,
+                                            p.shape, tid, kBarConsumers, reinterpret_cast<float*>(smem + kOffQ));
 #if CTA_TIMES
     if (timed) cta_times[1] = globaltimer_ns();
 #endif
@@ -1498,7 +1504,8 @@ snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
                          const int* block_table, const int* cache_seqlens,
                          const snapmla::WorkItem* work_list, int items_per_column, __nv_bfloat16* out, float* lse,
                          float* partial_out, float* partial_lse, int block_table_stride,
-                         float softmax_scale_log2, int h_q, int s_q, int causal) {
+                         float softmax_scale_log2, int h_q, int s_q, int causal, const int* num_splits,
+                         int* arrivals) {
     extern __shared__ unsigned char smem_raw[];
     snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
     // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom (roles::
@@ -1509,6 +1516,7 @@ snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
                                       snapmla::fp8wg::kSmemAlign);
     const snapmla::fp8wg::Params p{q_content, q_scale, q_rope, tmaps, block_table, cache_seqlens,
                                    work_list, items_per_column, out, lse, partial_out, partial_lse, block_table_stride,
-                                   softmax_scale_log2, snapmla::DecodeShape{h_q, s_q, causal}};
+                                   softmax_scale_log2, snapmla::DecodeShape{h_q, s_q, causal},
+                                   snapmla::SplitFold{num_splits, arrivals}};
     snapmla::fp8wg::run(p, smem, smem_raw);
 }

@@ -5,12 +5,13 @@ context, else the built-in heuristic; and the configuration a work list was buil
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..tuning import lookup
 from .decode_config import DecodeConfig, heuristic_config, settle_blind
+from .split_fold import SplitFold
 
 
 def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None,
@@ -41,6 +42,7 @@ class MetadataPlan:
     context: float | None
     config: DecodeConfig  # its balance settled for the batch (decode_config.settle_balance)
     requested: DecodeConfig | None = None  # what the caller passed or the choice gave, unsettled
+    fold: SplitFold | None = field(default=None, compare=False)  # the split merge's counters and facts
 
 
 # Work list tensor -> its MetadataPlan, so that the decode call runs the configuration the

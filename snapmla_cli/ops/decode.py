@@ -45,7 +45,8 @@ from .decode_config import (
     runs_columns,
     settle_balance,
 )
-from .schedule import WORK_FIELDS, build_metadata, host_seqlens
+from .schedule import WORK_FIELDS, build_work_list, host_seqlens
+from .split_fold import Combine, SplitFold, combine_after, kernel_arrivals, plan_fold
 
 __all__ = ["COMBINE_WARPS", "MetadataPlan", "choose_config", "decode_bf16", "decode_fp8",
            "flash_mla_with_kvcache", "get_mla_metadata", "mean_context", "metadata_plan"]
@@ -88,10 +89,11 @@ def get_mla_metadata(
     requested = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, len(seqlens),
                                         context)
     cfg = settle_balance(requested, seqlens, num_heads_per_head_k, fp8)
-    metadata, num_splits = build_metadata(cache_seqlens, num_heads_per_head_k, cfg.block_m,
-                                          cfg.split, seqlens, runs_columns(cfg, fp8))
-    record_plan(metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested))
-    return metadata, num_splits
+    work = build_work_list(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split, seqlens,
+                           runs_columns(cfg, fp8))
+    fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cache_seqlens.device)
+    record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold))
+    return work.metadata, work.num_splits
 
 
 def _require_cuda(t: torch.Tensor, name: str, device: torch.device | None) -> None:
@@ -156,14 +158,25 @@ def _buffers(b: int, s_q: int, h_q: int, num_work: int, device: torch.device,
     return out, lse, partial_out, partial_lse
 
 
-def _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q: int, s_q: int) -> None:
+def _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q: int, s_q: int,
+                    part: Combine = Combine.ALL) -> None:
+    if part is Combine.NONE:
+        return
     b = out.shape[0]
     rows = h_q * s_q
     kernel = rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_WARPS": COMBINE_WARPS})
     # programmatic: launched while the decode grid drains, it waits for it in the kernel
     rt.launch(kernel, (b, math.ceil(rows / COMBINE_WARPS), 1), (32 * COMBINE_WARPS, 1, 1),
-              (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q)),
+              (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q),
+               np.int32(int(part is Combine.EMPTY_ONLY))),
               programmatic=True)
+
+
+def _split_fold(tile_scheduler_metadata: torch.Tensor, rows: int) -> SplitFold | None:
+    """The fold ``get_mla_metadata`` planned for this very work list and these rows, else None
+    (a copy of the list, or one built for other rows: the combine merges)."""
+    plan = metadata_plan(tile_scheduler_metadata)
+    return plan.fold if plan is not None and plan.rows == rows else None
 
 
 def _split_kv_decode(
@@ -192,6 +205,8 @@ def _split_kv_decode(
     columns, items_per_column = tile_scheduler_metadata.shape[:2]
     num_work = columns * items_per_column  # places, the empty ones included
     out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
+    fold = _split_fold(tile_scheduler_metadata, rows)
+    arrivals = kernel_arrivals(fold, cfg.wgmma)  # the wgmma kernels merge split requests themselves
     rt = _runtime()
     if num_work > 0:
         if fp8:
@@ -206,9 +221,10 @@ def _split_kv_decode(
                   (*operands, block_table, cache_seqlens, tile_scheduler_metadata,
                    np.int32(items_per_column), out, lse, partial_out, partial_lse,
                    np.int32(block_table.stride(0)),
-                   np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal))),
+                   np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal)),
+                   *((num_splits, arrivals) if cfg.wgmma else ())),
                   shared_mem=smem)
-    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q)
+    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q, combine_after(fold, arrivals))
     return out, lse
 
 

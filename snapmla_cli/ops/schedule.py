@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -257,10 +258,29 @@ def work_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolic
     return _split_plan_columns(seqlens, rows, block_m, policy)
 
 
+class WorkList(NamedTuple):
+    """What :func:`build_work_list` returns: the two tensors of ``get_mla_metadata`` and, on the
+    host, each request's number of splits (what the split merge needs to know without a read
+    from the device)."""
+
+    metadata: torch.Tensor
+    num_splits: torch.Tensor
+    splits_per_request: tuple[int, ...]
+
+
 def build_metadata(
     cache_seqlens: torch.Tensor, rows: int, block_m: int, policy: SplitPolicy,
     seqlens: list[int] | None = None, runs_columns: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`build_work_list`'s two tensors."""
+    work = build_work_list(cache_seqlens, rows, block_m, policy, seqlens, runs_columns)
+    return work.metadata, work.num_splits
+
+
+def build_work_list(
+    cache_seqlens: torch.Tensor, rows: int, block_m: int, policy: SplitPolicy,
+    seqlens: list[int] | None = None, runs_columns: bool = False,
+) -> WorkList:
     """Work list int32 ``[columns, items_per_column, 4]`` (see the module's docstring) and
     cumulative ``num_splits`` int32 ``[b + 1]``, both on the device of ``cache_seqlens``. Partial
     slot of split ``s`` of request ``i`` (splits in block order) is ``num_splits[i] + s``; a request
@@ -289,7 +309,8 @@ def build_metadata(
             + [empty] * (width - len(column)) for column in columns]
     device = cache_seqlens.device
     work_t = torch.tensor(work, dtype=torch.int32).reshape(len(columns), width, WORK_FIELDS)
-    return work_t.to(device), torch.tensor(cumulative, dtype=torch.int32).to(device)
+    return WorkList(work_t.to(device), torch.tensor(cumulative, dtype=torch.int32).to(device),
+                    tuple(len(mine) for mine in begins))
 
 
 def split_token_bounds(num_splits: torch.Tensor, metadata: torch.Tensor, seqlens: list[int]) -> list[list[int]]:

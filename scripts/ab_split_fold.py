@@ -1,0 +1,58 @@
+"""A/B of the split merge folded into the decode kernel (ops/split_fold.py) against the combine
+kernel, on the GPU: the same configuration (the one ``get_mla_metadata`` settled) on the same
+work list, once as returned (its plan carries the counters: the kernel merges) and once as a
+copy (no plan: the combine merges). CUDA-graph replays at burst clocks, in alternation, median of
+``--rounds``; b 64 as the decode sweep.
+
+Usage: PYTHONPATH=. python3 scripts/ab_split_fold.py [--ctx 16384,32768] [--shapes 16:1,32:1]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from snapmla_cli.bench.decode_case import DecodeCase
+from snapmla_cli.bench.timing import BURST, time_graph
+from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata, metadata_plan
+
+SHAPES = "16:1,16:2,32:1,32:2,64:1,128:1,128:2"
+
+
+def step(case: DecodeCase, fp8: bool, meta: torch.Tensor, splits: torch.Tensor, cfg):
+    """One decode call of ``case`` on work list ``meta`` with configuration ``cfg``."""
+    if fp8:
+        return lambda: decode_fp8(case.q8, case.cache8, case.table, case.lens, meta, splits, None, True, config=cfg)
+    return lambda: decode_bf16(case.q, case.cache16, case.table, case.lens, meta, splits, None, True, config=cfg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", default="16384,32768")
+    ap.add_argument("--shapes", default=SHAPES, help="h_q:s_q pairs")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    for shape in args.shapes.split(","):
+        h_q, s_q = (int(x) for x in shape.split(":"))
+        for ctx in (int(c) for c in args.ctx.split(",")):
+            case = DecodeCase.build([ctx] * args.batch, s_q, h_q, device)
+            for fp8 in (True, False):
+                meta, splits = get_mla_metadata(case.lens, case.rows, 1, fp8=fp8)
+                plan = metadata_plan(meta)
+                assert plan is not None
+                fold_us, combine_us = [], []
+                for _ in range(args.rounds):
+                    fold_us.append(time_graph(step(case, fp8, meta, splits, plan.config), clocks=BURST) * 1e6)
+                    combine_us.append(time_graph(step(case, fp8, meta.clone(), splits, plan.config), clocks=BURST) * 1e6)
+                fold, combine = sorted(fold_us)[len(fold_us) // 2], sorted(combine_us)[len(combine_us) // 2]
+                most = int((splits[1:] - splits[:-1]).max())
+                print(f"{'fp8' if fp8 else 'bf16'} h{h_q} s{s_q} {ctx // 1024}k columns {meta.shape[0]}x{meta.shape[1]} "
+                      f"splits<={most}: fold {fold:.1f} us, combine {combine:.1f} us, {combine / fold:.4f}x", flush=True)
+            del case
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""GPU checks of the split merge folded into the wgmma decode kernels (ops/split_fold.py).
+
+The fold must give the separate combine's bits: the same decode on the same work list, once as
+``get_mla_metadata`` returned it (its plan carries the arrival counters: the kernel merges) and
+once as a copy (no plan: the combine merges). Outputs are NaN-poisoned, lengths mix empty
+requests, partial pages and long ones cut into many splits; the counters must be back at zero
+after every call, also when the step is replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from snapmla_cli.numerics.problem import random_problem
+from snapmla_cli.numerics.quant import quantize_rows
+
+pytestmark = pytest.mark.gpu
+
+LENS = [0, 1, 63, 65, 4097, 9000, 300, 2500]
+FINE_SMS = 400  # many splits per request (up to the planner's 64)
+
+
+def _fp8_config(rows: int, device: torch.device, **kernel):
+    from snapmla_cli.ops.decode_config import fp8_config_valid, variant_config
+
+    cfg = variant_config(rows, 3, **kernel)
+    assert fp8_config_valid(cfg)
+    cfg = replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm, min_blocks_per_split=1))
+    return cfg.with_sms(FINE_SMS)
+
+
+def _bf16_config(rows: int):
+    from snapmla_cli.ops.decode_config import heuristic_config
+
+    cfg = heuristic_config(rows, False, 3)
+    return replace(cfg, split=replace(cfg.split, min_blocks_per_split=1)).with_sms(FINE_SMS)
+
+
+def _columns(cfg):
+    from snapmla_cli.ops.decode_config import balanced
+
+    return balanced(cfg).with_sms(11)
+
+
+class _Step:
+    """One decode step of a random problem in one format and configuration."""
+
+    def __init__(self, fp8: bool, cfg, s_q: int, h_q: int, seed: int):
+        from snapmla_cli.ops.decode import get_mla_metadata
+
+        self.device = torch.device("cuda")
+        self.fp8, self.cfg = fp8, cfg
+        self.prob = random_problem(LENS, s_q, h_q, causal=True, seed=seed)
+        self.table = self.prob.layout.block_table.to(self.device)
+        self.lens = self.prob.layout.cache_seqlens.to(self.device)
+        if fp8:
+            self.q, self.cache = quantize_rows(self.prob.q.to(self.device)), self.prob.fp8_cache().to(self.device)
+        else:
+            self.q, self.cache = self.prob.q.to(self.device), self.prob.bf16_cache().to(self.device)
+        self.meta, self.splits = get_mla_metadata(self.lens, s_q * h_q, 1, fp8=fp8, config=cfg)
+
+    def run(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from snapmla_cli.ops.decode import decode_bf16, decode_fp8
+
+        b, s_q, h_q = len(LENS), self.prob.q.shape[1], self.prob.q.shape[2]
+        out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=self.device)
+        lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=self.device)
+        decode = decode_fp8 if self.fp8 else decode_bf16
+        return decode(self.q, self.cache, self.table, self.lens, meta, self.splits, self.prob.softmax_scale,
+                      True, config=self.cfg, out=out, lse=lse)
+
+    def arrivals(self) -> torch.Tensor:
+        from snapmla_cli.ops.decode import metadata_plan
+
+        plan = metadata_plan(self.meta)
+        assert plan is not None and plan.fold is not None and plan.fold.arrivals is not None
+        return plan.fold.arrivals
+
+
+STEPS = [  # (fp8, config maker, s_q, h_q)
+    (True, lambda d: _fp8_config(16, d, wg_mode=0, row_groups=1), 1, 16),
+    (True, lambda d: _fp8_config(16, d, wg_mode=3, row_groups=1, stages=5), 1, 16),
+    (True, lambda d: _fp8_config(32, d, wg_mode=3, row_groups=2), 2, 16),
+    (True, lambda d: _fp8_config(20, d, wg_mode=3, row_groups=2), 1, 20),
+    (True, lambda d: _fp8_config(64, d, wg_mode=4, row_groups=4), 1, 64),
+    (True, lambda d: _fp8_config(128, d, wg_mode=4, row_groups=4), 2, 64),
+    (True, lambda d: _columns(_fp8_config(32, d, wg_mode=3, row_groups=2)), 1, 32),
+    (True, lambda d: _columns(_fp8_config(64, d, wg_mode=4, row_groups=4)), 2, 32),
+    (False, lambda d: _bf16_config(64), 1, 64),
+    (False, lambda d: _bf16_config(48), 3, 16),
+    (False, lambda d: _columns(_bf16_config(128)), 1, 128),
+]
+IDS = ["fp8-dims16", "fp8-alt16-st5", "fp8-alt32", "fp8-alt20", "fp8-rows-m64", "fp8-rows-m128", "fp8-alt32-columns",
+       "fp8-rows-m64-columns", "bf16-64", "bf16-48", "bf16-128-columns"]
+
+
+@pytest.mark.parametrize("fp8,make,s_q,h_q", STEPS, ids=IDS)
+def test_fold_gives_the_combine_bits_and_resets_its_counters(fp8, make, s_q, h_q):
+    step = _Step(fp8, make(torch.device("cuda")), s_q, h_q, seed=h_q * 3 + s_q)
+    counts = (step.splits[1:] - step.splits[:-1]).tolist()
+    assert max(counts) >= 4 and 0 in counts  # many splits, and an empty request
+    folded = step.run(step.meta)
+    again = step.run(step.meta)
+    combined = step.run(step.meta.clone())  # a copy: no plan, the combine merges
+    torch.cuda.synchronize()
+    assert folded[0].isfinite().all() and folded[1][~torch.isinf(folded[1])].isfinite().all()
+    for other in (again, combined):
+        assert torch.equal(folded[0], other[0]) and torch.equal(folded[1], other[1])
+    assert int(step.arrivals().abs().sum()) == 0
+    empty = [i for i, n in enumerate(LENS) if n == 0]
+    assert torch.all(folded[0][empty] == 0) and torch.all(folded[1][empty] == float("inf"))
+
+
+def test_fold_replays_from_a_cuda_graph():
+    """A captured step keeps its counters' address: every replay merges and leaves them at zero."""
+    device = torch.device("cuda")
+    step = _Step(True, _fp8_config(32, device, wg_mode=3, row_groups=2), 1, 32, seed=5)
+    reference = step.run(step.meta.clone())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step.run(step.meta)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, reference[0]) and torch.equal(lse, reference[1])
+        assert int(step.arrivals().abs().sum()) == 0
+
+
+def test_more_splits_than_the_fold_holds_run_the_combine():
+    """A request cut into more splits than the kernel's shared memory holds weights for: the
+    work list's fold is not foldable, the kernel writes partials and the combine merges."""
+    from snapmla_cli.ops.decode import metadata_plan
+    from snapmla_cli.ops.split_fold import MAX_FOLDED_SPLITS
+
+    device = torch.device("cuda")
+    cfg = _fp8_config(16, device, wg_mode=3, row_groups=1)
+    cfg = replace(cfg, split=replace(cfg.split, max_splits_per_request=4 * MAX_FOLDED_SPLITS)).with_sms(2048)
+    step = _Step(True, cfg, 1, 16, seed=9)
+    counts = (step.splits[1:] - step.splits[:-1]).tolist()
+    assert max(counts) > MAX_FOLDED_SPLITS
+    plan = metadata_plan(step.meta)
+    assert plan is not None and plan.fold is not None and not plan.fold.foldable
+    folded = step.run(step.meta)
+    combined = step.run(step.meta.clone())
+    assert torch.equal(folded[0], combined[0]) and torch.equal(folded[1], combined[1])
+    assert int(plan.fold.arrivals.abs().sum()) == 0  # never touched
