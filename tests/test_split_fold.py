@@ -1,6 +1,6 @@
 """Where split requests are merged (ops/split_fold.py), decided on the host: the counters a work
 list gets, which kernels use them, and what the combine still has to do. CPU only (the GPU
-checks of the merge itself are tests/gpu/test_split_fold.py)."""
+checks of the merge itself are tests/gpu/test_split_fold_gpu.py)."""
 
 from __future__ import annotations
 
