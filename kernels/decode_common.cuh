@@ -116,16 +116,16 @@ constexpr int kFoldSplitsAtOnce = 2;  // splits whose loads are in flight togeth
 
 // The split merge folded into the decode kernel: the CTA that stores the last split of a request
 // (per row tile; arrivals counted in `arrivals[request * row tiles + row tile]`) merges them and
-// resets the counter, instead of a combine kernel after the grid: that kernel's launch and its
-// wait for the whole grid cost 5-10 us a call (docs/PERF.md). `arrivals` is nullptr when the
-// combine merges (metadata without a fold, the mma.sync kernels).
+// resets the counter, instead of a combine kernel after the grid, whose launch and wait for the
+// whole grid cost 4-10 us a call (the fold gets back 1-2.5 us at 16-64 rows, docs/PERF.md).
+// `arrivals` is nullptr when the combine merges (metadata without a fold, the mma.sync kernels).
 struct SplitFold {
     const int* num_splits;  // [b + 1] cumulative split counts (get_mla_metadata)
     int* arrivals;          // [b x row tiles], zero between launches
 };
 
 // Called by all kThreadsN consumer threads (thread `tid`, barrier `barrier`) after they stored
-// split `partial`'s rows [row0, row0 + kTileRows) of request `req`. `scratch`: shared memory
+// their split's partial rows [row0, row0 + kTileRows) of request `req`. `scratch`: shared memory
 // for kTileRows x kMaxFoldedSplits floats and a flag, unused until the caller's next barrier.
 template <int kThreadsN, int kTileRows>
 __device__ __forceinline__ void fold_split(const SplitFold& fold, int req, int row0, int rows, const float* partial_out,

@@ -3,8 +3,10 @@ combine kernel after it.
 
 The wgmma decode kernels merge a split request themselves: the CTA that stores the request's
 last split (counted per request and row tile in ``arrivals``) merges the partials and resets its
-counter (``kernels/decode_common.cuh``, ``fold_split``). That saves the combine kernel's launch
-and its wait for the whole decode grid, 5-10 us a call at b 64 on the H200 (docs/PERF.md). The
+counter (``kernels/decode_common.cuh``, ``fold_split``). The combine kernel's launch and its
+wait for the whole decode grid cost 4-10 us a call at b 64 on the H200; the fold gets back
+1-2.5 of them at 16-64 rows and 2-6 where no request is split (then no combine runs;
+docs/PERF.md, sixteenth session). The
 counters are made here, per work list, by ``get_mla_metadata`` (one small zeroed buffer a decode
 step, shared by its layers, which run in turn): a work list that is copied, e.g. into an
 engine's static buffer for CUDA graphs, has no plan recorded and runs the combine, as does a
