@@ -1,8 +1,8 @@
 """A/B of the split merge folded into the decode kernel (ops/split_fold.py) against the combine
 kernel, on the GPU: the same configuration (the one ``get_mla_metadata`` settled) on the same
 work list, once as returned (its plan carries the counters: the kernel merges) and once as a
-copy (no plan: the combine merges). CUDA-graph replays at burst clocks, in alternation, median of
-``--rounds``; b 64 as the decode sweep.
+copy (no plan: the combine merges). CUDA-graph replays at burst clocks, in alternation, the
+median (the higher middle one, as scripts/ab_tuning.py) of ``--rounds``; b 64 as the sweep.
 
 Usage: PYTHONPATH=. python3 scripts/ab_split_fold.py [--ctx 16384,32768] [--shapes 16:1,32:1]
 """
@@ -10,6 +10,7 @@ Usage: PYTHONPATH=. python3 scripts/ab_split_fold.py [--ctx 16384,32768] [--shap
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 
@@ -47,7 +48,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     fold_us.append(time_graph(step(case, fp8, meta, splits, plan.config), clocks=BURST) * 1e6)
                     combine_us.append(time_graph(step(case, fp8, meta.clone(), splits, plan.config), clocks=BURST) * 1e6)
-                fold, combine = sorted(fold_us)[len(fold_us) // 2], sorted(combine_us)[len(combine_us) // 2]
+                fold, combine = statistics.median_high(fold_us), statistics.median_high(combine_us)
                 most = int((splits[1:] - splits[:-1]).max())
                 print(f"{'fp8' if fp8 else 'bf16'} h{h_q} s{s_q} {ctx // 1024}k columns {meta.shape[0]}x{meta.shape[1]} "
                       f"splits<={most}: fold {fold:.1f} us, combine {combine:.1f} us, {combine / fold:.4f}x", flush=True)

@@ -6,13 +6,12 @@ last split (counted per request and row tile in ``arrivals``) merges the partial
 counter (``kernels/decode_common.cuh``, ``fold_split``). The combine kernel's launch and its
 wait for the whole decode grid cost 4-10 us a call at b 64 on the H200; the fold gets back
 1-2.5 of them at 16-64 rows and 2-6 where no request is split (then no combine runs;
-docs/PERF.md, sixteenth session). The
-counters are made here, per work list, by ``get_mla_metadata`` (one small zeroed buffer a decode
-step, shared by its layers, which run in turn): a work list that is copied, e.g. into an
-engine's static buffer for CUDA graphs, has no plan recorded and runs the combine, as does a
-kernel without the fold (mma.sync). A request without keys has no split at all; the combine
-writes it (out 0, lse +inf), so a step with such requests still launches it, told to leave the
-split requests alone.
+docs/PERF.md, sixteenth session). The counters are made here, per work list, by
+``get_mla_metadata`` (one small zeroed buffer a decode step, shared by its layers, which run in
+turn): a work list that is copied, e.g. into an engine's static buffer for CUDA graphs, has no
+plan recorded and runs the combine, as does a kernel without the fold (mma.sync). A request
+without keys has no split at all; the combine writes it (out 0, lse +inf), so a step with such
+requests still launches it, told to leave the split requests alone.
 """
 
 from __future__ import annotations
@@ -23,10 +22,13 @@ from enum import Enum
 
 import torch
 
+from .decode_config import ROWS_PER_GROUP
+
 # kernels/decode_common.cuh kMaxFoldedSplits: a row tile's split weights live in shared memory
 MAX_FOLDED_SPLITS = 64
-# the smallest row tile of any decode kernel: counters for the most row tiles a config can have
-MIN_ROW_TILE = 16
+# the smallest row tile of any decode kernel (one row group): counters for the most row tiles a
+# config can have
+MIN_ROW_TILE = ROWS_PER_GROUP
 
 
 @dataclass(frozen=True, eq=False)
