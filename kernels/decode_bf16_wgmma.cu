@@ -109,7 +109,7 @@ static_assert(kQTileBytes == kTileBytes, "Q and K tiles share k-step offsets");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES pages of 72 KB exceed shared memory");
 static_assert(2 * kRows * 4 <= kPBytes, "the L sums fit in the P tile");
-static_assert((kRows * kMaxFoldedSplits + 1) * 4 <= kQBytes, "the folded merge's weights fit in Q's tiles");
+static_assert(fold_scratch_floats(kRows) * 4 <= kQBytes, "the folded merge's weights fit in Q's tiles");
 static_assert(roles::split_fits(MIN_CTAS_PER_SM), "consumers may only take the registers the producer gave back");
 #ifdef SNAPMLA_EXPECT_SMEM  // the host's launch size (ops/decode_config.py bf16_wgmma_smem_bytes)
 static_assert(kSmemBytes + kSmemAlign == SNAPMLA_EXPECT_SMEM, "host shared-memory formula is out of date");
@@ -486,7 +486,8 @@ snapmla_decode_bf16_wgmma(const __nv_bfloat16* q, const unsigned char* tmap, con
                           const int* cache_seqlens, const snapmla::WorkItem* work_list, int items_per_column,
                           __nv_bfloat16* out, float* lse, float* partial_out, float* partial_lse,
                           int block_table_stride, float softmax_scale_log2, int h_q, int s_q,
-                          int causal, const int* num_splits, int* arrivals) {
+                          int causal, const int* num_splits, int* arrivals,
+                          int fold_max_splits) {
     extern __shared__ unsigned char smem_raw[];
     snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
     // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom
@@ -496,6 +497,6 @@ snapmla_decode_bf16_wgmma(const __nv_bfloat16* q, const unsigned char* tmap, con
     const snapmla::bf16wg::Params p{q, tmap, block_table, cache_seqlens, work_list, items_per_column, out, lse, partial_out,
                                     partial_lse, block_table_stride, softmax_scale_log2,
                                     snapmla::DecodeShape{h_q, s_q, causal},
-                                    snapmla::SplitFold{num_splits, arrivals}};
+                                    snapmla::SplitFold{num_splits, arrivals, fold_max_splits}};
     snapmla::bf16wg::run(p, smem, smem_raw);
 }

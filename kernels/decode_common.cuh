@@ -89,9 +89,11 @@ __device__ __forceinline__ void store_out2(__nv_bfloat16* out, float* partial_ou
 template <class SplitLse>
 __device__ __forceinline__ float merged_lse(int count, SplitLse split_lse) {
     float m = -INFINITY;
+#pragma unroll 4
     for (int s = 0; s < count; ++s) m = fmaxf(m, split_lse(s));
     if (m == -INFINITY) return INFINITY;
     float total = 0.f;
+#pragma unroll 4
     for (int s = 0; s < count; ++s) total += expf(split_lse(s) - m);
     return m + logf(total);
 }
@@ -108,34 +110,118 @@ __device__ __forceinline__ void fma4(float4& acc, float w, const float4& x) {
     acc.w = fmaf(w, x.w, acc.w);
 }
 
+// Where a merge reads and writes: the partials of `count` splits from slot `begin` on (float32
+// [slot, rows, 512] and [slot, rows]), the request's final rows.
+struct MergeTarget {
+    const float* partial_out;
+    const float* partial_lse;
+    __nv_bfloat16* out;
+    float* lse;
+    DecodeShape shape;
+    int req;
+    int begin;
+    int count;
+};
+
+// Merges rows [row0, row0 + n_rows) of a request (out 0, lse +inf when no split saw a key) with
+// kThreads threads (this one `tid`): the splits' lse in parallel into `weights` (shared memory,
+// kWeightStride floats per row), each row's merged lse by one thread into `totals` (n_rows floats),
+// the weights in parallel, then kPassRows rows at a time, kThreads / kPassRows threads per row,
+// kSplitsAtOnce splits' loads in flight. `sync` is a barrier over the kThreads threads; the
+// shared memory is free again after the call.
+template <int kThreads, int kPassRows, int kSplitsAtOnce, int kWeightStride, class Sync>
+__device__ __forceinline__ void merge_split_rows(const MergeTarget& t, int row0, int n_rows, int tid, float* weights,
+                                                 float* totals, Sync sync) {
+    constexpr int kThreadsPerRow = kThreads / kPassRows;
+    static_assert(kThreads % kPassRows == 0 && (kDimV / 4) % kThreadsPerRow == 0, "a pass's rows split evenly");
+    constexpr int kVecs = kDimV / 4 / kThreadsPerRow;  // float4 per thread and row
+    const int rows = t.shape.h_q * t.shape.s_q;
+    // L2 reads (__ldcg): another CTA wrote the partials, an L1 line could be stale
+    for (int i = tid; i < n_rows * t.count; i += kThreads) {
+        const int r = i / t.count, s = i - r * t.count;
+        weights[r * kWeightStride + s] = __ldcg(t.partial_lse + static_cast<long>(t.begin + s) * rows + row0 + r);
+    }
+    sync();
+    if (tid < n_rows) {
+        const float* w = weights + tid * kWeightStride;
+        totals[tid] = merged_lse(t.count, [&](int s) { return w[s]; });
+        t.lse[lse_index(t.req, row0 + tid, t.shape)] = totals[tid];
+    }
+    sync();
+    for (int i = tid; i < n_rows * t.count; i += kThreads) {
+        const int r = i / t.count, s = i - r * t.count;
+        weights[r * kWeightStride + s] = split_weight(weights[r * kWeightStride + s], totals[r]);
+    }
+    sync();
+    const int q = tid % kThreadsPerRow;  // float4 columns q + kThreadsPerRow v of its row
+#pragma unroll 1
+    for (int r = tid / kThreadsPerRow; r < n_rows; r += kPassRows) {
+        const int row = row0 + r;
+        const float* w = weights + r * kWeightStride;
+        float4 acc[kVecs];
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
+        for (int s0 = 0; s0 < t.count; s0 += kSplitsAtOnce) {
+            float4 x[kSplitsAtOnce][kVecs];
+#pragma unroll
+            for (int k = 0; k < kSplitsAtOnce; ++k) {
+                const int s = min(s0 + k, t.count - 1);  // (a repeated load past the last split)
+                const float4* src = reinterpret_cast<const float4*>(
+                    t.partial_out + (static_cast<long>(t.begin + s) * rows + row) * kDimV);
+#pragma unroll
+                for (int v = 0; v < kVecs; ++v) x[k][v] = __ldcg(src + q + kThreadsPerRow * v);
+            }
+#pragma unroll
+            for (int k = 0; k < kSplitsAtOnce; ++k) {
+                const float wk = s0 + k < t.count ? w[s0 + k] : -1.f;
+                if (wk < 0.f) continue;
+#pragma unroll
+                for (int v = 0; v < kVecs; ++v) fma4(acc[v], wk, x[k][v]);
+            }
+        }
+        const long base = (static_cast<long>(t.req) * rows + row) * kDimV;
+#pragma unroll
+        for (int v = 0; v < kVecs; ++v) {
+            const long at = base + 4 * (q + kThreadsPerRow * v);
+            store_out4(t.out, nullptr, at, false, acc[v].x, acc[v].y, acc[v].z, acc[v].w);
+        }
+    }
+    sync();  // the weights are read before the caller reuses the shared memory
+}
+
 // The folded merge's shared-memory weights: a row tile's splits, so at most this many splits
 // per request (the host folds only plans within it).
 constexpr int kMaxFoldedSplits = 64;
 constexpr int kFoldPassRows = 16;  // rows merged at once: 16 threads per row for 256 threads
 constexpr int kFoldSplitsAtOnce = 2;  // splits whose loads are in flight together
+// floats of the fold's shared scratch for a row tile of `rows`: weights, totals, the flag
+__host__ __device__ constexpr int fold_scratch_floats(int rows) { return rows * (kMaxFoldedSplits + 1) + 1; }
 
 // The split merge folded into the decode kernel: the CTA that stores the last split of a request
 // (per row tile; arrivals counted in `arrivals[request * row tiles + row tile]`) merges them and
 // resets the counter, instead of a combine kernel after the grid, whose launch and wait for the
 // whole grid cost 4-10 us a call (the fold gets back 1-2.5 us at 16-64 rows, docs/PERF.md).
 // `arrivals` is nullptr when the combine merges (metadata without a fold, the mma.sync kernels).
+// One CTA reads all the partials of its row tile, so requests of more than `max_splits` splits
+// are left to the combine kernel, which spreads them over many CTAs (ops/split_fold.py).
 struct SplitFold {
     const int* num_splits;  // [b + 1] cumulative split counts (get_mla_metadata)
     int* arrivals;          // [b x row tiles], zero between launches
+    int max_splits;         // requests of 2 .. max_splits splits are merged here
 };
 
 // Called by all kThreadsN consumer threads (thread `tid`, barrier `barrier`) after they stored
 // their split's partial rows [row0, row0 + kTileRows) of request `req`. `scratch`: shared memory
-// for kTileRows x kMaxFoldedSplits floats and a flag, unused until the caller's next barrier.
+// for fold_scratch_floats(kTileRows) floats, unused until the caller's next barrier.
 template <int kThreadsN, int kTileRows>
 __device__ __forceinline__ void fold_split(const SplitFold& fold, int req, int row0, int rows, const float* partial_out,
                                            const float* partial_lse, __nv_bfloat16* out, float* lse,
                                            DecodeShape shape, int tid, int barrier, float* scratch) {
-    constexpr int kThreadsPerRow = kThreadsN / kFoldPassRows;
-    static_assert(kThreadsN % kFoldPassRows == 0 && (kDimV / 4) % kThreadsPerRow == 0, "a pass's rows split evenly");
-    constexpr int kVecs = kDimV / 4 / kThreadsPerRow;  // float4 per thread and row
-    int* last_s = reinterpret_cast<int*>(scratch + kTileRows * kMaxFoldedSplits);
     const int begin = __ldg(fold.num_splits + req), count = __ldg(fold.num_splits + req + 1) - begin;
+    if (count > fold.max_splits) return;  // the combine kernel merges this request (CTA-uniform)
+    float* totals = scratch + kTileRows * kMaxFoldedSplits;
+    int* last_s = reinterpret_cast<int*>(totals + kTileRows);
     __threadfence();  // this thread's partial stores, GPU-wide, before the arrival below
     named_barrier_sync(barrier, kThreadsN);
     if (tid == 0) {
@@ -149,52 +235,10 @@ __device__ __forceinline__ void fold_split(const SplitFold& fold, int req, int r
     named_barrier_sync(barrier, kThreadsN);  // every thread read the flag before `scratch` is reused
     if (!merges) return;
     __threadfence();  // the other splits' partials: read after their arrivals
-    // the rows' lse and split weights: one thread per row (L2 reads: __ldcg, never a stale L1 line)
-    if (tid < kTileRows && row0 + tid < rows) {
-        const int row = row0 + tid;
-        float* w = scratch + tid * kMaxFoldedSplits;
-        for (int s = 0; s < count; ++s) w[s] = __ldcg(partial_lse + static_cast<long>(begin + s) * rows + row);
-        const float lse_total = merged_lse(count, [&](int s) { return w[s]; });
-        for (int s = 0; s < count; ++s) w[s] = split_weight(w[s], lse_total);
-        lse[lse_index(req, row, shape)] = lse_total;
-    }
-    named_barrier_sync(barrier, kThreadsN);
-    const int q = tid % kThreadsPerRow;  // float4 columns q + kThreadsPerRow v of its row
-#pragma unroll 1
-    for (int r = tid / kThreadsPerRow; r < kTileRows; r += kFoldPassRows) {
-        const int row = row0 + r;
-        if (row >= rows) break;
-        const float* w = scratch + r * kMaxFoldedSplits;
-        float4 acc[kVecs];
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 1
-        for (int s0 = 0; s0 < count; s0 += kFoldSplitsAtOnce) {
-            float4 x[kFoldSplitsAtOnce][kVecs];
-#pragma unroll
-            for (int k = 0; k < kFoldSplitsAtOnce; ++k) {
-                const int s = min(s0 + k, count - 1);  // (a repeated load past the last split)
-                const float4* src = reinterpret_cast<const float4*>(
-                    partial_out + (static_cast<long>(begin + s) * rows + row) * kDimV);
-#pragma unroll
-                for (int v = 0; v < kVecs; ++v) x[k][v] = __ldcg(src + q + kThreadsPerRow * v);
-            }
-#pragma unroll
-            for (int k = 0; k < kFoldSplitsAtOnce; ++k) {
-                const float wk = s0 + k < count ? w[s0 + k] : -1.f;
-                if (wk < 0.f) continue;
-#pragma unroll
-                for (int v = 0; v < kVecs; ++v) fma4(acc[v], wk, x[k][v]);
-            }
-        }
-        const long base = (static_cast<long>(req) * rows + row) * kDimV;
-#pragma unroll
-        for (int v = 0; v < kVecs; ++v) {
-            const long at = base + 4 * (q + kThreadsPerRow * v);
-            store_out4(out, nullptr, at, false, acc[v].x, acc[v].y, acc[v].z, acc[v].w);
-        }
-    }
-    named_barrier_sync(barrier, kThreadsN);  // the weights are read before the caller reuses `scratch`
+    const MergeTarget target{partial_out, partial_lse, out, lse, shape, req, begin, count};
+    merge_split_rows<kThreadsN, kFoldPassRows, kFoldSplitsAtOnce, kMaxFoldedSplits>(
+        target, row0, min(kTileRows, rows - row0), tid, scratch, totals,
+        [&]() { named_barrier_sync(barrier, kThreadsN); });
 }
 
 }  // namespace snapmla

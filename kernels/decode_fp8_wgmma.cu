@@ -281,7 +281,7 @@ static_assert(kQTileBytes % kSwizzleAtom128 == 0 && kStageBytes % kSwizzleAtom12
 static_assert(kOffP % kSwizzleAtom64 == 0 && kPBytes % kSwizzleAtom64 == 0, "P^T swizzle atoms");
 static_assert(kRowsPerWg % 8 == 0, "wgmma N is a multiple of 8");
 static_assert(kQkRows <= kWgThreads, "one thread per row keeps the row's running state");
-static_assert((kRows * kMaxFoldedSplits + 1) * 4 <= kQBytes, "the folded merge's weights fit in Q's tiles");
+static_assert(fold_scratch_floats(kRows) * 4 <= kQBytes, "the folded merge's weights fit in Q's tiles");
 #ifdef SNAPMLA_EXPECT_SMEM  // the host's launch size (ops/decode_config.py wgmma_smem_bytes)
 static_assert(kSmemBytes + kSmemAlign == SNAPMLA_EXPECT_SMEM, "host shared-memory formula is out of date");
 #endif
@@ -1505,7 +1505,7 @@ snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
                          const snapmla::WorkItem* work_list, int items_per_column, __nv_bfloat16* out, float* lse,
                          float* partial_out, float* partial_lse, int block_table_stride,
                          float softmax_scale_log2, int h_q, int s_q, int causal, const int* num_splits,
-                         int* arrivals) {
+                         int* arrivals, int fold_max_splits) {
     extern __shared__ unsigned char smem_raw[];
     snapmla::launch_dependents();  // the combine may launch now; it waits for this grid to finish
     // dynamic shared memory is only 16-byte aligned: round up to the swizzle atom (roles::
@@ -1517,6 +1517,6 @@ snapmla_decode_fp8_wgmma(const unsigned char* q_content, const float* q_scale,
     const snapmla::fp8wg::Params p{q_content, q_scale, q_rope, tmaps, block_table, cache_seqlens,
                                    work_list, items_per_column, out, lse, partial_out, partial_lse, block_table_stride,
                                    softmax_scale_log2, snapmla::DecodeShape{h_q, s_q, causal},
-                                   snapmla::SplitFold{num_splits, arrivals}};
+                                   snapmla::SplitFold{num_splits, arrivals, fold_max_splits}};
     snapmla::fp8wg::run(p, smem, smem_raw);
 }

@@ -4,6 +4,8 @@ the work list is consistent whatever its order."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import itertools
 import random
 
@@ -179,9 +181,10 @@ def test_balanced_work_lists_are_consistent(seed):
 
 
 def test_balanced_columns_fall_back_where_a_request_needs_too_many_pieces():
-    """One 128k request on 132 columns would need 132 pieces: the split plan (at most 64) runs
+    """One 128k request on 132 columns would need 132 pieces: with at most 64 the split plan runs
     instead; short batches get fewer columns than SMs (min_blocks_per_split each)."""
-    policy = SplitPolicy(balanced=True)
+    policy = SplitPolicy(balanced=True, max_splits_per_request=64)
+    assert balanced_columns([131072], 32, 32, replace(policy, max_splits_per_request=132)) is not None
     assert balanced_columns([131072], 32, 32, policy) is None
     work, num_splits = build_metadata(torch.tensor([131072], dtype=torch.int32), 32, 32, policy,
                                       runs_columns=True)

@@ -46,13 +46,20 @@ from .decode_config import (
     settle_balance,
 )
 from .schedule import WORK_FIELDS, build_work_list, host_seqlens
-from .split_fold import Combine, SplitFold, combine_after, kernel_arrivals, plan_fold
+from .split_fold import (
+    CombineRun,
+    SplitFold,
+    combine_after,
+    combine_rows_per_cta,
+    kernel_arrivals,
+    plan_fold,
+)
 
-__all__ = ["COMBINE_WARPS", "MetadataPlan", "choose_config", "decode_bf16", "decode_fp8",
+__all__ = ["MetadataPlan", "choose_config", "decode_bf16", "decode_fp8",
            "flash_mla_with_kvcache", "get_mla_metadata", "mean_context", "metadata_plan"]
 
-COMBINE_WARPS = 4
 LOG2E = 1.4426950408889634
+COMBINE_THREADS = 128  # kernels/combine.cu kThreads
 
 
 def _runtime():
@@ -91,7 +98,7 @@ def get_mla_metadata(
     cfg = settle_balance(requested, seqlens, num_heads_per_head_k, fp8)
     work = build_work_list(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split, seqlens,
                            runs_columns(cfg, fp8))
-    fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cache_seqlens.device)
+    fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, cache_seqlens.device)
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold))
     return work.metadata, work.num_splits
 
@@ -159,16 +166,17 @@ def _buffers(b: int, s_q: int, h_q: int, num_work: int, device: torch.device,
 
 
 def _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q: int, s_q: int,
-                    part: Combine = Combine.ALL) -> None:
-    if part is Combine.NONE:
+                    run: CombineRun | None) -> None:
+    if run is None:
         return
     b = out.shape[0]
     rows = h_q * s_q
-    kernel = rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_WARPS": COMBINE_WARPS})
+    rows_per_cta = combine_rows_per_cta(b * rows)
+    kernel = rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta})
     # programmatic: launched while the decode grid drains, it waits for it in the kernel
-    rt.launch(kernel, (b, math.ceil(rows / COMBINE_WARPS), 1), (32 * COMBINE_WARPS, 1, 1),
+    rt.launch(kernel, (b, math.ceil(rows / rows_per_cta), 1), (COMBINE_THREADS, 1, 1),
               (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q),
-               np.int32(int(part is Combine.EMPTY_ONLY))),
+               np.int32(run.folded_up_to)),
               programmatic=True)
 
 
@@ -222,7 +230,8 @@ def _split_kv_decode(
                    np.int32(items_per_column), out, lse, partial_out, partial_lse,
                    np.int32(block_table.stride(0)),
                    np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal)),
-                   *((num_splits, arrivals) if cfg.wgmma else ())),
+                   *((num_splits, arrivals, np.int32(fold.max_splits if fold is not None and arrivals is not None else 0))
+                     if cfg.wgmma else ())),
                   shared_mem=smem)
     _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q, combine_after(fold, arrivals))
     return out, lse

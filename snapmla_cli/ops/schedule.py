@@ -31,6 +31,9 @@ from ..errors import SnapmlaError
 from ..numerics.formats import D_V, FP8_TOKEN_BYTES, PAGE_SIZE
 
 WORK_FIELDS = 4  # request, block_begin, block_end, partial slot
+# kernels/combine.cu kMaxSplits: the combine keeps a request's split weights in shared memory,
+# so no policy cuts a request finer
+MAX_SPLITS_PER_REQUEST = 512
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,14 @@ class SplitPolicy:
     ctas_per_sm: int = 1
     waves: int = 1
     min_blocks_per_split: int = 4
-    max_splits_per_request: int = 64
+    max_splits_per_request: int = 256
     balanced: bool = False
     auto_balance: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_splits_per_request <= MAX_SPLITS_PER_REQUEST:
+            raise SnapmlaError(f"max_splits_per_request: expected 1..{MAX_SPLITS_PER_REQUEST}, "
+                               f"got {self.max_splits_per_request}")
 
 
 def rows_per_cta_tiles(rows: int, block_m: int) -> int:

@@ -1,24 +1,28 @@
 """Where a decode step's split requests are merged: in the decode kernel (the fold) or by the
-combine kernel after it.
+combine kernel after it, and how the combine is launched.
 
 The wgmma decode kernels merge a split request themselves: the CTA that stores the request's
 last split (counted per request and row tile in ``arrivals``) merges the partials and resets its
 counter (``kernels/decode_common.cuh``, ``fold_split``). The combine kernel's launch and its
 wait for the whole decode grid cost 4-10 us a call at b 64 on the H200; the fold gets back
 1-2.5 of them at 16-64 rows and 2-6 where no request is split (then no combine runs;
-docs/PERF.md, sixteenth session). The counters are made here, per work list, by
-``get_mla_metadata`` (one small zeroed buffer a decode step, shared by its layers, which run in
-turn): a work list that is copied, e.g. into an engine's static buffer for CUDA graphs, has no
-plan recorded and runs the combine, as does a kernel without the fold (mma.sync). A request
-without keys has no split at all; the combine writes it (out 0, lse +inf), so a step with such
-requests still launches it, told to leave the split requests alone.
+docs/PERF.md, sixteenth session). But one CTA reads all of a row tile's partials, so a request
+cut into many splits (small batches: 64 splits x 64 rows are 8 MB, which made a b 1 call 4x
+slower than the combine's) is left to the combine kernel, which spreads it over a CTA per row:
+the fold takes requests of at most ``fold_limit(tile rows)`` splits.
+
+The counters are made here, per work list, by ``get_mla_metadata`` (one small zeroed buffer a
+decode step, shared by its layers, which run in turn): a work list that is copied, e.g. into an
+engine's static buffer for CUDA graphs, has no plan recorded and runs the combine, as does a
+kernel without the fold (mma.sync). A request without keys has no split at all; the combine
+writes it (out 0, lse +inf), so a step with such requests still launches it, told to leave the
+folded requests alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
@@ -29,46 +33,65 @@ MAX_FOLDED_SPLITS = 64
 # the smallest row tile of any decode kernel (one row group): counters for the most row tiles a
 # config can have
 MIN_ROW_TILE = ROWS_PER_GROUP
+# The most partial rows (splits x tile rows) one merging CTA reads (2 KB each): at b 64 the fold
+# merged 2-3 splits of 64-row tiles (192) still a little sooner than the combine (docs/PERF.md)
+FOLD_MAX_PARTIAL_ROWS = 256
+# Up to this many rows (b x s_q x h_q) the combine runs a CTA per row (COMBINE_ROWS 1), above it
+# a warp per row (4 per CTA): few rows are the small batches, whose requests have many splits.
+COMBINE_ONE_ROW_MAX_ROWS = 1024
+
+
+def fold_limit(tile_rows: int) -> int:
+    """The most splits of a request the decode kernel merges itself, for row tiles of
+    ``tile_rows`` rows (16 rows: 16 splits, 64 rows: 4)."""
+    return max(2, min(MAX_FOLDED_SPLITS, FOLD_MAX_PARTIAL_ROWS // max(1, tile_rows)))
 
 
 @dataclass(frozen=True, eq=False)
 class SplitFold:
     """A work list's split facts for the decode call, known on the host when it was built."""
 
-    arrivals: torch.Tensor | None  # int32 [b x row tiles], zero; None: no request is split
-    foldable: bool  # every split request has at most MAX_FOLDED_SPLITS splits
-    has_empty: bool  # a request has no keys (no split): only the combine writes it
+    arrivals: torch.Tensor | None  # int32 [b x row tiles], zero; None: no request is folded
+    max_splits: int  # the kernel merges requests of 2 .. max_splits splits
+    combine_left: bool  # a request is empty or has more splits: the combine runs after the fold
 
 
-class Combine(Enum):
-    """What the combine kernel has to do after the decode kernel."""
+@dataclass(frozen=True)
+class CombineRun:
+    """The combine kernel's launch after a decode kernel."""
 
-    NONE = "none"  # nothing: every request was written by the decode kernel
-    ALL = "all"  # merge the split requests and write the empty ones
-    EMPTY_ONLY = "empty_only"  # the decode kernel merged the split ones: write the empty ones
+    folded_up_to: int  # it leaves requests of 2 .. folded_up_to splits alone (0: merges all)
 
 
-def plan_fold(splits_per_request: Sequence[int], rows: int, device: torch.device) -> SplitFold:
-    """The fold of one work list: zeroed counters where a request is split (on ``device``)."""
-    split = any(n > 1 for n in splits_per_request)
+def plan_fold(splits_per_request: Sequence[int], rows: int, tile_rows: int, device: torch.device) -> SplitFold:
+    """The fold of one work list: zeroed counters where a request is folded (on ``device``)."""
+    limit = fold_limit(min(tile_rows, rows))
+    folded = any(1 < n <= limit for n in splits_per_request)
     tiles = -(-rows // MIN_ROW_TILE)
-    arrivals = torch.zeros(len(splits_per_request) * tiles, dtype=torch.int32, device=device) if split else None
-    return SplitFold(arrivals, max(splits_per_request, default=0) <= MAX_FOLDED_SPLITS,
-                     any(n == 0 for n in splits_per_request))
+    arrivals = torch.zeros(len(splits_per_request) * tiles, dtype=torch.int32, device=device) if folded else None
+    left = any(n == 0 or n > limit for n in splits_per_request)
+    return SplitFold(arrivals, limit, left)
 
 
 def kernel_arrivals(fold: SplitFold | None, kernel_folds: bool) -> torch.Tensor | None:
     """The counters the decode kernel gets: None (it writes partials for the combine) unless
-    the work list has a fold within the kernel's limits and the kernel can fold."""
-    if fold is None or not kernel_folds or not fold.foldable:
+    the work list has a fold and the kernel can fold."""
+    if fold is None or not kernel_folds:
         return None
     return fold.arrivals
 
 
-def combine_after(fold: SplitFold | None, arrivals: torch.Tensor | None) -> Combine:
-    """The combine's part once the decode kernel ran with ``arrivals``."""
-    if fold is None:
-        return Combine.ALL  # a work list built elsewhere: nothing known on the host
-    if fold.arrivals is not None and arrivals is None:
-        return Combine.ALL
-    return Combine.EMPTY_ONLY if fold.has_empty else Combine.NONE
+def combine_after(fold: SplitFold | None, arrivals: torch.Tensor | None) -> CombineRun | None:
+    """The combine's launch once the decode kernel ran with ``arrivals``; None: no combine."""
+    if fold is None or arrivals is None:
+        # a work list built elsewhere (nothing known on the host), or no fold: merge them all
+        # (a plan with nothing split and nothing empty needs none)
+        if fold is not None and fold.arrivals is None and not fold.combine_left:
+            return None
+        return CombineRun(0)
+    return CombineRun(fold.max_splits) if fold.combine_left else None
+
+
+def combine_rows_per_cta(total_rows: int) -> int:
+    """COMBINE_ROWS of the combine launch for ``total_rows`` rows (b x s_q x h_q)."""
+    return 1 if total_rows <= COMBINE_ONE_ROW_MAX_ROWS else 4

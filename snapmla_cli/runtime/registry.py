@@ -57,7 +57,6 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     """The decode kernels as the built-in heuristics compile them for 16, 32 and 64+ rows: the
     wgmma FP8 kernel, the mma.sync FP8 kernel and the two BF16 baselines (Hopper only; the
     tuner adds its own variants)."""
-    from ..ops.decode import COMBINE_WARPS
     from ..ops.decode_config import (
         BF16_MMA_SYNC,
         BF16_WGMMA,
@@ -102,7 +101,7 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
                         for c in list(configs.values()) if column_capable(c, False)})
         source, name = bf16_kernel(next(iter(configs.values())))
         variants[source] = tuple(variant(name, **bf16_defines(c)) for c in configs.values())
-    variants["combine.cu"] = (variant("snapmla_combine", COMBINE_WARPS=COMBINE_WARPS),)
+    variants["combine.cu"] = tuple(variant("snapmla_combine", COMBINE_ROWS=r) for r in (1, 4))
     return variants
 
 
