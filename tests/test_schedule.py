@@ -4,10 +4,9 @@ the work list is consistent whatever its order."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import itertools
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
