@@ -31,7 +31,7 @@ CPU = torch.device("cpu")
 
 
 def test_the_fold_limit_bounds_what_one_cta_reads():
-    assert [fold_limit(t) for t in (16, 32, 64)] == [16, 8, 4]
+    assert [fold_limit(t) for t in (16, 32, 64)] == [8, 4, 2]
     for tile in (1, 8, 16, 20, 48, 64, 128, 1000):
         limit = fold_limit(tile)
         assert 2 <= limit <= MAX_FOLDED_SPLITS
@@ -46,7 +46,7 @@ def test_counters_exist_only_where_a_request_is_folded():
     assert fold.arrivals.dtype == torch.int32 and fold.arrivals.shape == (3 * 2,)  # ceil(20 / 16) tiles
     assert int(fold.arrivals.abs().sum()) == 0
     fold = plan_fold([64, 1], 64, 64, CPU)  # split beyond the limit only: the combine's
-    assert fold.arrivals is None and fold.combine_left and fold.max_splits == 4
+    assert fold.arrivals is None and fold.combine_left and fold.max_splits == 2
 
 
 def test_counters_cover_the_smallest_row_tile():
@@ -61,8 +61,8 @@ def test_the_limit_follows_the_tile_or_the_rows_if_fewer():
 
 @pytest.mark.parametrize("splits,kernel_folds,arrivals,combine", [
     ([2, 1], True, True, None),                  # the kernel merged everything
-    ([2, 0], True, True, CombineRun(4)),         # ... but an empty request is the combine's
-    ([2, 5], True, True, CombineRun(4)),         # ... and one beyond the limit
+    ([2, 0], True, True, CombineRun(2)),         # ... but an empty request is the combine's
+    ([2, 5], True, True, CombineRun(2)),         # ... and one beyond the limit
     ([2, 1], False, False, CombineRun(0)),       # mma.sync: no fold
     ([5, 1], True, False, CombineRun(0)),        # nothing within the limit: no counters
     ([1, 1], True, False, None),                 # nothing split: no counters, no combine

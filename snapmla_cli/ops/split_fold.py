@@ -7,9 +7,10 @@ counter (``kernels/decode_common.cuh``, ``fold_split``). The combine kernel's la
 wait for the whole decode grid cost 4-10 us a call at b 64 on the H200; the fold gets back
 1-2.5 of them at 16-64 rows and 2-6 where no request is split (then no combine runs;
 docs/PERF.md, sixteenth session). But one CTA reads all of a row tile's partials, so a request
-cut into many splits (small batches: 64 splits x 64 rows are 8 MB, which made a b 1 call 4x
-slower than the combine's) is left to the combine kernel, which spreads it over a CTA per row:
-the fold takes requests of at most ``fold_limit(tile rows)`` splits.
+cut into many splits (small batches: 64 splits x 64 rows are 8 MB, and a b 1 call at h64 16k
+took 93 us with the fold against 24 with the combine) is left to the combine kernel, which
+spreads it over a CTA per row: the fold takes requests of at most ``fold_limit(tile rows)``
+splits.
 
 The counters are made here, per work list, by ``get_mla_metadata`` (one small zeroed buffer a
 decode step, shared by its layers, which run in turn): a work list that is copied, e.g. into an
@@ -33,9 +34,10 @@ MAX_FOLDED_SPLITS = 64
 # the smallest row tile of any decode kernel (one row group): counters for the most row tiles a
 # config can have
 MIN_ROW_TILE = ROWS_PER_GROUP
-# The most partial rows (splits x tile rows) one merging CTA reads (2 KB each): at b 64 the fold
-# merged 2-3 splits of 64-row tiles (192) still a little sooner than the combine (docs/PERF.md)
-FOLD_MAX_PARTIAL_ROWS = 256
+# The most partial rows (splits x tile rows, 2 KB each) one merging CTA reads. Measured against
+# the combine at b 2-64 (docs/PERF.md, seventeenth session): the fold wins up to 64-128 (by 1-3%)
+# and loses from 144-256 on (up to 25% at b 8, 50% at b 2), as the one CTA's reads queue up.
+FOLD_MAX_PARTIAL_ROWS = 128
 # Up to this many rows (b x s_q x h_q) the combine runs a CTA per row (COMBINE_ROWS 1), above it
 # a warp per row (4 per CTA): few rows are the small batches, whose requests have many splits.
 COMBINE_ONE_ROW_MAX_ROWS = 1024
@@ -43,7 +45,7 @@ COMBINE_ONE_ROW_MAX_ROWS = 1024
 
 def fold_limit(tile_rows: int) -> int:
     """The most splits of a request the decode kernel merges itself, for row tiles of
-    ``tile_rows`` rows (16 rows: 16 splits, 64 rows: 4)."""
+    ``tile_rows`` rows (16 rows: 8 splits, 64 rows: 2)."""
     return max(2, min(MAX_FOLDED_SPLITS, FOLD_MAX_PARTIAL_ROWS // max(1, tile_rows)))
 
 

@@ -132,7 +132,7 @@ def test_fold_replays_from_a_cuda_graph():
 
 
 def test_requests_beyond_the_fold_limit_run_the_combine_in_the_same_call():
-    """64-row tiles fold requests of up to 4 splits: the longer ones are left as partials to the
+    """64-row tiles fold requests of 2 splits: the longer ones are left as partials to the
     combine, launched after the same decode kernel, and the bits equal an all-combine run's."""
     from snapmla_cli.ops.decode import metadata_plan
 
