@@ -27,6 +27,8 @@ static_assert(COMBINE_ROWS == 1 || COMBINE_ROWS == 4, "one row per CTA, or one p
 }  // namespace combine
 }  // namespace snapmla
 
+// (min blocks 1: with the default occupancy target ptxas interleaved the 16 loads with the FMAs
+// two at a time; a request of many splits has few CTAs, so its loads must be in flight at once)
 extern "C" __global__ void __launch_bounds__(snapmla::combine::kThreads, 1)
 snapmla_combine(const float* partial_out, const float* partial_lse, const int* num_splits,
                 __nv_bfloat16* out, float* lse, int h_q, int s_q, int folded_up_to) {

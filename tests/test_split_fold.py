@@ -23,6 +23,7 @@ from snapmla_cli.ops.split_fold import (
     combine_rows_per_cta,
     fold_limit,
     kernel_arrivals,
+    kernel_fold_limit,
     plan_fold,
 )
 from snapmla_cli.runtime.nvrtc import kernel_dir
@@ -73,6 +74,7 @@ def test_the_combine_runs_only_for_what_the_kernel_left(splits, kernel_folds, ar
     given = kernel_arrivals(fold, kernel_folds)
     assert (given is not None) == arrivals
     assert combine_after(fold, given) == combine
+    assert kernel_fold_limit(fold, given) == (fold.max_splits if arrivals else 0)
 
 
 def test_a_work_list_without_a_plan_runs_the_whole_combine():

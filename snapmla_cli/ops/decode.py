@@ -52,6 +52,7 @@ from .split_fold import (
     combine_after,
     combine_rows_per_cta,
     kernel_arrivals,
+    kernel_fold_limit,
     plan_fold,
 )
 
@@ -230,8 +231,7 @@ def _split_kv_decode(
                    np.int32(items_per_column), out, lse, partial_out, partial_lse,
                    np.int32(block_table.stride(0)),
                    np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal)),
-                   *((num_splits, arrivals, np.int32(fold.max_splits if fold is not None and arrivals is not None else 0))
-                     if cfg.wgmma else ())),
+                   *((num_splits, arrivals, np.int32(kernel_fold_limit(fold, arrivals))) if cfg.wgmma else ())),
                   shared_mem=smem)
     _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q, combine_after(fold, arrivals))
     return out, lse

@@ -35,8 +35,9 @@ MAX_FOLDED_SPLITS = 64
 # config can have
 MIN_ROW_TILE = ROWS_PER_GROUP
 # The most partial rows (splits x tile rows, 2 KB each) one merging CTA reads. Measured against
-# the combine at b 2-64 (docs/PERF.md, seventeenth session): the fold wins up to 64-128 (by 1-3%)
-# and loses from 144-256 on (up to 25% at b 8, 50% at b 2), as the one CTA's reads queue up.
+# the combine at b 2-32 (docs/PERF.md, seventeenth session): up to 128 the fold was 0.3-2.9%
+# sooner in 5 of 6 shapes, from 144 on it was later in all (up to 25% at b 8, 2.3x at b 2), as
+# the one CTA's reads queue up.
 FOLD_MAX_PARTIAL_ROWS = 128
 # Up to this many rows (b x s_q x h_q) the combine runs a CTA per row (COMBINE_ROWS 1), above it
 # a warp per row (4 per CTA): few rows are the small batches, whose requests have many splits.
@@ -73,6 +74,11 @@ def plan_fold(splits_per_request: Sequence[int], rows: int, tile_rows: int, devi
     arrivals = torch.zeros(len(splits_per_request) * tiles, dtype=torch.int32, device=device) if folded else None
     left = any(n == 0 or n > limit for n in splits_per_request)
     return SplitFold(arrivals, limit, left)
+
+
+def kernel_fold_limit(fold: SplitFold | None, arrivals: torch.Tensor | None) -> int:
+    """The decode kernel's ``fold_max_splits`` argument: 0 when it gets no counters."""
+    return fold.max_splits if fold is not None and arrivals is not None else 0
 
 
 def kernel_arrivals(fold: SplitFold | None, kernel_folds: bool) -> torch.Tensor | None:
