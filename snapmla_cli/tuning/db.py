@@ -10,7 +10,7 @@ File ``<normalised GPU name>.yaml`` (``NVIDIA H200`` -> ``NVIDIA_H200.yaml``)::
       - bucket: {h_q: 64, s_q: 2, batch: [64, 64], context: [16384, 16384], format: fp8}
         config: {row_groups: 4, kv_split: 1, stages: 2, block_n: 64, min_ctas_per_sm: 1,
                  split: {ctas_per_sm: 1, waves: 1, min_blocks_per_split: 4,
-                         max_splits_per_request: 64}}
+                         max_splits_per_request: 256}}
         time_us: ...          # measured, tuned config
         default_time_us: ...  # measured in the same run, the heuristic default
         ...
