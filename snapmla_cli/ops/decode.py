@@ -47,6 +47,7 @@ from .decode_config import (
 )
 from .schedule import WORK_FIELDS, build_work_list, host_seqlens
 from .split_fold import (
+    COMBINE_THREADS,
     CombineRun,
     SplitFold,
     combine_after,
@@ -60,7 +61,6 @@ __all__ = ["MetadataPlan", "choose_config", "decode_bf16", "decode_fp8",
            "flash_mla_with_kvcache", "get_mla_metadata", "mean_context", "metadata_plan"]
 
 LOG2E = 1.4426950408889634
-COMBINE_THREADS = 128  # kernels/combine.cu kThreads
 
 
 def _runtime():

@@ -42,6 +42,7 @@ FOLD_MAX_PARTIAL_ROWS = 128
 # Up to this many rows (b x s_q x h_q) the combine runs a CTA per row (COMBINE_ROWS 1), above it
 # a warp per row (4 per CTA): few rows are the small batches, whose requests have many splits.
 COMBINE_ONE_ROW_MAX_ROWS = 1024
+COMBINE_THREADS = 128  # kernels/combine.cu kThreads
 
 
 def fold_limit(tile_rows: int) -> int:
@@ -91,12 +92,10 @@ def kernel_arrivals(fold: SplitFold | None, kernel_folds: bool) -> torch.Tensor 
 
 def combine_after(fold: SplitFold | None, arrivals: torch.Tensor | None) -> CombineRun | None:
     """The combine's launch once the decode kernel ran with ``arrivals``; None: no combine."""
-    if fold is None or arrivals is None:
-        # a work list built elsewhere (nothing known on the host), or no fold: merge them all
-        # (a plan with nothing split and nothing empty needs none)
-        if fold is not None and fold.arrivals is None and not fold.combine_left:
-            return None
+    if fold is None:  # a work list built elsewhere: nothing known on the host, merge them all
         return CombineRun(0)
+    if arrivals is None:  # the kernel folded nothing: merge whatever is split or empty
+        return CombineRun(0) if fold.arrivals is not None or fold.combine_left else None
     return CombineRun(fold.max_splits) if fold.combine_left else None
 
 
