@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|ship16-hN|ab|bench|prep|decode|steady ...]
-# With no argument everything but `ship` / `ship16*` / `ab` / `steady` runs (`ship`: re-tune the shipped database's
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|ship16-hN|ab|ab-small|rate|host|bench|prep|decode|steady ...]
+# With no argument everything but `ship` / `ship16*` / `ab*` / `rate` / `host` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship16-hN`:
 # the BF16 entries of h_q N only, replacing the stored ones (--force: after a BF16 kernel change),
 # 33-36 s each on a warm machine; `ship16`:
 # add the BF16 entries of the same buckets; the new file lands in $OUT).
-# `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py).
+# `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
+# `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `rate`: the tensor cores' rate at the
+# decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
+# (scripts/host_cost.py).
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -35,6 +38,10 @@ for step in $steps; do
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_$step.log" | tail -12; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     ab)     for fmt in fp8 bf16; do python3 scripts/ab_tuning.py --format "$fmt" --rounds 3; done 2>&1 \
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
+    ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
+              2>&1 | tee "$OUT/ab_tuning_small.log" | grep -v '^$' ;;
+    host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
+    rate)   python3 scripts/wgmma_rate.py --json "$OUT/wgmma_rate.json" 2>&1 | tee "$OUT/wgmma_rate.log" | tail -24 ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
     prep)   python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -14 ;;
     decode) python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" | tail -34 ;;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -543,3 +544,48 @@ def test_wgmma_smem_mirror_is_checked_by_the_kernel() -> None:
     defines["SNAPMLA_EXPECT_SMEM"] += 16
     with pytest.raises(SnapmlaError, match="shared-memory"):
         nvrtc.compile_module("decode_fp8_wgmma.cu", defines, "sm_90a")
+
+
+def _wgmma_rate_cases() -> tuple[tuple[tuple[int, ...], bool], ...]:
+    """The warpgroup mixes scripts/wgmma_rate.py runs (imported from the script, so the two
+    cannot drift apart)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "wgmma_rate.py"
+    spec = importlib.util.spec_from_file_location("wgmma_rate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.CASES
+
+
+# the SASS instruction each shape code of kernels/diag/wgmma_rate.cu must become
+WGMMA_RATE_SASS = {1: "QGMMA.64x64x32.F32.E4M3.E4M3", 2: "QGMMA.64x64x32.F32.E4M3.E4M3",
+                   3: "QGMMA.64x64x32.F32.E4M3.E4M3", 4: "HGMMA.64x64x16.F32.BF16",
+                   5: "QGMMA.64x256x32.F32.E4M3.E4M3"}
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("shapes", "stream"), _wgmma_rate_cases(),
+                         ids=lambda c: c if isinstance(c, bool) else "-".join(map(str, c)))
+def test_wgmma_rate_diagnostic_compiles_unserialized(shapes: tuple[int, ...], stream: bool, tmp_path: Path) -> None:
+    """Every mix scripts/wgmma_rate.py runs builds for sm_90a without spills, with the wgmma of
+    each shape in its SASS and no serialized wgmmas (a serialized loop would measure ptxas'
+    waits, not the tensor cores), and the ldmatrix of the fragment-loading shape (3) only there."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    defines = {"NUM_WG": len(shapes), "STREAM": int(stream), **{f"WG{i}_SHAPE": s for i, s in enumerate(shapes)}}
+    module = nvrtc.compile_module("diag/wgmma_rate.cu", defines, "sm_90a")
+    assert "serialized" not in module.log, module.log
+    res = module.resources["snapmla_diag_wgmma_rate"]
+    assert res.spill_store_bytes == 0 and res.local_bytes == 0
+    cubin = tmp_path / "rate.cubin"
+    cubin.write_bytes(module.cubin)
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    body = _sass_by_function(sass)["snapmla_diag_wgmma_rate"]
+    for code in set(shapes):
+        assert WGMMA_RATE_SASS[code] in body, f"shape {code}: no {WGMMA_RATE_SASS[code]}"
+    assert ("LDSM" in body) == (3 in shapes)
+    assert ("UBLKCP" in body) == stream, "the streaming warp's bulk copies"

@@ -374,6 +374,8 @@ SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 4, "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m
 SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 8, "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3", ", 1, 1", "8", "9", "10")
 SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 16, "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3", ", 1, 1", "16", "17", "18")
 SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 32, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", ", 1, 1", "32", "33", "34")
+// (the 256-wide shape of a large GEMM: the wgmma-rate diagnostic's reference)
+SNAPMLA_WGMMA_SS(wgmma_fp8_ss, 128, "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", ", 1, 1", "128", "129", "130")
 SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 4, "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16", ", 1, 1, 0, 0", "4", "5", "6")
 SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 8, "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16", ", 1, 1, 0, 0", "8", "9", "10")
 SNAPMLA_WGMMA_SS(wgmma_bf16_ss, 16, "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16", ", 1, 1, 0, 0", "16", "17", "18")
