@@ -28,6 +28,9 @@ from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
 from snapmla_cli.ops.prep import quantize_q
 
 CALLS = 400
+# calls issued behind the spin: at most three launches each, and the driver's launch queue
+# (about a thousand entries) must not fill, or the issuing waits for the GPU
+ISSUE_CALLS = 100
 SPIN_CYCLES_PER_CALL = 1_000_000  # 0.5 ms at 2 GHz: more than any call's host path
 PROFILE_LINES = 25
 
@@ -93,7 +96,7 @@ def measure_shape(b: int, h: int, ctx: int, device: torch.device, profile_dir: P
             wall_plain = wall_per_call(fn, CALLS)
         finally:
             del os.environ["SNAPMLA_PDL"]
-        issue = issue_per_call(fn, CALLS)
+        issue = issue_per_call(fn, ISSUE_CALLS)
         print(f"b{b} h{h} {ctx // 1024}k {name}: eager {wall * 1e6:.1f} us per call (PDL off {wall_plain * 1e6:.1f}), "
               f"host issue {issue * 1e6:.1f} us, graph replay {time_graph(fn) * 1e6:.1f} us", flush=True)
     if profile_dir:

@@ -21,6 +21,7 @@ from ..numerics.quant import QuantizedRows
 from ..ops import decode as decode_ops
 from ..ops.decode import decode_bf16, decode_fp8, get_mla_metadata
 from ..ops.decode_config import DecodeConfig
+from ..ops.decode_launch import clear_plans
 from ..ops.prep import append_kv, quantize_q
 
 Q_STD = 0.5  # query values ~ N(0, 0.25): logits of the order real models give
@@ -87,7 +88,9 @@ def extra_defines(defines: dict[str, int], bf16: bool = False) -> Iterator[None]
     name = "bf16_defines" if bf16 else "fp8_defines"
     plain = getattr(decode_ops, name)
     setattr(decode_ops, name, lambda cfg: {**plain(cfg), **defines})
+    clear_plans()  # the decode calls' prepared launches hold the kernels built without them
     try:
         yield
     finally:
         setattr(decode_ops, name, plain)
+        clear_plans()

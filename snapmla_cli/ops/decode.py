@@ -12,6 +12,7 @@ anyway, so it knows the context), and travels with the metadata tensor to the de
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -45,10 +46,9 @@ from .decode_config import (
     runs_columns,
     settle_balance,
 )
+from .decode_launch import DecodePlan, combine_launch, find_plan, store_plan
 from .schedule import WORK_FIELDS, build_work_list, host_seqlens
 from .split_fold import (
-    COMBINE_THREADS,
-    CombineRun,
     SplitFold,
     combine_after,
     combine_rows_per_cta,
@@ -150,35 +150,13 @@ def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
     return k_cache
 
 
-def _buffers(b: int, s_q: int, h_q: int, num_work: int, device: torch.device,
-             out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-    rows = s_q * h_q
-    if out is None:
-        out = torch.empty(b, s_q, h_q, D_V, dtype=torch.bfloat16, device=device)
-    else:
+def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple[int, int, int],
+                   device: torch.device) -> None:
+    b, s_q, h_q = shape
+    if out is not None:
         _check(out, "out", torch.bfloat16, (b, s_q, h_q, D_V), device)
-    if lse is None:
-        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=device)
-    else:
+    if lse is not None:
         _check(lse, "lse", torch.float32, (b, h_q, s_q), device)
-    partial_out = torch.empty(max(num_work, 1), rows, D_V, dtype=torch.float32, device=device)
-    partial_lse = torch.empty(max(num_work, 1), rows, dtype=torch.float32, device=device)
-    return out, lse, partial_out, partial_lse
-
-
-def _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q: int, s_q: int,
-                    run: CombineRun | None) -> None:
-    if run is None:
-        return
-    b = out.shape[0]
-    rows = h_q * s_q
-    rows_per_cta = combine_rows_per_cta(b * rows)
-    kernel = rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta})
-    # programmatic: launched while the decode grid drains, it waits for it in the kernel
-    rt.launch(kernel, (b, math.ceil(rows / rows_per_cta), 1), (COMBINE_THREADS, 1, 1),
-              (partial_out, partial_lse, num_splits, out, lse, np.int32(h_q), np.int32(s_q),
-               np.int32(run.folded_up_to)),
-              programmatic=True)
 
 
 def _split_fold(tile_scheduler_metadata: torch.Tensor, rows: int) -> SplitFold | None:
@@ -202,39 +180,94 @@ def _split_kv_decode(
     cfg: DecodeConfig,
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
+    requested: DecodeConfig | None = None,
+    plan_key: tuple[object, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What both decode kernels share: block-table and metadata checks, the output and split
-    buffers, the decode launch over (row tiles x work items), the combine. ``operands`` are the
-    kernel's leading pointer arguments (Q parts and the cache, or its TMA tensor maps)."""
+    """What both decode kernels share, on a call's first run: block-table and metadata checks,
+    the plan of the decode launch over (row tiles x work items) and of the combine, stored under
+    ``plan_key`` for the calls after it (:mod:`.decode_launch`), then run. ``operands`` are the
+    kernel's leading pointer arguments (Q parts, then the cache or its TMA tensor maps);
+    ``requested`` is the caller's configuration object."""
     b, s_q, h_q = shape
     _check_table(block_table, cache_seqlens, b, device)
     _check_metadata(tile_scheduler_metadata, num_splits, b, device)
+    _check_outputs(out, lse, shape, device)
     rows = s_q * h_q
     scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
     columns, items_per_column = tile_scheduler_metadata.shape[:2]
     num_work = columns * items_per_column  # places, the empty ones included
-    out, lse, partial_out, partial_lse = _buffers(b, s_q, h_q, num_work, device, out, lse)
     fold = _split_fold(tile_scheduler_metadata, rows)
     arrivals = kernel_arrivals(fold, cfg.wgmma)  # the wgmma kernels merge split requests themselves
     rt = _runtime()
+    kernel = None
     if num_work > 0:
         if fp8:
             kernel = rt.get_kernel(*fp8_kernel(cfg), fp8_defines(cfg))
-            smem = fp8_smem_bytes(cfg)
         else:
             kernel = rt.get_kernel(*bf16_kernel(cfg), bf16_defines(cfg))
-            smem = bf16_smem_bytes(cfg)
-        # a kernel that runs columns takes one per CTA row; the others one place (item) each
-        ctas = columns if runs_columns(cfg, fp8) else num_work
-        rt.launch(kernel, (math.ceil(rows / cfg.block_m), ctas, 1), (cfg.threads(fp8), 1, 1),
-                  (*operands, block_table, cache_seqlens, tile_scheduler_metadata,
-                   np.int32(items_per_column), out, lse, partial_out, partial_lse,
-                   np.int32(block_table.stride(0)),
-                   np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q), np.int32(int(causal)),
-                   *((num_splits, arrivals, np.int32(kernel_fold_limit(fold, arrivals))) if cfg.wgmma else ())),
-                  shared_mem=smem)
-    _launch_combine(rt, partial_out, partial_lse, num_splits, out, lse, h_q, s_q, combine_after(fold, arrivals))
-    return out, lse
+    # a kernel that runs columns takes one per CTA row; the others one place (item) each
+    ctas = columns if runs_columns(cfg, fp8) else num_work
+    run = combine_after(fold, arrivals)
+    rows_per_cta = combine_rows_per_cta(b * rows)
+    combine = None if run is None else rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta})
+    combine_grid = (b, math.ceil(rows / rows_per_cta), 1)
+    cache = operands[-1]
+    plan = DecodePlan(
+        metadata=weakref.ref(tile_scheduler_metadata),
+        config=requested,
+        device=device,
+        out_shape=(b, s_q, h_q, D_V),
+        lse_shape=(b, h_q, s_q),
+        partial_out_shape=(max(num_work, 1), rows, D_V),
+        partial_lse_shape=(max(num_work, 1), rows),
+        decode=kernel,
+        grid=(math.ceil(rows / cfg.block_m), ctas, 1),
+        block=(cfg.threads(fp8), 1, 1),
+        shared_mem=fp8_smem_bytes(cfg) if fp8 else bf16_smem_bytes(cfg),
+        cache_ptr=cache.data_ptr(),
+        items_per_column=np.int32(items_per_column),
+        scalars=(np.int32(block_table.stride(0)), np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q),
+                 np.int32(int(causal))),
+        fold=((0 if arrivals is None else arrivals.data_ptr()), np.int32(kernel_fold_limit(fold, arrivals)))
+        if cfg.wgmma else None,
+        combine=combine,
+        combine_launch=combine_launch(combine, combine_grid),
+        combine_grid=combine_grid,
+        combine_scalars=(np.int32(h_q), np.int32(s_q), np.int32(0 if run is None else run.folded_up_to)),
+        keep=(cache, arrivals),
+    )
+    if plan_key is not None:
+        store_plan(plan_key, plan)
+    return plan.run(tuple(t.data_ptr() for t in operands[:-1]), block_table, cache_seqlens,
+                    tile_scheduler_metadata, num_splits, out, lse)
+
+
+def _fast_checks(tensors: tuple[tuple[str, torch.Tensor], ...], block_table: torch.Tensor) -> None:
+    """What a plan's key does not fix: contiguity (and the block table's rows)."""
+    for name, t in tensors:
+        if not t.is_contiguous():
+            raise SnapmlaError(f"{name}: must be contiguous")
+    if block_table.stride(1) != 1:
+        raise SnapmlaError("block_table: rows must be contiguous (stride 1 along blocks)")
+
+
+def _call_key(block_table: torch.Tensor, cache_seqlens: torch.Tensor, metadata: torch.Tensor,
+              num_splits: torch.Tensor, softmax_scale: float | None, causal: bool,
+              config: DecodeConfig | None, out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[object, ...]:
+    """The part of a plan's key both formats share (the Q and cache parts come first)."""
+    return (block_table.shape, block_table.dtype, block_table.get_device(), block_table.stride(0),
+            cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
+            id(metadata), metadata.shape, metadata.dtype, metadata.get_device(),
+            num_splits.shape, num_splits.dtype, num_splits.get_device(),
+            id(config), softmax_scale, causal, out is None, lse is None)
+
+
+def _tensor_args(**named: object) -> None:
+    """A one-line error for an argument that is not a tensor at all (before any attribute of it
+    is read)."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor):
+            raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
 
 
 def decode_fp8(
@@ -252,7 +285,26 @@ def decode_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 decode on an already-quantized Q (``quantize_q`` output, ``[b, s_q, h_q]`` rows).
     Without ``config``, the configuration ``get_mla_metadata`` built the metadata for
-    (:func:`decode_config_for`)."""
+    (:func:`decode_config_for`). After the first call of a signature the launch is replayed
+    from its plan (:mod:`.decode_launch`)."""
+    if not isinstance(q, QuantizedRows):
+        raise SnapmlaError(f"q: expected QuantizedRows (the output of quantize_q), got {type(q).__name__}")
+    _tensor_args(k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                 tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+    content, scale, rope = q.content, q.scale, q.rope
+    key = (content.shape, content.dtype, content.get_device(), scale.shape, scale.dtype, scale.get_device(),
+           rope.shape, rope.dtype, rope.get_device(), k_cache.shape, k_cache.dtype, k_cache.get_device(),
+           k_cache.data_ptr(), *_call_key(block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                                          softmax_scale, causal, config, out, lse))
+    plan = find_plan(key, tile_scheduler_metadata, config)
+    if plan is not None:
+        _fast_checks((("q.content", content), ("q.scale", scale), ("q.rope", rope), ("k_cache", k_cache),
+                      ("cache_seqlens", cache_seqlens), ("tile_scheduler_metadata", tile_scheduler_metadata),
+                      ("num_splits", num_splits)), block_table)
+        if out is not None or lse is not None:
+            _check_outputs(out, lse, tuple(scale.shape), plan.device)
+        return plan.run((content.data_ptr(), scale.data_ptr(), rope.data_ptr()), block_table, cache_seqlens,
+                        tile_scheduler_metadata, num_splits, out, lse)
     if q.scale.dim() != 3:
         raise SnapmlaError(f"q.scale: expected [b, s_q, h_q], got {list(q.scale.shape)}")
     b, s_q, h_q = q.scale.shape
@@ -270,7 +322,7 @@ def decode_fp8(
         cache = fp8_cache_tensor_maps(cache)
     return _split_kv_decode(True, (content, q.scale, q.rope, cache), (b, s_q, h_q), device,
                             block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                            softmax_scale, causal, cfg, out, lse)
+                            softmax_scale, causal, cfg, out, lse, config, key)
 
 
 def decode_bf16(
@@ -287,7 +339,21 @@ def decode_bf16(
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BF16 decode on the bf16 cache ``[blocks, 64, 1, 576]`` (the baseline). Without ``config``,
-    the configuration ``get_mla_metadata`` built the metadata for (:func:`decode_config_for`)."""
+    the configuration ``get_mla_metadata`` built the metadata for (:func:`decode_config_for`);
+    after the first call of a signature the launch is replayed from its plan."""
+    _tensor_args(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                 tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+    key = (q.shape, q.dtype, q.get_device(), k_cache.shape, k_cache.dtype, k_cache.get_device(), k_cache.data_ptr(),
+           *_call_key(block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale, causal,
+                      config, out, lse))
+    plan = find_plan(key, tile_scheduler_metadata, config)
+    if plan is not None:
+        _fast_checks((("q", q), ("k_cache", k_cache), ("cache_seqlens", cache_seqlens),
+                      ("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)),
+                     block_table)
+        if out is not None or lse is not None:
+            _check_outputs(out, lse, tuple(q.shape[:3]), plan.device)
+        return plan.run((q.data_ptr(),), block_table, cache_seqlens, tile_scheduler_metadata, num_splits, out, lse)
     if q.dim() != 4:
         raise SnapmlaError(f"q: expected [b, s_q, h_q, {D_QK}], got {list(q.shape)}")
     b, s_q, h_q, _ = q.shape
@@ -304,7 +370,7 @@ def decode_bf16(
         cache = bf16_cache_tensor_map(k_cache)
     return _split_kv_decode(False, (q, cache), (b, s_q, h_q), device, block_table,
                             cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
-                            causal, cfg, out, lse)
+                            causal, cfg, out, lse, config, key)
 
 
 def flash_mla_with_kvcache(

@@ -10,7 +10,7 @@ is rejected rather than silently passed as 64 bits to an ``int`` parameter)."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -86,12 +86,23 @@ _MODULES: dict[tuple[str, int], Any] = {}
 _HANDLES: weakref.WeakSet[KernelHandle] = weakref.WeakSet()
 
 
+_CLEAR_HOOKS: list[Callable[[], None]] = []
+
+
+def on_kernels_cleared(hook: Callable[[], None]) -> None:
+    """Call ``hook`` whenever the loaded kernels are forgotten: an op that caches launch plans
+    holding :class:`Kernel` objects drops them too."""
+    _CLEAR_HOOKS.append(hook)
+
+
 def clear_loaded_kernels() -> None:
     """Forget loaded kernels (tests; a changed SNAPMLA_KERNEL_DIR)."""
     _KERNELS.clear()
     _MODULES.clear()
     for handle in list(_HANDLES):
         handle.forget()
+    for hook in _CLEAR_HOOKS:
+        hook()
 
 
 def get_kernel(
@@ -305,10 +316,39 @@ def launch(
                 f"{kernel.name}: argument {pos} is a {type(arg).__name__}; pass tensors, None, "
                 "or wrap numbers with i32()/i64()/f32() so their C type is explicit"
             )
+    launch_raw(kernel, _dim3(grid), _dim3(block), kargs, shared_mem, programmatic)
+
+
+def prepare_programmatic(kernel: Kernel, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                         arg_types: Sequence[type]) -> pdl.ProgrammaticLaunch | None:
+    """A reusable programmatic launch of ``kernel`` (:class:`pdl.ProgrammaticLaunch`), or None
+    where PDL is unavailable or the kernel lacks its wait (then :func:`launch_raw` with
+    ``programmatic=True`` launches it normally)."""
+    if not (pdl.available() and supports_programmatic(kernel)):
+        return None
+    return pdl.ProgrammaticLaunch(kernel.function.ptr, grid, block, shared_mem, arg_types)
+
+
+def launch_prepared(kernel: Kernel, prepared: pdl.ProgrammaticLaunch | None, grid: tuple[int, ...],
+                    block: tuple[int, ...], kargs: list[object], shared_mem: int = 0) -> None:
+    """A programmatic launch through ``prepared`` (from :func:`prepare_programmatic` with the same
+    kernel, grid, block and shared memory) unless ``SNAPMLA_PDL=0`` or there is none."""
+    if prepared is not None and pdl.enabled():
+        prepared(current_raw_stream(kernel.device_index), kargs)
+        return
+    launch_raw(kernel, grid, block, kargs, shared_mem, programmatic=True)
+
+
+def launch_raw(
+    kernel: Kernel, grid: tuple[int, ...], block: tuple[int, ...], kargs: list[object], shared_mem: int = 0,
+    programmatic: bool = False,
+) -> None:
+    """:func:`launch` with the arguments already raw (ints for pointers, NumPy scalars) and the
+    grid and block as tuples: the hot path of an op that prepared its launch once."""
     if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
         _set_dynamic_smem(kernel, shared_mem)
     stream_ptr = current_raw_stream(kernel.device_index)
     if programmatic and pdl.enabled() and pdl.available() and supports_programmatic(kernel):
-        pdl.launch_programmatic(kernel.function.ptr, _dim3(grid), _dim3(block), shared_mem, stream_ptr, kargs)
+        pdl.launch_programmatic(kernel.function.ptr, grid, block, shared_mem, stream_ptr, kargs)
         return
-    kernel.function(_dim3(grid), _dim3(block), kargs, shared_mem=shared_mem, stream=_stream_wrapper(stream_ptr))
+    kernel.function(grid, block, kargs, shared_mem=shared_mem, stream=_stream_wrapper(stream_ptr))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -95,12 +96,10 @@ def pack_args(args: Sequence[object]) -> tuple[ctypes.Array, list[object]]:
     return pointers, values
 
 
-def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
-                        stream_ptr: int, args: Sequence[object]) -> None:
-    """Launch with programmatic stream serialization allowed (see the module docstring)."""
-    fn = _launch_kernel_ex()
-    if fn is None:
-        raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")
+def _programmatic_config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                         stream_ptr: int) -> tuple[LaunchConfig, LaunchAttribute]:
+    """The launch configuration with the programmatic-serialization attribute (the attribute is
+    returned too: the configuration points into it)."""
     g = (*grid, 1, 1)[:3]
     b = (*block, 1, 1)[:3]
     attr = LaunchAttribute()
@@ -108,8 +107,52 @@ def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[i
     ctypes.c_int.from_buffer(attr.value).value = 1  # programmaticStreamSerializationAllowed
     config = LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, ctypes.c_void_p(stream_ptr),
                           ctypes.pointer(attr), 1)
-    pointers, _values = pack_args(args)
-    status = fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), pointers, None)
+    return config, attr
+
+
+def _check_status(status: int, config: LaunchConfig) -> None:
     if status != _CUDA_SUCCESS:
-        raise SnapmlaError(f"cuLaunchKernelEx failed with CUresult {status} (grid {g}, block {b}, "
-                           f"{shared_mem} B shared memory)")
+        raise SnapmlaError(f"cuLaunchKernelEx failed with CUresult {status} (grid "
+                           f"{(config.grid_x, config.grid_y, config.grid_z)}, block "
+                           f"{(config.block_x, config.block_y, config.block_z)}, {config.shared_mem} B shared memory)")
+
+
+def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                        stream_ptr: int, args: Sequence[object]) -> None:
+    """Launch with programmatic stream serialization allowed (see the module docstring)."""
+    fn = _launch_kernel_ex()
+    if fn is None:
+        raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")
+    config, _attr = _programmatic_config(grid, block, shared_mem, stream_ptr)
+    pointers, _values = pack_args(args)
+    _check_status(fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), pointers, None), config)
+
+
+class ProgrammaticLaunch:
+    """One kernel's programmatic launch with its configuration and argument buffers built once
+    (for an op's hot path: :func:`launch_programmatic` builds a dozen ctypes objects a call). A
+    call sets the stream and the argument values, whose C types were fixed at construction; a
+    lock keeps two threads from filling the shared buffers at once."""
+
+    __slots__ = ("_attr", "_config", "_function", "_lock", "_pointers", "_values")
+
+    def __init__(self, function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                 arg_types: Sequence[type]) -> None:
+        self._config, self._attr = _programmatic_config(grid, block, shared_mem, 0)
+        self._function = ctypes.c_void_p(function_ptr)
+        self._values = [ctype() for ctype in arg_types]
+        self._pointers = (ctypes.c_void_p * max(len(self._values), 1))(
+            *[ctypes.addressof(v) for v in self._values])
+        self._lock = threading.Lock()
+
+    def __call__(self, stream_ptr: int, args: Sequence[object]) -> None:
+        """Launch on ``stream_ptr`` with ``args`` (ints for pointers, NumPy scalars or ints for
+        values), one per argument type given at construction."""
+        fn = _launch_kernel_ex()
+        if fn is None:
+            raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")
+        with self._lock:
+            self._config.stream = stream_ptr
+            for value, arg in zip(self._values, args, strict=True):
+                value.value = arg
+            _check_status(fn(ctypes.byref(self._config), self._function, self._pointers, None), self._config)

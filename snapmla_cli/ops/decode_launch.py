@@ -1,0 +1,122 @@
+"""A decode call's launches, prepared once per argument signature and then replayed.
+
+Why: an eager decode call (one not replayed from a CUDA graph) ran every argument check and
+rebuilt both launches each time: 112-190 us of host time per call at b 1 on the H200's host,
+against 16-24 us of GPU work (docs/PERF.md, eighteenth session), paid on every layer by an
+engine that launches from Python. Now the first call of a signature (shapes, dtypes, devices,
+the cache's address, the metadata tensor, the configuration object, scale, causal) runs every
+check of :mod:`.decode` and stores a :class:`DecodePlan`; a later call tests only what the key
+cannot see (contiguity, the block table's inner stride, a caller's ``out`` / ``lse``), allocates
+the outputs and the split buffers, and launches.
+
+A plan holds for one metadata tensor (a weak reference: ids are reused) and one configuration
+object; the cache forgets every plan when the loaded kernels are forgotten or a kernel build
+switch changes (:func:`clear_plans`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..runtime.launch import (
+    Kernel,
+    launch_prepared,
+    launch_raw,
+    on_kernels_cleared,
+    prepare_programmatic,
+)
+from ..runtime.pdl import ProgrammaticLaunch
+from .decode_config import DecodeConfig
+from .split_fold import COMBINE_THREADS
+
+MAX_PLANS = 1024  # plans kept (all forgotten when full: signatures change rarely)
+COMBINE_BLOCK = (COMBINE_THREADS, 1, 1)
+# kernels/combine.cu's arguments: partial out / lse, num_splits, out, lse; h_q, s_q, folded_up_to
+COMBINE_ARG_TYPES = (ctypes.c_void_p,) * 5 + (ctypes.c_int32,) * 3
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class DecodePlan:
+    """Everything of a decode call that its key fixes: the kernels, grids, scalar arguments and
+    buffer shapes. ``run`` adds the per-call pointers."""
+
+    metadata: weakref.ref[torch.Tensor]  # the work list it was built for
+    config: DecodeConfig | None  # the caller's configuration object (identity)
+    device: torch.device
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    partial_out_shape: tuple[int, ...]
+    partial_lse_shape: tuple[int, ...]
+    decode: Kernel | None  # None: no work item (every request empty)
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    cache_ptr: int  # the cache, or the device buffer of its TMA maps
+    items_per_column: np.int32
+    scalars: tuple[object, ...]  # block-table stride, scale * log2(e), h_q, s_q, causal
+    fold: tuple[object, ...] | None  # wgmma kernels: (arrivals pointer, fold limit); else None
+    combine: Kernel | None  # None: the decode kernel merged every split itself
+    combine_launch: ProgrammaticLaunch | None  # its prepared programmatic launch
+    combine_grid: tuple[int, int, int]
+    combine_scalars: tuple[object, ...]  # h_q, s_q, folded_up_to
+    keep: tuple[object, ...]  # what the pointers above point into (the maps, the counters)
+
+    def holds_for(self, metadata: torch.Tensor, config: DecodeConfig | None) -> bool:
+        return self.metadata() is metadata and self.config is config
+
+    def run(self, q_ptrs: tuple[int, ...], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+            metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
+            lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate what the caller did not give, launch the decode kernel and the combine."""
+        device = self.device
+        if out is None:
+            out = torch.empty(size=self.out_shape, dtype=torch.bfloat16, device=device)
+        if lse is None:
+            lse = torch.empty(size=self.lse_shape, dtype=torch.float32, device=device)
+        partial_out = torch.empty(size=self.partial_out_shape, dtype=torch.float32, device=device)
+        partial_lse = torch.empty(size=self.partial_lse_shape, dtype=torch.float32, device=device)
+        if self.decode is not None:
+            args: list[object] = [*q_ptrs, self.cache_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
+                                  metadata.data_ptr(), self.items_per_column, out.data_ptr(), lse.data_ptr(),
+                                  partial_out.data_ptr(), partial_lse.data_ptr(), *self.scalars]
+            if self.fold is not None:
+                args += [num_splits.data_ptr(), *self.fold]
+            launch_raw(self.decode, self.grid, self.block, args, self.shared_mem)
+        if self.combine is not None:
+            # programmatic: launched while the decode grid drains, it waits for it in the kernel
+            launch_prepared(self.combine, self.combine_launch, self.combine_grid, COMBINE_BLOCK,
+                            [partial_out.data_ptr(), partial_lse.data_ptr(), num_splits.data_ptr(), out.data_ptr(),
+                             lse.data_ptr(), *self.combine_scalars])
+        return out, lse
+
+
+_PLANS: dict[tuple[object, ...], DecodePlan] = {}
+
+
+def combine_launch(kernel: Kernel | None, grid: tuple[int, int, int]) -> ProgrammaticLaunch | None:
+    """The combine's prepared programmatic launch (None without a combine or without PDL)."""
+    return None if kernel is None else prepare_programmatic(kernel, grid, COMBINE_BLOCK, 0, COMBINE_ARG_TYPES)
+
+
+def find_plan(key: tuple[object, ...], metadata: torch.Tensor, config: DecodeConfig | None) -> DecodePlan | None:
+    plan = _PLANS.get(key)
+    return plan if plan is not None and plan.holds_for(metadata, config) else None
+
+
+def store_plan(key: tuple[object, ...], plan: DecodePlan) -> None:
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def clear_plans() -> None:
+    """Forget every plan (a kernel build switch changed, or the loaded kernels were dropped)."""
+    _PLANS.clear()
+
+
+on_kernels_cleared(clear_plans)

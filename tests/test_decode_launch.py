@@ -1,0 +1,171 @@
+"""The decode calls' prepared launches (ops/decode_launch.py), on CPU tensors: the first call of
+a signature checks everything and stores a plan, later calls replay it with their own pointers,
+and nothing that changes the launch (a new metadata tensor, another configuration object, a
+kernel build switch, forgotten kernels) reuses a stale plan. The launches are recorded instead of
+run; the GPU tests run the real ones."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from snapmla_cli.bench.decode_case import extra_defines
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
+from snapmla_cli.numerics.quant import QuantizedRows
+from snapmla_cli.ops import decode, decode_launch
+from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+from snapmla_cli.ops.decode_config import heuristic_config
+from snapmla_cli.runtime import launch, tensor_map
+
+H_Q, S_Q, BATCH, CTX = 16, 1, 2, 40000  # 625 pages a request: more splits than the fold takes (combine)
+
+
+class _Recorder:
+    """Stands in for the runtime: hands out fake kernels, records each launch's kernel and
+    arguments (the decode launch, then the combine's)."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[str, tuple, list]] = []
+        self.kernels_built = 0
+
+    def get_kernel(self, source, name, defines=None, **_):
+        self.kernels_built += 1
+        return types.SimpleNamespace(name=name, source=source, defines=dict(defines or {}), device_index=0,
+                                     max_dynamic_smem=1 << 20)
+
+    def launch_raw(self, kernel, grid, block, args, shared_mem=0, programmatic=False):
+        self.launches.append((kernel.name, tuple(grid), list(args)))
+
+    def launch_prepared(self, kernel, prepared, grid, block, args, shared_mem=0):
+        self.launches.append((kernel.name, tuple(grid), list(args)))
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = _Recorder()
+    monkeypatch.setattr(decode, "_require_cuda", lambda t, name, device: None)
+    monkeypatch.setattr(decode, "_runtime", lambda: rec)
+    monkeypatch.setattr(decode_launch, "launch_raw", rec.launch_raw)
+    monkeypatch.setattr(decode_launch, "launch_prepared", rec.launch_prepared)
+    monkeypatch.setattr(decode_launch, "prepare_programmatic", lambda *a: None)
+    monkeypatch.setattr(tensor_map, "fp8_cache_tensor_maps", lambda cache: cache)
+    monkeypatch.setattr(tensor_map, "bf16_cache_tensor_map", lambda cache: cache)
+    decode_launch.clear_plans()
+    yield rec
+    decode_launch.clear_plans()
+
+
+def _q8(seed: int = 0) -> QuantizedRows:
+    gen = torch.Generator().manual_seed(seed)
+    return QuantizedRows(torch.randint(0, 0x70, (BATCH, S_Q, H_Q, 512), dtype=torch.uint8, generator=gen),
+                         torch.rand(BATCH, S_Q, H_Q, generator=gen) + 0.5,
+                         torch.randn(BATCH, S_Q, H_Q, 64, generator=gen).to(torch.bfloat16))
+
+
+def _paged():
+    pages = -(-CTX // PAGE_SIZE)
+    cache = torch.zeros(BATCH * pages, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    table = torch.arange(BATCH * pages, dtype=torch.int32).view(BATCH, pages)
+    lens = torch.full((BATCH,), CTX, dtype=torch.int32)
+    return cache, table, lens
+
+
+def test_second_call_replays_the_plan_with_its_own_pointers(recorder):
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    first_q, second_q = _q8(0), _q8(1)
+    out1, lse1 = decode_fp8(first_q, cache, table, lens, meta, splits)
+    built = recorder.kernels_built
+    out2, lse2 = decode_fp8(second_q, cache, table, lens, meta, splits)
+    assert recorder.kernels_built == built, "the second call looked its kernels up again"
+    assert len(recorder.launches) == 4  # decode + combine, twice
+    (name1, grid1, args1), (cname1, _, cargs1) = recorder.launches[:2]
+    (name2, grid2, args2), (cname2, _, cargs2) = recorder.launches[2:]
+    assert (name1, grid1, cname1) == (name2, grid2, cname2) == (name1, grid1, "snapmla_combine")
+    # Q's pointers and the outputs' are this call's; everything else is the same
+    assert args1[:3] == [t.data_ptr() for t in (first_q.content, first_q.scale, first_q.rope)]
+    assert args2[:3] == [t.data_ptr() for t in (second_q.content, second_q.scale, second_q.rope)]
+    assert args2[8:10] == [out2.data_ptr(), lse2.data_ptr()] and args1[8:10] == [out1.data_ptr(), lse1.data_ptr()]
+    assert args1[3:8] == args2[3:8] and args1[12:] == args2[12:]
+    assert cargs2[3:5] == [out2.data_ptr(), lse2.data_ptr()] and cargs1[5:] == cargs2[5:]
+    assert out2.shape == (BATCH, S_Q, H_Q, 512) and lse2.shape == (BATCH, H_Q, S_Q)
+
+
+def test_a_new_metadata_tensor_or_config_object_gets_its_own_plan(recorder):
+    cache, table, lens = _paged()
+    q = _q8()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, lens, meta, splits)
+    built = recorder.kernels_built
+    meta2, splits2 = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, lens, meta2, splits2)
+    assert recorder.kernels_built > built  # planned afresh
+    config = heuristic_config(S_Q * H_Q, True).with_sms(8)
+    built = recorder.kernels_built
+    decode_fp8(q, cache, table, lens, meta2, splits2, config=config)
+    assert recorder.kernels_built > built
+    plan = decode_launch._PLANS[next(reversed(decode_launch._PLANS))]
+    assert plan.holds_for(meta2, config) and not plan.holds_for(meta2, None) and not plan.holds_for(meta, config)
+
+
+def test_a_kernel_build_switch_or_forgotten_kernels_drop_the_plans(recorder):
+    cache, table, lens = _paged()
+    q = _q8()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, lens, meta, splits)
+    assert decode_launch._PLANS
+    with extra_defines({"PV_PAIRS": 0}):
+        assert not decode_launch._PLANS
+        decode_fp8(q, cache, table, lens, meta, splits)
+        switched = recorder.launches[-2]
+    assert not decode_launch._PLANS
+    decode_fp8(q, cache, table, lens, meta, splits)
+    assert recorder.launches[-2][0] == switched[0]
+    launch.clear_loaded_kernels()
+    assert not decode_launch._PLANS
+
+
+def test_a_replayed_call_still_checks_what_the_key_cannot_see(recorder):
+    cache, table, lens = _paged()
+    q = _q8()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, lens, meta, splits)
+    strided = QuantizedRows(torch.empty(BATCH, S_Q, H_Q, 1024, dtype=torch.uint8)[..., :512], q.scale, q.rope)
+    with pytest.raises(SnapmlaError, match="q.content: must be contiguous"):
+        decode_fp8(strided, cache, table, lens, meta, splits)
+    wide = torch.zeros(BATCH, 2 * table.shape[1], dtype=torch.int32)[:, ::2]
+    with pytest.raises(SnapmlaError, match="block_table"):
+        decode_fp8(q, cache, wide, lens, meta, splits)
+    with pytest.raises(SnapmlaError, match=r"out: expected shape"):
+        decode_fp8(q, cache, table, lens, meta, splits, out=torch.empty(1, 2, 3, dtype=torch.bfloat16))
+    out = torch.empty(BATCH, S_Q, H_Q, 512, dtype=torch.bfloat16)
+    assert decode_fp8(q, cache, table, lens, meta, splits, out=out)[0] is out
+    with pytest.raises(SnapmlaError, match=r"out: expected torch.bfloat16"):
+        decode_fp8(q, cache, table, lens, meta, splits, out=out.float())
+
+
+def test_arguments_that_are_not_tensors_get_one_line_errors(recorder):
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    with pytest.raises(SnapmlaError, match="q: expected QuantizedRows"):
+        decode_fp8(torch.zeros(1), cache, table, lens, meta, splits)
+    with pytest.raises(SnapmlaError, match="block_table: expected a torch.Tensor, got list"):
+        decode_fp8(_q8(), cache, [[0]], lens, meta, splits)
+    with pytest.raises(SnapmlaError, match="k_cache: expected a torch.Tensor, got NoneType"):
+        decode_bf16(torch.zeros(BATCH, S_Q, H_Q, D_QK, dtype=torch.bfloat16), None, table, lens, meta, splits)
+
+
+def test_bf16_calls_replay_their_plan(recorder):
+    _, table, lens = _paged()
+    cache = torch.zeros(table.numel(), PAGE_SIZE, 1, D_QK, dtype=torch.bfloat16)
+    q = torch.randn(BATCH, S_Q, H_Q, D_QK).to(torch.bfloat16)
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1, fp8=False)
+    decode_bf16(q, cache, table, lens, meta, splits)
+    built = recorder.kernels_built
+    q2 = q.clone()
+    decode_bf16(q2, cache, table, lens, meta, splits)
+    assert recorder.kernels_built == built
+    assert recorder.launches[-2][2][0] == q2.data_ptr()
