@@ -2,9 +2,12 @@
 ``flash_mla_with_kvcache`` dispatching on the cache format, and ``decode_fp8`` taking an
 already-quantized Q so that an engine quantizes once per step.
 
-Every argument is checked once per call (shape, dtype, device, contiguity) with a one-line
-:class:`SnapmlaError`; the launch path itself does no host synchronisation (the output and
-split buffers are sized from shapes only), so a decode step can be captured in a CUDA graph.
+Every argument is checked (shape, dtype, device, contiguity) with a one-line
+:class:`SnapmlaError`: fully on the first call of an argument signature, which stores the
+call's prepared launches (:mod:`.decode_launch`), and on later calls what the signature does
+not fix (contiguity, a caller's ``out`` / ``lse``). The launch path does no host
+synchronisation (the output and split buffers are sized from shapes only), so a decode step can
+be captured in a CUDA graph.
 The configuration is chosen once per step, in ``get_mla_metadata`` (which reads the lengths
 anyway, so it knows the context), and travels with the metadata tensor to the decode calls.
 """
