@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_prep import host_time  # this folder is sys.path[0]
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import time_graph
@@ -33,17 +34,6 @@ CALLS = 400
 ISSUE_CALLS = 100
 SPIN_CYCLES_PER_CALL = 1_000_000  # 0.5 ms at 2 GHz: more than any call's host path
 PROFILE_LINES = 25
-
-
-def wall_per_call(fn, calls: int) -> float:
-    """Seconds per call of `calls` calls issued back to back, synchronized at both ends."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls
 
 
 def issue_per_call(fn, calls: int) -> float:
@@ -87,13 +77,13 @@ def measure_shape(b: int, h: int, ctx: int, device: torch.device, profile_dir: P
              "quantize_q": lambda: quantize_q(case.q),
              "get_mla_metadata": lambda: get_mla_metadata(case.lens, case.rows, 1, fp8=True)}
     for name, fn in cases.items():
-        wall = wall_per_call(fn, CALLS)
+        wall = host_time(fn, CALLS)
         if name == "get_mla_metadata":  # it reads the lengths to the host: no graph, no queue
             print(f"b{b} h{h} {ctx // 1024}k {name}: eager {wall * 1e6:.1f} us per call", flush=True)
             continue
         os.environ["SNAPMLA_PDL"] = "0"
         try:
-            wall_plain = wall_per_call(fn, CALLS)
+            wall_plain = host_time(fn, CALLS)
         finally:
             del os.environ["SNAPMLA_PDL"]
         issue = issue_per_call(fn, ISSUE_CALLS)
