@@ -169,3 +169,22 @@ def test_bf16_calls_replay_their_plan(recorder):
     decode_bf16(q2, cache, table, lens, meta, splits)
     assert recorder.kernels_built == built
     assert recorder.launches[-2][2][0] == q2.data_ptr()
+
+
+def test_a_plan_does_not_keep_the_callers_cache_alive(recorder):
+    """The mma.sync kernels take the cache itself (no TMA maps): its plan holds the pointer, not
+    the tensor, so a freed cache is freed (a plan holding a 60 GB cache would leak it)."""
+    import gc
+    import weakref
+
+    from snapmla_cli.ops.decode_config import FP8_MMA_SYNC
+
+    cache, table, lens = _paged()
+    config = heuristic_config(S_Q * H_Q, True, FP8_MMA_SYNC).with_sms(8)
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1, config=config)
+    decode_fp8(_q8(), cache, table, lens, meta, splits, config=config)
+    assert decode_launch._PLANS
+    alive = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert alive() is None

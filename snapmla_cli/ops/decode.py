@@ -237,7 +237,7 @@ def _split_kv_decode(
         combine_launch=combine_launch(combine, combine_grid),
         combine_grid=combine_grid,
         combine_scalars=(np.int32(h_q), np.int32(s_q), np.int32(0 if run is None else run.folded_up_to)),
-        keep=(cache, arrivals),
+        keep=(cache if cfg.wgmma else None, arrivals),  # the TMA maps; never the caller's cache
     )
     if plan_key is not None:
         store_plan(plan_key, plan)

@@ -64,7 +64,9 @@ class DecodePlan:
     combine_launch: ProgrammaticLaunch | None  # its prepared programmatic launch
     combine_grid: tuple[int, int, int]
     combine_scalars: tuple[object, ...]  # h_q, s_q, folded_up_to
-    keep: tuple[object, ...]  # what the pointers above point into (the maps, the counters)
+    # what the pointers above point into and nothing else holds (the TMA maps, the fold's
+    # counters): never a caller's tensor, which a plan must not keep alive
+    keep: tuple[object, ...]
 
     def holds_for(self, metadata: torch.Tensor, config: DecodeConfig | None) -> bool:
         return self.metadata() is metadata and self.config is config
