@@ -433,3 +433,51 @@ def test_bf16_wgmma_balanced_columns_match_float64():
     assert compare(lse, ref_lse).max_abs < 1e-2
     again = _run_bf16(prob, device, cfg)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_replayed_launch_plan_takes_each_calls_tensors(fp8):
+    """A second call with the same metadata and cache replays the first call's prepared launch
+    (ops/decode_launch.py): with another Q, the cache's contents rewritten in place and new
+    output buffers it must give exactly what a freshly planned call gives, and differ from the
+    first call's output; inside a CUDA graph too."""
+    from snapmla_cli.ops import decode_launch
+    from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+
+    from dataclasses import replace
+
+    device = torch.device("cuda")
+    first, second = (random_problem([5000, 64, 0, 777], 1, 16, causal=True, seed=s) for s in (11, 12))
+    second = replace(second, layout=first.layout)  # new tokens in the same pages
+    table = first.layout.block_table.to(device)
+    lens = first.layout.cache_seqlens.to(device)
+    meta, splits = get_mla_metadata(lens, 16, 1, fp8=fp8)
+
+    def operands(prob):
+        if fp8:
+            return quantize_rows(prob.q.to(device)), prob.fp8_cache().to(device)
+        return prob.q.to(device), prob.bf16_cache().to(device)
+
+    def call(q, cache):
+        fn = decode_fp8 if fp8 else decode_bf16
+        return fn(q, cache, table, lens, meta, splits, first.softmax_scale, True)
+
+    q1, cache = operands(first)
+    q2, cache2 = operands(second)
+    assert cache2.shape == cache.shape
+    decode_launch.clear_plans()
+    out1, _ = call(q1, cache)
+    cache.copy_(cache2)  # an engine's cache: same tensor, new contents
+    replayed = call(q2, cache)
+    assert len(decode_launch._PLANS) == 1  # the second call found the first one's plan
+    decode_launch.clear_plans()
+    fresh = call(q2, cache)
+    assert replayed[0].isfinite().all()
+    assert torch.equal(replayed[0], fresh[0]) and torch.equal(replayed[1], fresh[1])
+    assert not torch.equal(replayed[0], out1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(q2, cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
