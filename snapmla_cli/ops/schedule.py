@@ -299,26 +299,39 @@ def build_work_list(
     if seqlens is None:
         seqlens = host_seqlens(cache_seqlens)
     columns = work_columns(seqlens, rows, block_m, policy, runs_columns)
-    begins: list[list[int]] = [[] for _ in seqlens]
-    for column in columns:
-        for req, begin, _end in column:
-            begins[req].append(begin)
-    cumulative = [0]
-    for mine in begins:
-        cumulative.append(cumulative[-1] + len(mine))
-    slot_of = {(req, begin): cumulative[req] + s
-               for req, mine in enumerate(begins) if len(mine) > 1 for s, begin in enumerate(sorted(mine))}
-    width = max((len(column) for column in columns), default=1)
+    work, cumulative, splits = _work_array(columns, len(seqlens))
+    device = cache_seqlens.device
+    return WorkList(torch.from_numpy(work).to(device), torch.from_numpy(cumulative).to(device),
+                    tuple(splits.tolist()))
+
+
+def _work_array(columns: Columns, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The work list of ``columns`` as int32 ``[columns, width, 4]`` (padded with empty places),
+    the cumulative split counts int32 ``[b + 1]`` and the splits per request, in NumPy: a step's
+    work list is built on the host once per decode step, and nested Python lists made it a few
+    hundred microseconds at b 64."""
+    lengths = np.fromiter((len(column) for column in columns), dtype=np.int64, count=len(columns))
+    width = int(lengths.max()) if len(columns) else 1
+    pieces = np.array([piece for column in columns for piece in column], dtype=np.int64).reshape(-1, 3)
+    req, begin = pieces[:, 0], pieces[:, 1]
+    splits = np.bincount(req, minlength=batch)
+    cumulative = np.zeros(batch + 1, dtype=np.int32)
+    np.cumsum(splits, out=cumulative[1:])
+    # a piece's partial slot is its place among all pieces sorted by (request, first block), i.e.
+    # cumulative[request] + its rank in the request; -1 for a request of one piece
+    order = np.lexsort((begin, req))
+    slot = np.empty(len(pieces), dtype=np.int64)
+    slot[order] = np.arange(len(pieces))
+    slot[splits[req] <= 1] = -1
     places = len(columns) * width
     # an unused place: no blocks, request 0, the last slot of the partial buffers (sized by the
     # places; the real partial slots are fewer than the real items, so it is nobody's)
-    empty = (0, 0, 0, places - 1)
-    work = [[(req, begin, end, slot_of.get((req, begin), -1)) for req, begin, end in column]
-            + [empty] * (width - len(column)) for column in columns]
-    device = cache_seqlens.device
-    work_t = torch.tensor(work, dtype=torch.int32).reshape(len(columns), width, WORK_FIELDS)
-    return WorkList(work_t.to(device), torch.tensor(cumulative, dtype=torch.int32).to(device),
-                    tuple(len(mine) for mine in begins))
+    work = np.zeros((len(columns), width, WORK_FIELDS), dtype=np.int32)
+    work[:, :, 3] = places - 1
+    column_of = np.repeat(np.arange(len(columns)), lengths)
+    position = np.arange(len(pieces)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    work[column_of, position] = np.column_stack([pieces, slot])
+    return work, cumulative, splits
 
 
 def split_token_bounds(num_splits: torch.Tensor, metadata: torch.Tensor, seqlens: list[int]) -> list[list[int]]:
