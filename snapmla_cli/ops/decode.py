@@ -187,14 +187,28 @@ def _split_kv_decode(
     plan_key: tuple[object, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What both decode kernels share, on a call's first run: block-table and metadata checks,
-    the plan of the decode launch over (row tiles x work items) and of the combine, stored under
-    ``plan_key`` for the calls after it (:mod:`.decode_launch`), then run. ``operands`` are the
-    kernel's leading pointer arguments (Q parts, then the cache or its TMA tensor maps);
-    ``requested`` is the caller's configuration object."""
-    b, s_q, h_q = shape
+    the plan of the launches (:func:`_decode_plan`), stored under ``plan_key`` for the calls
+    after it (:mod:`.decode_launch`), then run. ``operands`` are the kernel's leading pointer
+    arguments (Q parts, then the cache or its TMA tensor maps); ``requested`` is the caller's
+    configuration object."""
+    b = shape[0]
     _check_table(block_table, cache_seqlens, b, device)
     _check_metadata(tile_scheduler_metadata, num_splits, b, device)
     _check_outputs(out, lse, shape, device)
+    plan = _decode_plan(fp8, operands[-1], shape, device, block_table.stride(0), tile_scheduler_metadata,
+                        softmax_scale, causal, cfg, requested)
+    if plan_key is not None:
+        store_plan(plan_key, plan)
+    return plan.run(tuple(t.data_ptr() for t in operands[:-1]), block_table, cache_seqlens,
+                    tile_scheduler_metadata, num_splits, out, lse)
+
+
+def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], device: torch.device,
+                 table_stride: int, tile_scheduler_metadata: torch.Tensor, softmax_scale: float | None,
+                 causal: bool, cfg: DecodeConfig, requested: DecodeConfig | None) -> DecodePlan:
+    """The decode launch over (row tiles x work items) and the combine's, for arguments already
+    checked: kernels, grids, scalar arguments, buffer shapes, the fold's counters."""
+    b, s_q, h_q = shape
     rows = s_q * h_q
     scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
     columns, items_per_column = tile_scheduler_metadata.shape[:2]
@@ -214,8 +228,7 @@ def _split_kv_decode(
     rows_per_cta = combine_rows_per_cta(b * rows)
     combine = None if run is None else rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta})
     combine_grid = (b, math.ceil(rows / rows_per_cta), 1)
-    cache = operands[-1]
-    plan = DecodePlan(
+    return DecodePlan(
         metadata=weakref.ref(tile_scheduler_metadata),
         config=requested,
         device=device,
@@ -229,7 +242,7 @@ def _split_kv_decode(
         shared_mem=fp8_smem_bytes(cfg) if fp8 else bf16_smem_bytes(cfg),
         cache_ptr=cache.data_ptr(),
         items_per_column=np.int32(items_per_column),
-        scalars=(np.int32(block_table.stride(0)), np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q),
+        scalars=(np.int32(table_stride), np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q),
                  np.int32(int(causal))),
         fold=((0 if arrivals is None else arrivals.data_ptr()), np.int32(kernel_fold_limit(fold, arrivals)))
         if cfg.wgmma else None,
@@ -239,10 +252,6 @@ def _split_kv_decode(
         combine_scalars=(np.int32(h_q), np.int32(s_q), np.int32(0 if run is None else run.folded_up_to)),
         keep=(cache if cfg.wgmma else None, arrivals),  # the TMA maps; never the caller's cache
     )
-    if plan_key is not None:
-        store_plan(plan_key, plan)
-    return plan.run(tuple(t.data_ptr() for t in operands[:-1]), block_table, cache_seqlens,
-                    tile_scheduler_metadata, num_splits, out, lse)
 
 
 def _fast_checks(tensors: tuple[tuple[str, torch.Tensor], ...], block_table: torch.Tensor) -> None:
