@@ -21,6 +21,7 @@ from snapmla_cli.ops.schedule import (
     plan_splits,
     prefer_balanced,
     split_token_bounds,
+    work_columns,
 )
 
 PAGE = 64
@@ -213,3 +214,21 @@ def test_planner_keeps_the_split_plan_where_columns_cannot_run():
     capped = SplitPolicy(num_sms=132, max_splits_per_request=4)
     assert balanced_columns([1 << 20], 64, 64, capped) is None
     assert not prefer_balanced([1 << 20], 64, 64, capped)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_plan_columns_are_plan_splits_longest_first(seed):
+    """The work list's split-plan columns (built with NumPy) hold exactly plan_splits' bounds
+    (Python's round of i nb / p), one split per column, ordered longest first with ties in
+    request order."""
+    rng = random.Random(seed)
+    seqlens = [rng.choice([0, 1, 64, 65, rng.randint(1, 400000)]) for _ in range(rng.randint(1, 140))]
+    for rows, block_m, ctas in ((16, 16, 2), (32, 32, 1), (128, 64, 1)):
+        policy = SplitPolicy(ctas_per_sm=ctas, max_splits_per_request=rng.choice([4, 64, 256]))
+        columns = work_columns(seqlens, rows, block_m, policy, runs_columns=False)
+        assert set(columns.lengths.tolist()) <= {1}
+        items = columns.pieces.tolist()
+        expected = sorted(((req, bounds[s], bounds[s + 1])
+                           for req, bounds in enumerate(plan_splits(seqlens, rows, block_m, policy))
+                           for s in range(len(bounds) - 1)), key=lambda item: (item[1] - item[2]))
+        assert [tuple(item) for item in items] == expected

@@ -7,6 +7,7 @@ the same limit, and the wgmma kernels the host's exact launch size).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 from .schedule import SplitPolicy, prefer_balanced
@@ -115,7 +116,14 @@ class DecodeConfig:
         return 32 * WARPS_PER_GROUP * self.row_groups * groups
 
     def with_sms(self, num_sms: int) -> DecodeConfig:
-        return replace(self, split=replace(self.split, num_sms=num_sms))
+        return _with_sms(self, num_sms)
+
+
+# Configurations are frozen and get_mla_metadata derives the same few every step: the derivations
+# are cached (dataclasses.replace costs about 5 us a call, and a step made eight of them)
+@functools.lru_cache(maxsize=256)
+def _with_sms(cfg: DecodeConfig, num_sms: int) -> DecodeConfig:
+    return replace(cfg, split=replace(cfg.split, num_sms=num_sms))
 
 
 # (qk_promote, pv_promote, wg_mode) as DecodeConfig defaults them; the mma.sync kernel has none
@@ -240,6 +248,7 @@ def balanced(cfg: DecodeConfig) -> DecodeConfig:
     return with_balance(cfg, True)
 
 
+@functools.lru_cache(maxsize=256)
 def with_balance(cfg: DecodeConfig, balanced_columns: bool) -> DecodeConfig:
     """``cfg`` with its split policy fixed to balanced columns or to the split plan (an
     ``auto_balance`` policy settled)."""
@@ -330,6 +339,7 @@ def config_from_spec(spec: str) -> DecodeConfig:
     return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
 
 
+@functools.lru_cache(maxsize=256)
 def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) -> DecodeConfig:
     """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel (float32
     promotion on): 16 rows as two CTAs per SM with two pages each, warpgroups splitting the

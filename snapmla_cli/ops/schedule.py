@@ -115,7 +115,7 @@ def _partials_cost(pieces: np.ndarray, rows: int, slots: int) -> float:
 
 def _blocks_per_request(seqlens: list[int]) -> tuple[int, ...]:
     """KV blocks (pages) per request: the planners' input, hashable for their caches."""
-    return tuple((n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens)
+    return tuple(((np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE).tolist())
 
 
 def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> list[list[int]]:
@@ -138,6 +138,7 @@ def plan_splits(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy
             for nb, parts in zip(blocks, counts)]
 
 
+@functools.lru_cache(maxsize=64)
 def _plan_key(policy: SplitPolicy) -> SplitPolicy:
     """``policy`` without the fields the planners do not read (balanced columns or not): the
     key of their caches."""
@@ -177,14 +178,16 @@ def prefer_balanced(seqlens: list[int], rows: int, block_m: int, policy: SplitPo
     plus the partial outputs. Balanced columns win where the split plan's waves fit the GPU
     badly (55 requests of 256 blocks at 128 rows: 110 of 132 SMs busy, measured 1.11x sooner
     balanced) and lose by a few percent where both fill it (b 64, docs/PERF.md)."""
-    columns = balanced_columns(seqlens, rows, block_m, policy)
-    if columns is None:
+    blocks = _blocks_per_request(seqlens)
+    plan = _balanced_columns(blocks, rows, block_m, _plan_key(policy))
+    if plan is None:
         return False
-    split_cost = _best_split_counts(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))[0]
+    split_cost = _best_split_counts(blocks, rows, block_m, _plan_key(policy))[0]
     slots = policy.num_sms * policy.ctas_per_sm
-    longest = max(sum(end - begin for _, begin, end in column) * (1 + COLUMN_PAGE_COST)
-                  + len(column) * CTA_OVERHEAD_BLOCKS for column in columns)
-    pieces = np.bincount([req for column in columns for req, _, _ in column], minlength=len(seqlens))
+    column_blocks = np.bincount(plan.column_of(), weights=plan.pieces[:, 2] - plan.pieces[:, 1],
+                                minlength=len(plan.lengths))
+    longest = float(np.max(column_blocks * (1 + COLUMN_PAGE_COST) + plan.lengths * CTA_OVERHEAD_BLOCKS))
+    pieces = np.bincount(plan.pieces[:, 0], minlength=len(seqlens))
     return longest + _partials_cost(pieces, rows, slots) < split_cost
 
 
@@ -205,62 +208,96 @@ def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
 Columns = Sequence[Sequence[tuple[int, int, int]]]  # per CTA column its (request, first, end block)
 
 
+class ColumnPieces(NamedTuple):
+    """CTA columns as arrays (a step's plan is rebuilt on the host every step, and Python lists
+    of tuples made that a millisecond at b 64): ``pieces`` int64 ``[n, 3]`` (request, first
+    block, end block) column after column, each column's in block order; ``lengths`` int64
+    ``[columns]``, its pieces per column. Cached plans share these arrays: read-only."""
+
+    pieces: np.ndarray
+    lengths: np.ndarray
+
+    def column_of(self) -> np.ndarray:
+        """The column of each piece."""
+        return np.repeat(np.arange(len(self.lengths)), self.lengths)
+
+    def as_columns(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """The same columns as tuples (:data:`Columns`)."""
+        rows = [tuple(piece) for piece in self.pieces.tolist()]
+        ends = np.cumsum(self.lengths).tolist()
+        return tuple(tuple(rows[end - n:end]) for end, n in zip(ends, self.lengths.tolist()))
+
+
+def _read_only(*arrays: np.ndarray) -> None:
+    for array in arrays:
+        array.flags.writeable = False
+
+
 def balanced_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> Columns | None:
     """Per CTA column its pieces ``(request, first block, end block)`` in block order, every
     column an equal share (within one block) of the flattened block list: one wave of
     ``num_sms * ctas_per_sm / row tiles`` columns, fewer when the blocks are too few for
     ``min_blocks_per_split`` each. None when a request would be cut into more than
     ``max_splits_per_request`` pieces (the split plan caps it) or there are no blocks."""
-    return _balanced_columns(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))
+    plan = _balanced_columns(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))
+    return None if plan is None else plan.as_columns()
 
 
 # get_mla_metadata asks twice per step when it settles an automatic balance (prefer_balanced)
-# and then builds balanced columns: 60-150 us on the host at b 64 each (tuples: shared, immutable)
+# and then builds balanced columns
 @functools.lru_cache(maxsize=4)
-def _balanced_columns(blocks: tuple[int, ...], rows: int, block_m: int,
-                      policy: SplitPolicy) -> tuple[tuple[tuple[int, int, int], ...], ...] | None:
-    total = sum(blocks)
+def _balanced_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy) -> ColumnPieces | None:
+    offsets = np.zeros(len(blocks) + 1, dtype=np.int64)  # the flattened first block of each request
+    np.cumsum(blocks, out=offsets[1:])
+    total = int(offsets[-1])
     if total == 0:
         return None
     slots = policy.num_sms * policy.ctas_per_sm // rows_per_cta_tiles(rows, block_m)
     columns = max(1, min(slots, total // max(1, policy.min_blocks_per_split)))
-    offsets = np.cumsum([0, *blocks]).tolist()  # the flattened first block of each request
-    pieces_per_request = [0] * len(blocks)
-    plan: list[list[tuple[int, int, int]]] = []
-    req = 0
-    for col in range(columns):
-        lo, hi = total * col // columns, total * (col + 1) // columns
-        mine: list[tuple[int, int, int]] = []
-        while lo < hi:
-            while offsets[req + 1] <= lo:  # skips empty requests too
-                req += 1
-            end = min(hi, offsets[req + 1])
-            mine.append((req, lo - offsets[req], end - offsets[req]))
-            pieces_per_request[req] += 1
-            lo = end
-        plan.append(mine)
-    if max(pieces_per_request) > policy.max_splits_per_request:
+    bounds = np.arange(columns + 1, dtype=np.int64) * total // columns  # column c: [bounds[c], bounds[c + 1])
+    # the pieces are the stretches between consecutive cuts, a cut at every column bound and
+    # every request start; each column has at least one block, so none is empty
+    cuts = np.union1d(bounds, offsets)
+    starts, ends = cuts[:-1], cuts[1:]
+    request = np.searchsorted(offsets, starts, side="right") - 1  # past the empty requests there
+    column = np.searchsorted(bounds, starts, side="right") - 1
+    pieces_per_request = np.bincount(request, minlength=len(blocks))
+    if int(pieces_per_request.max()) > policy.max_splits_per_request:
         return None
-    return tuple(tuple(column) for column in plan)
+    first = offsets[request]
+    plan = ColumnPieces(np.stack([request, starts - first, ends - first], axis=1),
+                        np.bincount(column, minlength=columns).astype(np.int64))
+    _read_only(*plan)
+    return plan
 
 
-def _split_plan_columns(seqlens: list[int], rows: int, block_m: int,
-                        policy: SplitPolicy) -> list[list[tuple[int, int, int]]]:
-    """The split plan as columns of one item each, longest first: the GPU starts CTAs in grid
-    order as SMs free up, so this is the longest-processing-time-first schedule."""
-    plans = plan_splits(seqlens, rows, block_m, policy)
-    items = [(req, bounds[s], bounds[s + 1]) for req, bounds in enumerate(plans) for s in range(len(bounds) - 1)]
-    items.sort(key=lambda item: item[1] - item[2])  # stable: ties keep request order
-    return [[item] for item in items]
+def _split_plan_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> ColumnPieces:
+    """The split plan (:func:`plan_splits`: request ``i``'s split ``s`` of ``p`` covers blocks
+    ``round(s nb / p)`` to ``round((s + 1) nb / p)``) as columns of one item each, longest
+    first: the GPU starts CTAs in grid order as SMs free up, so this is the
+    longest-processing-time-first schedule."""
+    blocks = _blocks_per_request(seqlens)
+    nb = np.asarray(blocks, dtype=np.int64)
+    if int(nb.sum()) == 0:
+        return ColumnPieces(np.zeros((0, 3), dtype=np.int64), np.zeros(0, dtype=np.int64))
+    counts = np.asarray(_best_split_counts(blocks, rows, block_m, _plan_key(policy))[1], dtype=np.int64)
+    request = np.repeat(np.arange(len(blocks)), counts)
+    split = np.arange(len(request)) - np.repeat(np.cumsum(counts) - counts, counts)
+    size, parts = nb[request], counts[request]
+    # Python's round(i * nb / p): the same float64 quotient, rounded half to even
+    begin = np.rint(split * size / parts).astype(np.int64)
+    end = np.rint((split + 1) * size / parts).astype(np.int64)
+    order = np.argsort(begin - end, kind="stable")  # longest first; ties keep request order
+    return ColumnPieces(np.stack([request, begin, end], axis=1)[order], np.ones(len(request), dtype=np.int64))
 
 
 def work_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy,
-                 runs_columns: bool) -> Columns:
+                 runs_columns: bool) -> ColumnPieces:
     """The plan as CTA columns of ``(request, first block, end block)`` pieces: balanced
     columns where the policy asks for them and the kernel runs columns, else one split per
     column."""
     if policy.balanced and runs_columns:
-        plan = balanced_columns(seqlens, rows, block_m, policy)
+        plan = _balanced_columns(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))
         if plan is not None:
             return plan
     return _split_plan_columns(seqlens, rows, block_m, policy)
@@ -305,14 +342,12 @@ def build_work_list(
                     tuple(splits.tolist()))
 
 
-def _work_array(columns: Columns, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _work_array(columns: ColumnPieces, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The work list of ``columns`` as int32 ``[columns, width, 4]`` (padded with empty places),
     the cumulative split counts int32 ``[b + 1]`` and the splits per request, in NumPy: a step's
-    work list is built on the host once per decode step, and nested Python lists made it a few
-    hundred microseconds at b 64."""
-    lengths = np.fromiter((len(column) for column in columns), dtype=np.int64, count=len(columns))
-    width = int(lengths.max()) if len(columns) else 1
-    pieces = np.array([piece for column in columns for piece in column], dtype=np.int64).reshape(-1, 3)
+    work list is built on the host once per decode step."""
+    pieces, lengths = columns
+    width = int(lengths.max()) if len(lengths) else 1
     req, begin = pieces[:, 0], pieces[:, 1]
     splits = np.bincount(req, minlength=batch)
     cumulative = np.zeros(batch + 1, dtype=np.int32)
@@ -323,14 +358,13 @@ def _work_array(columns: Columns, batch: int) -> tuple[np.ndarray, np.ndarray, n
     slot = np.empty(len(pieces), dtype=np.int64)
     slot[order] = np.arange(len(pieces))
     slot[splits[req] <= 1] = -1
-    places = len(columns) * width
+    places = len(lengths) * width
     # an unused place: no blocks, request 0, the last slot of the partial buffers (sized by the
     # places; the real partial slots are fewer than the real items, so it is nobody's)
-    work = np.zeros((len(columns), width, WORK_FIELDS), dtype=np.int32)
+    work = np.zeros((len(lengths), width, WORK_FIELDS), dtype=np.int32)
     work[:, :, 3] = places - 1
-    column_of = np.repeat(np.arange(len(columns)), lengths)
     position = np.arange(len(pieces)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    work[column_of, position] = np.column_stack([pieces, slot])
+    work[columns.column_of(), position] = np.column_stack([pieces, slot])
     return work, cumulative, splits
 
 

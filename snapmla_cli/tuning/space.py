@@ -396,9 +396,8 @@ def _signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[object, ...]:
 
 def _plan_signature(cfg: DecodeConfig, bucket: Bucket) -> tuple[tuple[tuple[int, int, int], ...], ...]:
     """The work list's columns at the bucket's timed shape for a settled ``cfg``."""
-    columns = work_columns([bucket.timed_context] * bucket.timed_batch, bucket.rows, cfg.block_m,
-                           cfg.split, dc.runs_columns(cfg, bucket.fp8))
-    return tuple(tuple(column) for column in columns)
+    return work_columns([bucket.timed_context] * bucket.timed_batch, bucket.rows, cfg.block_m,
+                        cfg.split, dc.runs_columns(cfg, bucket.fp8)).as_columns()
 
 
 def search_space(bucket: Bucket, num_sms: int = DEFAULT_NUM_SMS) -> SearchSpace:
