@@ -73,12 +73,21 @@ def measure_shape(b: int, h: int, ctx: int, device: torch.device, profile_dir: P
     def quantize_and_decode() -> None:
         decode_fp8(quantize_q(case.q), case.cache8, case.table, case.lens, meta, splits, None, True)
 
+    growing = case.lens + torch.randint(-ctx // 2, ctx // 2, case.lens.shape, device=device, dtype=torch.int32)
+
+    def metadata_of_a_step() -> None:
+        """As in a decode loop: every length one longer than at the last step (so the planner's
+        caches keyed by pages per request miss whenever a request starts a page)."""
+        growing.add_(1)
+        get_mla_metadata(growing, case.rows, 1, fp8=True)
+
     cases = {"decode_fp8 (metadata given)": decode_only, "quantize_q + decode_fp8": quantize_and_decode,
              "quantize_q": lambda: quantize_q(case.q),
-             "get_mla_metadata": lambda: get_mla_metadata(case.lens, case.rows, 1, fp8=True)}
+             "get_mla_metadata": lambda: get_mla_metadata(case.lens, case.rows, 1, fp8=True),
+             "get_mla_metadata (lengths growing)": metadata_of_a_step}
     for name, fn in cases.items():
         wall = host_time(fn, CALLS)
-        if name == "get_mla_metadata":  # it reads the lengths to the host: no graph, no queue
+        if name.startswith("get_mla_metadata"):  # it reads the lengths to the host: no graph, no queue
             print(f"b{b} h{h} {ctx // 1024}k {name}: eager {wall * 1e6:.1f} us per call", flush=True)
             continue
         os.environ["SNAPMLA_PDL"] = "0"
