@@ -263,15 +263,31 @@ def _fast_checks(tensors: tuple[tuple[str, torch.Tensor], ...], block_table: tor
         raise SnapmlaError("block_table: rows must be contiguous (stride 1 along blocks)")
 
 
-def _call_key(block_table: torch.Tensor, cache_seqlens: torch.Tensor, metadata: torch.Tensor,
-              num_splits: torch.Tensor, softmax_scale: float | None, causal: bool,
-              config: DecodeConfig | None, out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[object, ...]:
-    """The part of a plan's key both formats share (the Q and cache parts come first)."""
-    return (block_table.shape, block_table.dtype, block_table.get_device(), block_table.stride(0),
+def _signature(q_parts: tuple[torch.Tensor, ...], k_cache: torch.Tensor, block_table: torch.Tensor,
+               cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
+               softmax_scale: float | None, causal: bool, config: DecodeConfig | None,
+               out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[object, ...]:
+    """A call's plan key (:mod:`.decode_launch`): what fixes its launches."""
+    return (*(x for t in q_parts for x in (t.shape, t.dtype, t.get_device())),
+            k_cache.shape, k_cache.dtype, k_cache.get_device(), k_cache.data_ptr(),
+            block_table.shape, block_table.dtype, block_table.get_device(), block_table.stride(0),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             id(metadata), metadata.shape, metadata.dtype, metadata.get_device(),
             num_splits.shape, num_splits.dtype, num_splits.get_device(),
             id(config), softmax_scale, causal, out is None, lse is None)
+
+
+def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], shape: tuple[int, int, int],
+            k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+            metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
+            lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call whose signature has a plan: the checks the key cannot see, then its launches."""
+    _fast_checks((*q_parts, ("k_cache", k_cache), ("cache_seqlens", cache_seqlens),
+                  ("tile_scheduler_metadata", metadata), ("num_splits", num_splits)), block_table)
+    if out is not None or lse is not None:
+        _check_outputs(out, lse, shape, plan.device)
+    return plan.run(tuple(t.data_ptr() for _, t in q_parts), block_table, cache_seqlens, metadata, num_splits,
+                    out, lse)
 
 
 def _tensor_args(**named: object) -> None:
@@ -303,20 +319,13 @@ def decode_fp8(
         raise SnapmlaError(f"q: expected QuantizedRows (the output of quantize_q), got {type(q).__name__}")
     _tensor_args(k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
-    content, scale, rope = q.content, q.scale, q.rope
-    key = (content.shape, content.dtype, content.get_device(), scale.shape, scale.dtype, scale.get_device(),
-           rope.shape, rope.dtype, rope.get_device(), k_cache.shape, k_cache.dtype, k_cache.get_device(),
-           k_cache.data_ptr(), *_call_key(block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                                          softmax_scale, causal, config, out, lse))
+    key = _signature((q.content, q.scale, q.rope), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                     num_splits, softmax_scale, causal, config, out, lse)
     plan = find_plan(key, tile_scheduler_metadata, config)
     if plan is not None:
-        _fast_checks((("q.content", content), ("q.scale", scale), ("q.rope", rope), ("k_cache", k_cache),
-                      ("cache_seqlens", cache_seqlens), ("tile_scheduler_metadata", tile_scheduler_metadata),
-                      ("num_splits", num_splits)), block_table)
-        if out is not None or lse is not None:
-            _check_outputs(out, lse, tuple(scale.shape), plan.device)
-        return plan.run((content.data_ptr(), scale.data_ptr(), rope.data_ptr()), block_table, cache_seqlens,
-                        tile_scheduler_metadata, num_splits, out, lse)
+        return _replay(plan, (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)),
+                       tuple(q.scale.shape), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                       num_splits, out, lse)
     if q.scale.dim() != 3:
         raise SnapmlaError(f"q.scale: expected [b, s_q, h_q], got {list(q.scale.shape)}")
     b, s_q, h_q = q.scale.shape
@@ -355,17 +364,12 @@ def decode_bf16(
     after the first call of a signature the launch is replayed from its plan."""
     _tensor_args(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
-    key = (q.shape, q.dtype, q.get_device(), k_cache.shape, k_cache.dtype, k_cache.get_device(), k_cache.data_ptr(),
-           *_call_key(block_table, cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale, causal,
-                      config, out, lse))
+    key = _signature((q,), k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                     softmax_scale, causal, config, out, lse)
     plan = find_plan(key, tile_scheduler_metadata, config)
     if plan is not None:
-        _fast_checks((("q", q), ("k_cache", k_cache), ("cache_seqlens", cache_seqlens),
-                      ("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)),
-                     block_table)
-        if out is not None or lse is not None:
-            _check_outputs(out, lse, tuple(q.shape[:3]), plan.device)
-        return plan.run((q.data_ptr(),), block_table, cache_seqlens, tile_scheduler_metadata, num_splits, out, lse)
+        return _replay(plan, (("q", q),), tuple(q.shape[:3]), k_cache, block_table, cache_seqlens,
+                       tile_scheduler_metadata, num_splits, out, lse)
     if q.dim() != 4:
         raise SnapmlaError(f"q: expected [b, s_q, h_q, {D_QK}], got {list(q.shape)}")
     b, s_q, h_q, _ = q.shape

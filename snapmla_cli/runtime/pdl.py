@@ -117,12 +117,17 @@ def _check_status(status: int, config: LaunchConfig) -> None:
                            f"{(config.block_x, config.block_y, config.block_z)}, {config.shared_mem} B shared memory)")
 
 
-def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
-                        stream_ptr: int, args: Sequence[object]) -> None:
-    """Launch with programmatic stream serialization allowed (see the module docstring)."""
+def _require_launch_kernel_ex():
     fn = _launch_kernel_ex()
     if fn is None:
         raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")
+    return fn
+
+
+def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                        stream_ptr: int, args: Sequence[object]) -> None:
+    """Launch with programmatic stream serialization allowed (see the module docstring)."""
+    fn = _require_launch_kernel_ex()
     config, _attr = _programmatic_config(grid, block, shared_mem, stream_ptr)
     pointers, _values = pack_args(args)
     _check_status(fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), pointers, None), config)
@@ -148,9 +153,7 @@ class ProgrammaticLaunch:
     def __call__(self, stream_ptr: int, args: Sequence[object]) -> None:
         """Launch on ``stream_ptr`` with ``args`` (ints for pointers, NumPy scalars or ints for
         values), one per argument type given at construction."""
-        fn = _launch_kernel_ex()
-        if fn is None:
-            raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")
+        fn = _require_launch_kernel_ex()
         with self._lock:
             self._config.stream = stream_ptr
             for value, arg in zip(self._values, args, strict=True):
