@@ -81,13 +81,21 @@ def measure_shape(b: int, h: int, ctx: int, device: torch.device, profile_dir: P
         growing.add_(1)
         get_mla_metadata(growing, case.rows, 1, fp8=True)
 
+    growing_on_host = growing.cpu()
+
+    def metadata_of_a_step_from_the_host() -> None:
+        """The same, with the engine's lengths on the host (no read from the GPU)."""
+        growing_on_host.add_(1)
+        get_mla_metadata(growing_on_host, case.rows, 1, fp8=True, device=device)
+
     cases = {"decode_fp8 (metadata given)": decode_only, "quantize_q + decode_fp8": quantize_and_decode,
              "quantize_q": lambda: quantize_q(case.q),
              "get_mla_metadata": lambda: get_mla_metadata(case.lens, case.rows, 1, fp8=True),
-             "get_mla_metadata (lengths growing)": metadata_of_a_step}
+             "get_mla_metadata (lengths growing)": metadata_of_a_step,
+             "get_mla_metadata (host lengths growing)": metadata_of_a_step_from_the_host}
     for name, fn in cases.items():
         wall = host_time(fn, CALLS)
-        if name.startswith("get_mla_metadata"):  # it reads the lengths to the host: no graph, no queue
+        if name.startswith("get_mla_metadata"):  # it plans on the host: no graph, no queue
             print(f"b{b} h{h} {ctx // 1024}k {name}: eager {wall * 1e6:.1f} us per call", flush=True)
             continue
         os.environ["SNAPMLA_PDL"] = "0"

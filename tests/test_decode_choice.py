@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from snapmla_cli.errors import NoGpuError, SnapmlaError
 from snapmla_cli.numerics.formats import FP8_TOKEN_BYTES, PAGE_SIZE
 from snapmla_cli.numerics.quant import QuantizedRows
 from snapmla_cli.ops import config_choice, decode
@@ -215,3 +216,29 @@ def test_automatic_balance_is_settled_by_the_metadata_and_run_by_the_decode(laun
         # a work list the plan does not know (a copy): the one-item build, which runs any list
         decode_fp8(q_b, cache, table, lens, meta.clone(), splits, config=auto)
         assert launch_probe[-1] == settle_blind(auto) and not runs_columns(launch_probe[-1], True)
+
+
+def test_a_repeated_step_gets_its_own_tensors():
+    """Steps whose pages per request repeat reuse the planned tables (schedule._work_tables), but
+    every call returns fresh tensors: writing into one step's work list changes no other's."""
+    first, first_splits = get_mla_metadata(_lens(16384), ROWS, 1)
+    second, second_splits = get_mla_metadata(_lens(16383), ROWS, 1)  # the same pages
+    assert torch.equal(first, second) and torch.equal(first_splits, second_splits)
+    assert first.data_ptr() != second.data_ptr()
+    expected = second.clone()
+    first.fill_(-7)
+    first_splits.fill_(-7)
+    third, third_splits = get_mla_metadata(_lens(16384), ROWS, 1)
+    assert torch.equal(third, expected) and torch.equal(third_splits, second_splits)
+    assert metadata_plan(third).config == metadata_plan(second).config
+
+
+def test_metadata_device_is_checked():
+    lens = _lens(16384)
+    meta, _ = get_mla_metadata(lens, ROWS, 1, device="cpu")
+    assert meta.device.type == "cpu"
+    with pytest.raises(SnapmlaError, match="^device: expected a torch device"):
+        get_mla_metadata(lens, ROWS, 1, device="tpu-7")
+    if not torch.cuda.is_available():
+        with pytest.raises(NoGpuError, match="^device: cuda"):
+            get_mla_metadata(lens, ROWS, 1, device="cuda")

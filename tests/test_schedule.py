@@ -14,10 +14,14 @@ import torch
 
 from snapmla_cli.ops.schedule import (
     CTA_OVERHEAD_BLOCKS,
+    EXTRA_WAVES,
+    PARTIAL_BLOCKS_PER_ROW,
     SplitPolicy,
+    _best_split_counts,
     balanced_columns,
     build_metadata,
     estimated_makespan,
+    estimated_makespans,
     plan_splits,
     prefer_balanced,
     split_token_bounds,
@@ -232,3 +236,54 @@ def test_split_plan_columns_are_plan_splits_longest_first(seed):
                            for req, bounds in enumerate(plan_splits(seqlens, rows, block_m, policy))
                            for s in range(len(bounds) - 1)), key=lambda item: (item[1] - item[2]))
         assert [tuple(item) for item in items] == expected
+
+
+def _makespan_by_waves(blocks: list[int], counts: list[int], rows: int, m_tiles: int, slots: int) -> float:
+    """The planner's model written out wave by wave: every split's size listed, longest first,
+    ``slots // m_tiles`` splits a wave, each wave its first (longest) split plus a CTA's overhead,
+    plus the partial outputs of split requests."""
+    sizes = sorted((nb // p + (s < nb % p) for nb, p in zip(blocks, counts) for s in range(p)), reverse=True)
+    per_wave = max(1, slots // m_tiles)
+    waves = [sizes[i:i + per_wave] for i in range(0, len(sizes), per_wave)]
+    partials = sum(p for p in counts if p > 1) * rows * PARTIAL_BLOCKS_PER_ROW / slots
+    return sum(wave[0] + CTA_OVERHEAD_BLOCKS for wave in waves) + partials
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_makespans_of_several_plans_are_each_plans_waves(seed):
+    """estimated_makespans weighs a step's candidate plans in one pass over a [plans, 2 b] array;
+    each row must be what that plan's waves add up to (requests without splits included)."""
+    rng = random.Random(seed)
+    batch = rng.randint(1, 150)
+    blocks = [rng.choice([0, 1, 3, rng.randint(1, 5000)]) for _ in range(batch)]
+    plans = [[min(nb, rng.randint(1, 9)) if nb else 0 for nb in blocks] for _ in range(rng.randint(1, 8))]
+    if not any(sum(p) for p in plans):
+        return
+    rows, m_tiles, slots = rng.choice([(16, 1, 264), (64, 1, 132), (128, 2, 132), (256, 4, 132)])
+    got = estimated_makespans(np.array(blocks), np.array(plans), rows, m_tiles, slots)
+    for row, counts in zip(got.tolist(), plans):
+        assert row == pytest.approx(_makespan_by_waves(blocks, counts, rows, m_tiles, slots), rel=1e-12)
+        assert estimated_makespan(np.array(blocks), np.array(counts), rows, m_tiles, slots) == row
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_best_split_counts_is_the_cheapest_wave_count(seed):
+    """The planner's choice: among the policy's wave count and EXTRA_WAVES more, the plan of the
+    lowest modelled makespan, the fewest waves on a tie."""
+    rng = random.Random(seed)
+    seqlens = [rng.choice([0, 64, rng.randint(1, 300000)]) for _ in range(rng.randint(1, 100))]
+    blocks = tuple((n + PAGE - 1) // PAGE for n in seqlens)
+    if not sum(blocks):
+        return
+    policy = SplitPolicy(ctas_per_sm=rng.choice([1, 2]), min_blocks_per_split=rng.choice([2, 4, 16]))
+    rows, block_m = rng.choice([(16, 16), (64, 64), (128, 64)])
+    m_tiles, slots = -(-rows // block_m), policy.num_sms * policy.ctas_per_sm
+    best = None
+    for waves in range(policy.waves, policy.waves + EXTRA_WAVES + 1):
+        chunk = max(policy.min_blocks_per_split, -(-sum(blocks) // max(1, slots * waves // m_tiles)))
+        counts = [min(max(1, nb // chunk), policy.max_splits_per_request, nb) if nb else 0 for nb in blocks]
+        cost = _makespan_by_waves(list(blocks), counts, rows, m_tiles, slots)
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, tuple(counts))
+    cost, counts = _best_split_counts(blocks, rows, block_m, policy)
+    assert counts == best[1] and cost == pytest.approx(best[0], rel=1e-12)

@@ -79,8 +79,7 @@ def get_mla_metadata(
     *,
     fp8: bool = True,
     config: DecodeConfig | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV work list and cumulative split counts (see :mod:`snapmla_cli.ops.schedule`).
     ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA; ``num_heads_k`` must be 1.
@@ -90,21 +89,46 @@ def get_mla_metadata(
     policy (balanced columns or the split plan, :func:`settle_balance`). The settled
     configuration is recorded for the returned work list (:func:`metadata_plan`), and a decode
     call given that tensor and no ``config`` (or the unsettled one) runs it: the two calls
-    cannot disagree, and the decode needs no host read."""
+    cannot disagree, and the decode needs no host read.
+
+    Reading lengths that live on the GPU waits for the stream that writes them. An engine that
+    keeps its lengths on the host (a CPU tensor) passes them with ``device``, the GPU the decode
+    runs on: the call then never waits for the GPU, and the tensors go to ``device`` by
+    asynchronous copies. Without ``device`` the tensors go where ``cache_seqlens`` is."""
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
     if num_heads_per_head_k < 1:
         raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
+    target = _metadata_device(cache_seqlens, device)
     seqlens = host_seqlens(cache_seqlens)
     context = mean_context(seqlens)
-    requested = config or choose_config(num_heads_per_head_k, fp8, cache_seqlens.device, len(seqlens),
-                                        context)
+    requested = config or choose_config(num_heads_per_head_k, fp8, target, len(seqlens), context)
     cfg = settle_balance(requested, seqlens, num_heads_per_head_k, fp8)
     work = build_work_list(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split, seqlens,
-                           runs_columns(cfg, fp8))
-    fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, cache_seqlens.device)
+                           runs_columns(cfg, fp8), target)
+    fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, target)
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold))
     return work.metadata, work.num_splits
+
+
+def _metadata_device(cache_seqlens: torch.Tensor, device: torch.device | str | None) -> torch.device:
+    """Where ``get_mla_metadata``'s tensors go: ``device`` if given (lengths on the host, or on
+    that very device), else where the lengths are."""
+    if device is None:
+        return cache_seqlens.device
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise SnapmlaError(f"device: expected a torch device such as 'cuda:0', got {device!r}") from err
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise NoGpuError(f"device: {target} requested, but no CUDA GPU is available")
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    if cache_seqlens.device.type != "cpu" and cache_seqlens.device != target:
+        raise SnapmlaError(f"device: {target}, but cache_seqlens is on {cache_seqlens.device} "
+                           "(give host lengths, or lengths on that device)")
+    return target
 
 
 def _require_cuda(t: torch.Tensor, name: str, device: torch.device | None) -> None:

@@ -81,8 +81,9 @@ EXTRA_WAVES = 7
 COLUMN_PAGE_COST = 0.03
 
 
-def _split_counts(blocks: np.ndarray, chunk: int, policy: SplitPolicy) -> np.ndarray:
-    """Splits per request: ``floor(blocks / chunk)``, at least one (none for an empty request)."""
+def _split_counts(blocks: np.ndarray, chunk: np.ndarray | int, policy: SplitPolicy) -> np.ndarray:
+    """Splits per request: ``floor(blocks / chunk)``, at least one (none for an empty request).
+    ``chunk`` may be a column of candidate chunks (``[plans, 1]``): one row of counts each."""
     counts = np.minimum(np.maximum(blocks // chunk, 1), policy.max_splits_per_request)
     return np.where(blocks > 0, np.minimum(counts, blocks), 0)
 
@@ -94,27 +95,51 @@ def estimated_makespan(blocks: np.ndarray, counts: np.ndarray, rows: int, m_tile
     plus the fixed cost of a CTA, plus the partial outputs' traffic spread over the GPU. A
     request of ``nb`` blocks in ``p`` splits has ``nb % p`` splits of ``nb // p + 1`` blocks and
     the others of ``nb // p``."""
-    used = counts > 0
-    nb, parts = blocks[used], counts[used]
-    q, r = np.divmod(nb, parts)
-    sizes = np.concatenate([q + 1, q])
-    multiplicity = np.concatenate([r, parts - r])
-    order = np.argsort(-sizes, kind="stable")
-    sizes, ends = sizes[order], np.cumsum(multiplicity[order])
+    return float(estimated_makespans(blocks, np.asarray(counts)[None, :], rows, m_tiles, slots)[0])
+
+
+def estimated_makespans(blocks: np.ndarray, counts: np.ndarray, rows: int, m_tiles: int,
+                        slots: int) -> np.ndarray:
+    """:func:`estimated_makespan` of several plans of one batch at once, ``counts`` int
+    ``[plans, b]`` (a request without keys: 0 splits): the planner weighs up to eight plans a
+    decode step, and one pass over a ``[plans, 2 b]`` array costs the host what one plan's did.
+    Each row lists the split sizes ``q + 1`` and ``q`` with their multiplicities (zero for the
+    sizes a request does not have, and for a request without splits: no wave starts at them)."""
+    plans = counts.shape[0]
+    q, r = np.divmod(blocks[None, :], np.maximum(counts, 1))
+    sizes = np.concatenate([q + 1, q], axis=1)
+    multiplicity = np.concatenate([r, counts - r], axis=1)  # r = 0 where counts = 0 (divided by 1)
+    order = np.argsort(-sizes, axis=1, kind="stable")
+    plan_of = np.arange(plans)[:, None]
+    sizes = sizes[plan_of, order]
+    ends = np.cumsum(multiplicity[plan_of, order], axis=1)
     per_wave = max(1, slots // m_tiles)
-    waves = -(-int(ends[-1]) // per_wave)
-    # the longest split of wave k is the split at position k * per_wave of the sorted list
-    firsts = np.searchsorted(ends, np.arange(waves) * per_wave, side="right")
-    return int(sizes[firsts].sum()) + waves * CTA_OVERHEAD_BLOCKS + _partials_cost(parts, rows, slots)
+    waves = -(-ends[:, -1] // per_wave)
+    # the longest split of wave k is the split at position k * per_wave of the sorted list: one
+    # search over all plans' ends, each plan's shifted past the previous one's
+    starts = np.arange(int(waves.max())) * per_wave
+    shift = int(max(ends[:, -1].max(), starts[-1] if len(starts) else 0)) + 1
+    row_shift = plan_of * shift
+    firsts = np.searchsorted((ends + row_shift).ravel(), (starts[None, :] + row_shift).ravel(), side="right")
+    in_plan = np.arange(len(starts))[None, :] < waves[:, None]
+    longest = np.where(in_plan, sizes.ravel()[np.minimum(firsts, sizes.size - 1)].reshape(plans, -1), 0)
+    return (longest.sum(axis=1) + waves * CTA_OVERHEAD_BLOCKS) + _partials_cost(counts, rows, slots)
 
 
-def _partials_cost(pieces: np.ndarray, rows: int, slots: int) -> float:
-    """The partial outputs of requests cut into more than one piece, in blocks of one CTA."""
-    return int(pieces[pieces > 1].sum()) * rows * PARTIAL_BLOCKS_PER_ROW / slots
+def _partials_cost(pieces: np.ndarray, rows: int, slots: int) -> np.ndarray:
+    """The partial outputs of requests cut into more than one piece, in blocks of one CTA, per
+    row of ``pieces`` (pieces per request)."""
+    return np.where(pieces > 1, pieces, 0).sum(axis=-1) * rows * PARTIAL_BLOCKS_PER_ROW / slots
 
 
-def _blocks_per_request(seqlens: list[int]) -> tuple[int, ...]:
+def _blocks_per_request(seqlens: Sequence[int]) -> tuple[int, ...]:
     """KV blocks (pages) per request: the planners' input, hashable for their caches."""
+    return _blocks_of(tuple(seqlens))
+
+
+# A decode step asks for its lengths' blocks two or three times (the balance, the work list)
+@functools.lru_cache(maxsize=4)
+def _blocks_of(seqlens: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(((np.asarray(seqlens, dtype=np.int64) + PAGE_SIZE - 1) // PAGE_SIZE).tolist())
 
 
@@ -155,20 +180,13 @@ def _best_split_counts(blocks_per_request: tuple[int, ...], rows: int, block_m: 
     total = int(blocks.sum())
     m_tiles = rows_per_cta_tiles(rows, block_m)
     slots = policy.num_sms * policy.ctas_per_sm
-    best: tuple[float, np.ndarray] | None = None
-    last_chunk = 0
-    for waves in range(policy.waves, policy.waves + EXTRA_WAVES + 1):
-        target_pieces = max(1, slots * waves // m_tiles)
-        chunk = max(policy.min_blocks_per_split, -(-total // target_pieces))
-        if chunk == last_chunk:  # the same plan as the previous wave count's (the chunk only shrinks)
-            continue
-        last_chunk = chunk
-        counts = _split_counts(blocks, chunk, policy)
-        cost = estimated_makespan(blocks, counts, rows, m_tiles, slots)
-        if best is None or cost < best[0]:
-            best = (cost, counts)
-    assert best is not None
-    return best[0], tuple(best[1].tolist())
+    waves = np.arange(policy.waves, policy.waves + EXTRA_WAVES + 1)
+    chunks = np.maximum(policy.min_blocks_per_split, -(-total // np.maximum(1, slots * waves // m_tiles)))
+    chunks = chunks[np.concatenate([[True], chunks[1:] != chunks[:-1]])]  # the chunk only shrinks
+    counts = _split_counts(blocks[None, :], chunks[:, None], policy)
+    costs = estimated_makespans(blocks, counts, rows, m_tiles, slots)
+    best = int(np.argmin(costs))  # the first of equal costs: the fewest waves
+    return float(costs[best]), tuple(counts[best].tolist())
 
 
 def prefer_balanced(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> bool:
@@ -178,17 +196,23 @@ def prefer_balanced(seqlens: list[int], rows: int, block_m: int, policy: SplitPo
     plus the partial outputs. Balanced columns win where the split plan's waves fit the GPU
     badly (55 requests of 256 blocks at 128 rows: 110 of 132 SMs busy, measured 1.11x sooner
     balanced) and lose by a few percent where both fill it (b 64, docs/PERF.md)."""
-    blocks = _blocks_per_request(seqlens)
-    plan = _balanced_columns(blocks, rows, block_m, _plan_key(policy))
+    return _prefer_balanced(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))
+
+
+# Decode steps repeat their pages per request until a request starts a page: at b 1 63 steps of
+# 64, so a decision (and a work list, _work_tables) is kept per pages-per-request tuple
+@functools.lru_cache(maxsize=8)
+def _prefer_balanced(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy) -> bool:
+    plan = _balanced_columns(blocks, rows, block_m, policy)
     if plan is None:
         return False
-    split_cost = _best_split_counts(blocks, rows, block_m, _plan_key(policy))[0]
+    split_cost = _best_split_counts(blocks, rows, block_m, policy)[0]
     slots = policy.num_sms * policy.ctas_per_sm
     column_blocks = np.bincount(plan.column_of(), weights=plan.pieces[:, 2] - plan.pieces[:, 1],
                                 minlength=len(plan.lengths))
     longest = float(np.max(column_blocks * (1 + COLUMN_PAGE_COST) + plan.lengths * CTA_OVERHEAD_BLOCKS))
-    pieces = np.bincount(plan.pieces[:, 0], minlength=len(seqlens))
-    return longest + _partials_cost(pieces, rows, slots) < split_cost
+    pieces = np.bincount(plan.pieces[:, 0], minlength=len(blocks))
+    return bool(longest + _partials_cost(pieces, rows, slots) < split_cost)
 
 
 def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
@@ -271,12 +295,11 @@ def _balanced_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: 
     return plan
 
 
-def _split_plan_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolicy) -> ColumnPieces:
+def _split_plan_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy) -> ColumnPieces:
     """The split plan (:func:`plan_splits`: request ``i``'s split ``s`` of ``p`` covers blocks
     ``round(s nb / p)`` to ``round((s + 1) nb / p)``) as columns of one item each, longest
     first: the GPU starts CTAs in grid order as SMs free up, so this is the
     longest-processing-time-first schedule."""
-    blocks = _blocks_per_request(seqlens)
     nb = np.asarray(blocks, dtype=np.int64)
     if int(nb.sum()) == 0:
         return ColumnPieces(np.zeros((0, 3), dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -296,11 +319,16 @@ def work_columns(seqlens: list[int], rows: int, block_m: int, policy: SplitPolic
     """The plan as CTA columns of ``(request, first block, end block)`` pieces: balanced
     columns where the policy asks for them and the kernel runs columns, else one split per
     column."""
+    return _work_columns(_blocks_per_request(seqlens), rows, block_m, policy, runs_columns)
+
+
+def _work_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy,
+                  runs_columns: bool) -> ColumnPieces:
     if policy.balanced and runs_columns:
-        plan = _balanced_columns(_blocks_per_request(seqlens), rows, block_m, _plan_key(policy))
+        plan = _balanced_columns(blocks, rows, block_m, _plan_key(policy))
         if plan is not None:
             return plan
-    return _split_plan_columns(seqlens, rows, block_m, policy)
+    return _split_plan_columns(blocks, rows, block_m, policy)
 
 
 class WorkList(NamedTuple):
@@ -324,7 +352,7 @@ def build_metadata(
 
 def build_work_list(
     cache_seqlens: torch.Tensor, rows: int, block_m: int, policy: SplitPolicy,
-    seqlens: list[int] | None = None, runs_columns: bool = False,
+    seqlens: list[int] | None = None, runs_columns: bool = False, device: torch.device | None = None,
 ) -> WorkList:
     """Work list int32 ``[columns, items_per_column, 4]`` (see the module's docstring) and
     cumulative ``num_splits`` int32 ``[b + 1]``, both on the device of ``cache_seqlens``. Partial
@@ -332,14 +360,29 @@ def build_work_list(
     with one split writes its output directly (slot -1). ``runs_columns``: the decode kernel runs
     a column's items in turn (``decode_config.runs_columns``), so a balanced policy applies.
     ``seqlens``: ``host_seqlens(cache_seqlens)`` when the caller has read it already (no second
-    device-to-host copy); read here otherwise."""
+    device-to-host copy); read here otherwise. ``device``: where the tensors go (default: where
+    ``cache_seqlens`` is; lengths on the host can plan for a GPU)."""
     if seqlens is None:
         seqlens = host_seqlens(cache_seqlens)
-    columns = work_columns(seqlens, rows, block_m, policy, runs_columns)
-    work, cumulative, splits = _work_array(columns, len(seqlens))
-    device = cache_seqlens.device
-    return WorkList(torch.from_numpy(work).to(device), torch.from_numpy(cumulative).to(device),
-                    tuple(splits.tolist()))
+    work, cumulative, splits = _work_tables(_blocks_per_request(seqlens), rows, block_m, policy, runs_columns)
+    device = cache_seqlens.device if device is None else device
+    return WorkList(_upload(work, device), _upload(cumulative, device), splits)
+
+
+def _upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A fresh tensor of a cached table on ``device`` (copied: the cache keeps its array), without
+    waiting for the device: a copy from pageable memory is staged by the driver before it
+    returns, so the host need not wait for the stream (lengths given on the host: no sync)."""
+    return torch.from_numpy(table).to(device, non_blocking=True, copy=True)
+
+
+# the work list of a step's pages per request (see _prefer_balanced): at b 1 63 steps of 64 reuse
+# it. Its arrays are never written (each call uploads a copy).
+@functools.lru_cache(maxsize=8)
+def _work_tables(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy, runs_columns: bool
+                 ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    work, cumulative, splits = _work_array(_work_columns(blocks, rows, block_m, policy, runs_columns), len(blocks))
+    return work, cumulative, tuple(splits.tolist())
 
 
 def _work_array(columns: ColumnPieces, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -22,9 +22,11 @@ folded requests alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .decode_config import ROWS_PER_GROUP
@@ -70,11 +72,18 @@ class CombineRun:
 def plan_fold(splits_per_request: Sequence[int], rows: int, tile_rows: int, device: torch.device) -> SplitFold:
     """The fold of one work list: zeroed counters where a request is folded (on ``device``)."""
     limit = fold_limit(min(tile_rows, rows))
-    folded = any(1 < n <= limit for n in splits_per_request)
+    folded, left = _fold_facts(tuple(splits_per_request), limit)
     tiles = -(-rows // MIN_ROW_TILE)
     arrivals = torch.zeros(len(splits_per_request) * tiles, dtype=torch.int32, device=device) if folded else None
-    left = any(n == 0 or n > limit for n in splits_per_request)
     return SplitFold(arrivals, limit, left)
+
+
+# once per work list (get_mla_metadata), whose split counts repeat with its pages per request
+@functools.lru_cache(maxsize=8)
+def _fold_facts(splits_per_request: tuple[int, ...], limit: int) -> tuple[bool, bool]:
+    """(a request is folded: 2 .. limit splits; one is left to the combine: none or more)."""
+    counts = np.asarray(splits_per_request, dtype=np.int64)
+    return bool(((counts > 1) & (counts <= limit)).any()), bool(((counts == 0) | (counts > limit)).any())
 
 
 def kernel_fold_limit(fold: SplitFold | None, arrivals: torch.Tensor | None) -> int:

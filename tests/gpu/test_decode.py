@@ -441,10 +441,10 @@ def test_replayed_launch_plan_takes_each_calls_tensors(fp8):
     (ops/decode_launch.py): with another Q, the cache's contents rewritten in place and new
     output buffers it must give exactly what a freshly planned call gives, and differ from the
     first call's output; inside a CUDA graph too."""
+    from dataclasses import replace
+
     from snapmla_cli.ops import decode_launch
     from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
-
-    from dataclasses import replace
 
     device = torch.device("cuda")
     first, second = (random_problem([5000, 64, 0, 777], 1, 16, causal=True, seed=s) for s in (11, 12))
@@ -481,3 +481,37 @@ def test_replayed_launch_plan_takes_each_calls_tensors(fp8):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
+
+
+def test_metadata_from_host_lengths_waits_for_nothing():
+    """An engine that keeps its lengths on the host plans with ``device``: the call returns while
+    a sleep kernel queued before it still runs (no read from the GPU, asynchronous copies), and
+    its work list, split counts and configuration equal those planned from the same lengths on
+    the GPU, so the decode gives the same bits."""
+    from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata, metadata_plan
+
+    device = torch.device("cuda")
+    prob = random_problem([5000, 64, 0, 777, 20000], 2, 16, causal=True, seed=21)
+    rows = 2 * 16
+    host_lens = prob.layout.cache_seqlens.clone()
+    get_mla_metadata(host_lens, rows, 1, device=device)  # the first call's one-time lookups
+    shorter = (host_lens - 100).clamp(min=0).to(torch.int32)  # other pages: planned afresh
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s
+    queued = torch.cuda.Event()
+    queued.record()
+    meta_h, splits_h = get_mla_metadata(shorter, rows, 1, device=device)
+    assert not queued.query(), "get_mla_metadata waited for the GPU"
+    torch.cuda.synchronize()
+    assert meta_h.device.type == "cuda" and splits_h.device.type == "cuda"
+    meta_g, splits_g = get_mla_metadata(shorter.to(device), rows, 1)
+    assert torch.equal(meta_h, meta_g) and torch.equal(splits_h, splits_g)
+    assert metadata_plan(meta_h).config == metadata_plan(meta_g).config
+    # the decode of the longer lengths, planned both ways
+    gpu_lens = host_lens.to(device)
+    cache, q = prob.fp8_cache().to(device), quantize_rows(prob.q.to(device))
+    table = prob.layout.block_table.to(device)
+    outs = [decode_fp8(q, cache, table, gpu_lens, *get_mla_metadata(lens, rows, 1, device=device),
+                       prob.softmax_scale, True) for lens in (host_lens, gpu_lens)]
+    assert outs[0][0].isfinite().all()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
