@@ -1,0 +1,79 @@
+"""An engine's decode loop in eager mode: per step ``get_mla_metadata`` (the lengths read from the
+GPU, which waits for the stream, or given on the host with ``device=``), then ``layers`` layers of
+``quantize_q`` + ``decode_fp8`` on that step's work list; every length one token longer each step,
+the requests' lengths spread over a page so that the planner's caches miss as in a real batch.
+
+Prints the wall time per step of both loops against the GPU time of one step's layers (the same
+launches replayed from a CUDA graph): what the host leaves the GPU idle per step.
+
+    python3 scripts/step_loop.py --heads 16,128 --batch 1,8,64 --layers 61
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_prep import host_time  # this folder is sys.path[0]
+
+from snapmla_cli.bench.decode_case import DecodeCase
+from snapmla_cli.bench.timing import time_graph
+from snapmla_cli.numerics.formats import PAGE_SIZE
+from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+from snapmla_cli.ops.prep import quantize_q
+
+STEPS = 2 * PAGE_SIZE  # every request starts a page twice
+WARMUP_STEPS = 16  # at least host_time's warm-up calls
+
+
+def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None:
+    """Print one shape's step times: GPU only (graph), eager with GPU lengths, eager with host lengths."""
+    spread = torch.randint(0, PAGE_SIZE, (b,), generator=torch.Generator().manual_seed(b * 131 + h))
+    final = [ctx - int(s) for s in spread]  # the cache holds the last step's tokens
+    case = DecodeCase.build(final, 1, h, device)
+    rows = case.rows
+
+    def layers_of(meta: torch.Tensor, splits: torch.Tensor, lens: torch.Tensor) -> None:
+        for _ in range(layers):
+            decode_fp8(quantize_q(case.q), case.cache8, case.table, lens, meta, splits, None, True)
+
+    def loop(host: bool) -> float:
+        """Seconds per step of STEPS steps that end at the case's lengths."""
+        lens_host = case.lens.cpu() - (STEPS + WARMUP_STEPS)  # ends at or before the case's lengths
+        lens_gpu = lens_host.to(device)
+
+        def step() -> None:
+            lens_host.add_(1)
+            lens_gpu.add_(1)  # an engine's own update of the lengths the kernels read
+            if host:
+                meta, splits = get_mla_metadata(lens_host, rows, 1, fp8=True, device=device)
+            else:
+                meta, splits = get_mla_metadata(lens_gpu, rows, 1, fp8=True)
+            layers_of(meta, splits, lens_gpu)
+
+        return host_time(step, STEPS)
+
+    meta, splits = get_mla_metadata(case.lens, rows, 1, fp8=True)
+    gpu = time_graph(lambda: layers_of(meta, splits, case.lens), reps=5, warmup=2)
+    loop(host=False), loop(host=True)  # every configuration the steps choose built and loaded
+    on_gpu, on_host = loop(host=False), loop(host=True)
+    print(f"b{b} h{h} {ctx // 1024}k, {layers} layers: GPU (graph) {gpu * 1e3:.3f} ms/step, eager with GPU lengths "
+          f"{on_gpu * 1e3:.3f} ms, with host lengths {on_host * 1e3:.3f} ms ({on_gpu / on_host:.3f}x)", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--batch", default="1,8,64")
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--layers", type=int, default=61)
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    for b in map(int, args.batch.split(",")):
+        for h in map(int, args.heads.split(",")):
+            measure(b, h, args.ctx, args.layers, device)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
