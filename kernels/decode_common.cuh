@@ -23,8 +23,9 @@ constexpr float kLn2 = 0.6931471805599453f;
 // [columns x items_per_column], a column's items first to last; an unused place holds an empty
 // item (no blocks, request 0) whose partial slot nobody reads. A kernel that runs columns
 // (COLUMN_ITEMS) gives CTA row y the items y * items_per_column + k in turn, up to the first
-// empty one; the others give it the one item at flat index y (an empty item costs such a CTA
-// its Q load and a scratch write, and keeps those kernels' code as it was).
+// empty one; the others give it the one item at flat index y (an empty item: the wgmma kernels'
+// CTA returns at once, roles::run_column; the mma.sync kernels' loads its Q and writes the
+// scratch slot).
 struct WorkItem {
     int request;
     int block_begin;

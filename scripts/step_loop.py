@@ -4,7 +4,9 @@ GPU, which waits for the stream, or given on the host with ``device=``), then ``
 the requests' lengths spread over a page so that the planner's caches miss as in a real batch.
 
 Prints the wall time per step of both loops against the GPU time of one step's layers (the same
-launches replayed from a CUDA graph): what the host leaves the GPU idle per step.
+launches replayed from a CUDA graph): what the host leaves the GPU idle per step; and the step of
+an engine that captured its layers once in a CUDA graph with a ``GraphWorkList`` (rewritten from
+the host lengths each step, then the graph replayed).
 
     python3 scripts/step_loop.py --heads 16,128 --batch 1,8,64 --layers 61
 """
@@ -17,9 +19,10 @@ import torch
 from bench_prep import host_time  # this folder is sys.path[0]
 
 from snapmla_cli.bench.decode_case import DecodeCase
-from snapmla_cli.bench.timing import time_graph
+from snapmla_cli.bench.timing import capture_graph, time_graph
 from snapmla_cli.numerics.formats import PAGE_SIZE
 from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+from snapmla_cli.ops.graph_work_list import GraphWorkList
 from snapmla_cli.ops.prep import quantize_q
 
 STEPS = 2 * PAGE_SIZE  # every request starts a page twice
@@ -53,12 +56,31 @@ def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None
 
         return host_time(step, STEPS)
 
+    def graph_loop() -> float:
+        """Seconds per step of an engine that captured its step once: a GraphWorkList rewritten
+        from the host lengths, then the graph of the layers replayed."""
+        work = GraphWorkList(b, rows, device, max_context=ctx)  # the block table's reach
+        lens_host = case.lens.cpu() - (STEPS + WARMUP_STEPS)
+        lens_gpu = lens_host.to(device)
+        work.update(lens_host)
+        graph = capture_graph(lambda: layers_of(work.metadata, work.num_splits, lens_gpu))
+
+        def step() -> None:
+            lens_host.add_(1)
+            lens_gpu.add_(1)
+            work.update(lens_host)
+            graph.replay()
+
+        return host_time(step, STEPS)
+
     meta, splits = get_mla_metadata(case.lens, rows, 1, fp8=True)
     gpu = time_graph(lambda: layers_of(meta, splits, case.lens), reps=5, warmup=2)
     loop(host=False), loop(host=True)  # every configuration the steps choose built and loaded
     on_gpu, on_host = loop(host=False), loop(host=True)
+    graphed = graph_loop()
     print(f"b{b} h{h} {ctx // 1024}k, {layers} layers: GPU (graph) {gpu * 1e3:.3f} ms/step, eager with GPU lengths "
-          f"{on_gpu * 1e3:.3f} ms, with host lengths {on_host * 1e3:.3f} ms ({on_gpu / on_host:.3f}x)", flush=True)
+          f"{on_gpu * 1e3:.3f} ms, with host lengths {on_host * 1e3:.3f} ms ({on_gpu / on_host:.3f}x), "
+          f"graph replays with a GraphWorkList {graphed * 1e3:.3f} ms", flush=True)
 
 
 def main() -> None:

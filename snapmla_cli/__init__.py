@@ -1,6 +1,7 @@
 """snapmla: FP8 MLA decoding for Hopper GPUs (SnapMLA, arXiv 2602.10718).
 
-Public API, FlashMLA-shaped: ``get_mla_metadata``, ``flash_mla_with_kvcache``, plus the fused
+Public API, FlashMLA-shaped: ``get_mla_metadata`` (``GraphWorkList`` for a decode step replayed
+from a CUDA graph), ``flash_mla_with_kvcache``, plus the fused
 token-preparation ops (``quantize_q``, ``append_kv``, ``fetch_dequant``) and ``decode_fp8`` for an
 already-quantized Q. GPU modules are imported on first use so that ``import snapmla_cli`` works on
 a machine without CuPy or a GPU.
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "get_mla_metadata": "snapmla_cli.ops.decode",
+    "GraphWorkList": "snapmla_cli.ops.graph_work_list",
     "flash_mla_with_kvcache": "snapmla_cli.ops.decode",
     "decode_fp8": "snapmla_cli.ops.decode",
     "decode_bf16": "snapmla_cli.ops.decode",
@@ -25,6 +27,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "GraphWorkList",
     "append_kv",
     "decode_bf16",
     "decode_fp8",

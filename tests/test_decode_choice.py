@@ -242,3 +242,17 @@ def test_metadata_device_is_checked():
     if not torch.cuda.is_available():
         with pytest.raises(NoGpuError, match="^device: cuda"):
             get_mla_metadata(lens, ROWS, 1, device="cuda")
+
+
+def test_graph_work_list_looks_the_configuration_up_at_its_max_context():
+    """GraphWorkList without a config: the database's entry at max_context (the tuned buckets
+    are per context), settled to the split plan; without max_context the context-blind choice."""
+    from snapmla_cli.ops.decode_config import with_balance
+    from snapmla_cli.ops.graph_work_list import GraphWorkList
+
+    for ctx, want in ((16384, C16K), (131072, C128K)):
+        work = GraphWorkList(BATCH, ROWS, "cpu", max_context=ctx)
+        assert work.config == with_balance(want, False)
+        assert metadata_plan(work.metadata).requested == want
+    blind = GraphWorkList(BATCH, ROWS, "cpu")
+    assert metadata_plan(blind.metadata).requested == choose_config(ROWS, True, CPU, BATCH)

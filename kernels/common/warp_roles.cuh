@@ -95,6 +95,10 @@ __device__ __forceinline__ void run_column(const Params& p, const Pipeline& pipe
     };
     const bool producer = threadIdx.x >= kConsumerThreads;
     if constexpr (!kColumnItems) {
+        // an empty place (a padded work list: a column list run an item per CTA, or a fixed-size
+        // list for CUDA graphs) has nothing to do: a request without keys has no item at all,
+        // and the place's scratch partial slot is nobody's
+        if (__ldg(&p.work[blockIdx.y].block_end) <= __ldg(&p.work[blockIdx.y].block_begin)) return;
         if (producer) {
             setmaxnreg_dec<kProducerRegs>();
             if (threadIdx.x == kConsumerThreads) produce_item(blockIdx.y, 0);

@@ -116,6 +116,16 @@ def _metadata_device(cache_seqlens: torch.Tensor, device: torch.device | str | N
     that very device), else where the lengths are."""
     if device is None:
         return cache_seqlens.device
+    target = requested_device(device)
+    if cache_seqlens.device.type != "cpu" and cache_seqlens.device != target:
+        raise SnapmlaError(f"device: {target}, but cache_seqlens is on {cache_seqlens.device} "
+                           "(give host lengths, or lengths on that device)")
+    return target
+
+
+def requested_device(device: torch.device | str) -> torch.device:
+    """The caller's ``device`` argument as a torch device, a CUDA one with its index (the current
+    device's where none is given); a one-line error for anything else or a missing GPU."""
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as err:
@@ -125,9 +135,6 @@ def _metadata_device(cache_seqlens: torch.Tensor, device: torch.device | str | N
             raise NoGpuError(f"device: {target} requested, but no CUDA GPU is available")
         if target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
-    if cache_seqlens.device.type != "cpu" and cache_seqlens.device != target:
-        raise SnapmlaError(f"device: {target}, but cache_seqlens is on {cache_seqlens.device} "
-                           "(give host lengths, or lengths on that device)")
     return target
 
 

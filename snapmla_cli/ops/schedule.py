@@ -173,9 +173,11 @@ def _plan_key(policy: SplitPolicy) -> SplitPolicy:
 # get_mla_metadata asks twice per step, when it settles an automatic balance
 # (prefer_balanced) and when it plans (plan_splits): the model takes about 0.2 ms on the host
 @functools.lru_cache(maxsize=4)
-def _best_split_counts(blocks_per_request: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy
-                       ) -> tuple[float, tuple[int, ...]]:
-    """(estimated makespan, splits per request) of the best split plan (see plan_splits)."""
+def _best_split_counts(blocks_per_request: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy,
+                       max_pieces: int | None = None) -> tuple[float, tuple[int, ...]]:
+    """(estimated makespan, splits per request) of the best split plan (see plan_splits);
+    ``max_pieces``: only plans of at most that many splits in all (a fixed-size work list,
+    :func:`graph_capacity`, which the policy's own wave count always fits)."""
     blocks = np.asarray(blocks_per_request, dtype=np.int64)
     total = int(blocks.sum())
     m_tiles = rows_per_cta_tiles(rows, block_m)
@@ -184,6 +186,10 @@ def _best_split_counts(blocks_per_request: tuple[int, ...], rows: int, block_m: 
     chunks = np.maximum(policy.min_blocks_per_split, -(-total // np.maximum(1, slots * waves // m_tiles)))
     chunks = chunks[np.concatenate([[True], chunks[1:] != chunks[:-1]])]  # the chunk only shrinks
     counts = _split_counts(blocks[None, :], chunks[:, None], policy)
+    if max_pieces is not None:
+        counts = counts[counts.sum(axis=1) <= max_pieces]
+        if not len(counts):
+            raise SnapmlaError(f"a fixed work list of {max_pieces} items is too small for this batch's split plan")
     costs = estimated_makespans(blocks, counts, rows, m_tiles, slots)
     best = int(np.argmin(costs))  # the first of equal costs: the fewest waves
     return float(costs[best]), tuple(counts[best].tolist())
@@ -295,7 +301,8 @@ def _balanced_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: 
     return plan
 
 
-def _split_plan_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy) -> ColumnPieces:
+def _split_plan_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy,
+                        max_pieces: int | None = None) -> ColumnPieces:
     """The split plan (:func:`plan_splits`: request ``i``'s split ``s`` of ``p`` covers blocks
     ``round(s nb / p)`` to ``round((s + 1) nb / p)``) as columns of one item each, longest
     first: the GPU starts CTAs in grid order as SMs free up, so this is the
@@ -303,7 +310,7 @@ def _split_plan_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy
     nb = np.asarray(blocks, dtype=np.int64)
     if int(nb.sum()) == 0:
         return ColumnPieces(np.zeros((0, 3), dtype=np.int64), np.zeros(0, dtype=np.int64))
-    counts = np.asarray(_best_split_counts(blocks, rows, block_m, _plan_key(policy))[1], dtype=np.int64)
+    counts = np.asarray(_best_split_counts(blocks, rows, block_m, _plan_key(policy), max_pieces)[1], dtype=np.int64)
     request = np.repeat(np.arange(len(blocks)), counts)
     split = np.arange(len(request)) - np.repeat(np.cumsum(counts) - counts, counts)
     size, parts = nb[request], counts[request]
@@ -329,6 +336,43 @@ def _work_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy: Spli
         if plan is not None:
             return plan
     return _split_plan_columns(blocks, rows, block_m, policy)
+
+
+# A fixed-size work list (ops/graph_work_list.py) has room for one wave more than its policy's:
+# the planner's finer plans up to there always fit, finer ones where they happen to
+GRAPH_EXTRA_WAVES = 1
+
+
+def graph_capacity(batch: int, rows: int, block_m: int, policy: SplitPolicy, max_blocks: int | None = None) -> int:
+    """Items of a fixed-size split-plan work list that every batch of ``batch`` requests fits.
+    A plan for ``w`` waves aims at ``target(w)`` splits, and each request gets at most one split
+    more than its share ``floor(blocks / chunk) <= blocks / chunk``, so the plan has at most
+    ``batch + target(w)`` splits; the capacity is that bound at the policy's waves plus
+    ``GRAPH_EXTRA_WAVES``. Each request also has at most ``max_splits_per_request`` splits and,
+    its chunks being at least ``min_blocks_per_split`` blocks, at most ``max_blocks //
+    min_blocks_per_split`` (at least one) when no request has more than ``max_blocks`` blocks."""
+    target = max(1, policy.num_sms * policy.ctas_per_sm * (policy.waves + GRAPH_EXTRA_WAVES)
+                 // rows_per_cta_tiles(rows, block_m))
+    per_request = policy.max_splits_per_request
+    if max_blocks is not None:
+        per_request = min(per_request, max(1, max_blocks // max(1, policy.min_blocks_per_split)))
+    return max(1, min(batch * per_request, batch + target))
+
+
+def graph_work_tables(seqlens: Sequence[int], rows: int, block_m: int, policy: SplitPolicy, capacity: int
+                      ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """The split plan of ``seqlens`` as a work list of exactly ``capacity`` one-item columns
+    (:func:`graph_capacity`; the places past the plan empty), the cumulative split counts and
+    the splits per request. Cached by pages per request: the arrays must not be written."""
+    return _graph_work_tables(_blocks_per_request(seqlens), rows, block_m, policy, capacity)
+
+
+@functools.lru_cache(maxsize=8)
+def _graph_work_tables(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy, capacity: int
+                       ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    columns = _split_plan_columns(blocks, rows, block_m, policy, capacity)
+    work, cumulative, splits = _work_array(columns, len(blocks), capacity)
+    return work, cumulative, tuple(splits.tolist())
 
 
 class WorkList(NamedTuple):
@@ -385,12 +429,18 @@ def _work_tables(blocks: tuple[int, ...], rows: int, block_m: int, policy: Split
     return work, cumulative, tuple(splits.tolist())
 
 
-def _work_array(columns: ColumnPieces, batch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The work list of ``columns`` as int32 ``[columns, width, 4]`` (padded with empty places),
-    the cumulative split counts int32 ``[b + 1]`` and the splits per request, in NumPy: a step's
-    work list is built on the host once per decode step."""
+def _work_array(columns: ColumnPieces, batch: int, num_columns: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The work list of ``columns`` as int32 ``[columns, width, 4]`` (padded with empty places;
+    ``num_columns``: that many columns, the ones past the plan's all empty), the cumulative
+    split counts int32 ``[b + 1]`` and the splits per request, in NumPy: a step's work list is
+    built on the host once per decode step."""
     pieces, lengths = columns
+    if num_columns is not None:
+        lengths = np.concatenate([lengths, np.zeros(num_columns - len(lengths), dtype=np.int64)])
+        columns = ColumnPieces(pieces, lengths)
     width = int(lengths.max()) if len(lengths) else 1
+    width = max(width, 1)
     req, begin = pieces[:, 0], pieces[:, 1]
     splits = np.bincount(req, minlength=batch)
     cumulative = np.zeros(batch + 1, dtype=np.int32)

@@ -515,3 +515,53 @@ def test_metadata_from_host_lengths_waits_for_nothing():
                        prob.softmax_scale, True) for lens in (host_lens, gpu_lens)]
     assert outs[0][0].isfinite().all()
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("s_q,h_q", [(2, 16), (1, 64), (2, 64)])
+def test_graph_work_list_replays_every_steps_plan(s_q, h_q):
+    """A decode step captured once in a CUDA graph with a GraphWorkList (fixed-shape work list,
+    rewritten in place per step) gives each step's result on replay: three steps whose lengths
+    differ (a request empty, then long; split counts below and above the fold's limit) each
+    match the emulation of that step's split bounds, the output buffers poisoned with NaN
+    before each replay; a replay of the first step's lengths again repeats its bits."""
+    from dataclasses import replace
+
+    from snapmla_cli.ops.decode import decode_fp8
+    from snapmla_cli.ops.graph_work_list import GraphWorkList
+
+    device = torch.device("cuda")
+    longest = [9000, 64, 700, 4097, 20000]
+    prob = random_problem(longest, s_q, h_q, causal=True, seed=31 + h_q)
+    steps = [[9000, 64, 700, 4097, 20000], [8000, 0, 1, 65, 19937], [130, 3, 0, 4000, 64]]
+    rows = s_q * h_q
+    work = GraphWorkList(len(longest), rows, device)
+    cache, q = prob.fp8_cache().to(device), quantize_rows(prob.q.to(device))
+    table = prob.layout.block_table.to(device)
+    lens = torch.tensor(steps[0], dtype=torch.int32, device=device)
+    out = torch.empty((len(longest), s_q, h_q, 512), dtype=torch.bfloat16, device=device)
+    lse = torch.empty((len(longest), h_q, s_q), dtype=torch.float32, device=device)
+    work.update(torch.tensor(steps[0], dtype=torch.int32))
+
+    def step():
+        decode_fp8(q, cache, table, lens, work.metadata, work.num_splits, prob.softmax_scale, True,
+                   out=out, lse=lse)
+
+    step()  # the first call of the signature (its checks, tensor maps and launch plan) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    results = []
+    for seqlens in steps + steps[:1]:
+        host = torch.tensor(seqlens, dtype=torch.int32)
+        lens.copy_(host)
+        work.update(host)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        step_prob = replace(prob, layout=replace(prob.layout, cache_seqlens=host))
+        _check_fp8_against_emulation(step_prob, out, lse, cache, work.metadata, work.num_splits, device)
+        results.append((out.clone(), lse.clone()))
+    assert torch.equal(results[0][0], results[-1][0]) and torch.equal(results[0][1], results[-1][1])
+    assert work.metadata.shape == (work.capacity, 1, 4)
