@@ -11,7 +11,8 @@ once needs a work list whose shape and configuration stay the same while the len
   column's items depend on the lengths);
 - the work list has :func:`~.schedule.graph_capacity` places, enough for any lengths: the
   planner skips its finer plans that would not fit; the places past a step's plan are empty
-  (their CTAs load Q and write a scratch slot, nothing else);
+  (their CTAs return at once in the wgmma kernels; the mma.sync kernels' load Q and write a
+  scratch slot);
 - split requests: the decode kernel merges those of 2 .. ``fold_limit`` splits itself (the
   counters are made once and reset themselves after each call), and the combine kernel always
   runs after it for the others (requests without keys, or with more splits), leaving the folded
@@ -88,4 +89,3 @@ class GraphWorkList:
         self.metadata.copy_(torch.from_numpy(work), non_blocking=True)
         self.num_splits.copy_(torch.from_numpy(cumulative), non_blocking=True)
         return self.metadata, self.num_splits
-
