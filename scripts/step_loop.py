@@ -40,10 +40,15 @@ def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None
         for _ in range(layers):
             decode_fp8(quantize_q(case.q), case.cache8, case.table, lens, meta, splits, None, True)
 
+    def first_lengths() -> tuple[torch.Tensor, torch.Tensor]:
+        """The lengths on the host and on the GPU before the first step: the loop's steps end at
+        or before the case's lengths."""
+        lens_host = case.lens.cpu() - (STEPS + WARMUP_STEPS)
+        return lens_host, lens_host.to(device)
+
     def loop(host: bool) -> float:
         """Seconds per step of STEPS steps that end at the case's lengths."""
-        lens_host = case.lens.cpu() - (STEPS + WARMUP_STEPS)  # ends at or before the case's lengths
-        lens_gpu = lens_host.to(device)
+        lens_host, lens_gpu = first_lengths()
 
         def step() -> None:
             lens_host.add_(1)
@@ -60,8 +65,7 @@ def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None
         """Seconds per step of an engine that captured its step once: a GraphWorkList rewritten
         from the host lengths, then the graph of the layers replayed."""
         work = GraphWorkList(b, rows, device, max_context=ctx)  # the block table's reach
-        lens_host = case.lens.cpu() - (STEPS + WARMUP_STEPS)
-        lens_gpu = lens_host.to(device)
+        lens_host, lens_gpu = first_lengths()
         work.update(lens_host)
         graph = capture_graph(lambda: layers_of(work.metadata, work.num_splits, lens_gpu))
 

@@ -97,8 +97,7 @@ def get_mla_metadata(
     asynchronous copies. Without ``device`` the tensors go where ``cache_seqlens`` is."""
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
-    if num_heads_per_head_k < 1:
-        raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
+    check_rows(num_heads_per_head_k)
     target = _metadata_device(cache_seqlens, device)
     seqlens = host_seqlens(cache_seqlens)
     context = mean_context(seqlens)
@@ -109,6 +108,12 @@ def get_mla_metadata(
     fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, target)
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold))
     return work.metadata, work.num_splits
+
+
+def check_rows(num_heads_per_head_k: int) -> None:
+    """The work list's row count (``s_q * h_q``) is at least one."""
+    if num_heads_per_head_k < 1:
+        raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
 
 
 def _metadata_device(cache_seqlens: torch.Tensor, device: torch.device | str | None) -> torch.device:

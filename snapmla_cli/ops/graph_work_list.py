@@ -29,10 +29,10 @@ import torch
 from ..errors import SnapmlaError
 from ..numerics.formats import PAGE_SIZE
 from .config_choice import MetadataPlan, choose_config, record_plan
-from .decode import requested_device
+from .decode import check_rows, requested_device
 from .decode_config import DecodeConfig, with_balance
 from .schedule import WORK_FIELDS, graph_capacity, graph_work_tables, host_seqlens
-from .split_fold import MIN_ROW_TILE, SplitFold, fold_limit
+from .split_fold import fixed_fold
 
 
 class GraphWorkList:
@@ -51,8 +51,7 @@ class GraphWorkList:
                  config: DecodeConfig | None = None, max_context: int | None = None) -> None:
         if batch < 1:
             raise SnapmlaError(f"batch: expected >= 1 requests, got {batch}")
-        if num_heads_per_head_k < 1:
-            raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
+        check_rows(num_heads_per_head_k)
         if max_context is not None and max_context < 0:
             raise SnapmlaError(f"max_context: expected the most tokens a request holds (>= 0), got {max_context}")
         self.max_context = max_context
@@ -60,16 +59,13 @@ class GraphWorkList:
         self.batch, self.rows, self.fp8 = batch, num_heads_per_head_k, fp8
         context = None if max_context is None else float(max_context)
         requested = config or choose_config(num_heads_per_head_k, fp8, self.device, batch, context)
-        split = requested.split
-        self.config = with_balance(requested, False) if split.balanced or split.auto_balance else requested
+        self.config = with_balance(requested, False)  # the split plan: a fixed shape
         max_blocks = None if max_context is None else -(-max_context // PAGE_SIZE)
         self.capacity = graph_capacity(batch, num_heads_per_head_k, self.config.block_m, self.config.split,
                                        max_blocks)
         self.metadata = torch.empty((self.capacity, 1, WORK_FIELDS), dtype=torch.int32, device=self.device)
         self.num_splits = torch.empty(batch + 1, dtype=torch.int32, device=self.device)
-        tiles = -(-num_heads_per_head_k // MIN_ROW_TILE)
-        arrivals = torch.zeros(batch * tiles, dtype=torch.int32, device=self.device)
-        fold = SplitFold(arrivals, fold_limit(min(self.config.block_m, num_heads_per_head_k)), combine_left=True)
+        fold = fixed_fold(batch, num_heads_per_head_k, self.config.block_m, self.device)
         record_plan(self.metadata, MetadataPlan(num_heads_per_head_k, fp8, None, self.config, requested, fold))
         self.update(torch.zeros(batch, dtype=torch.int32))
 

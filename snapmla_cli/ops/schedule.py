@@ -439,8 +439,7 @@ def _work_array(columns: ColumnPieces, batch: int, num_columns: int | None = Non
     if num_columns is not None:
         lengths = np.concatenate([lengths, np.zeros(num_columns - len(lengths), dtype=np.int64)])
         columns = ColumnPieces(pieces, lengths)
-    width = int(lengths.max()) if len(lengths) else 1
-    width = max(width, 1)
+    width = max(int(lengths.max(initial=0)), 1)
     req, begin = pieces[:, 0], pieces[:, 1]
     splits = np.bincount(req, minlength=batch)
     cumulative = np.zeros(batch + 1, dtype=np.int32)

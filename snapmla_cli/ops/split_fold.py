@@ -73,9 +73,19 @@ def plan_fold(splits_per_request: Sequence[int], rows: int, tile_rows: int, devi
     """The fold of one work list: zeroed counters where a request is folded (on ``device``)."""
     limit = fold_limit(min(tile_rows, rows))
     folded, left = _fold_facts(tuple(splits_per_request), limit)
-    tiles = -(-rows // MIN_ROW_TILE)
-    arrivals = torch.zeros(len(splits_per_request) * tiles, dtype=torch.int32, device=device) if folded else None
-    return SplitFold(arrivals, limit, left)
+    return SplitFold(_counters(len(splits_per_request), rows, device) if folded else None, limit, left)
+
+
+def fixed_fold(batch: int, rows: int, tile_rows: int, device: torch.device) -> SplitFold:
+    """The fold of a work list rewritten from step to step (ops/graph_work_list.py): counters for
+    every request, and the combine always launched after the decode (for whatever a step leaves
+    it), so that one captured launch sequence holds for every step's plan."""
+    return SplitFold(_counters(batch, rows, device), fold_limit(min(tile_rows, rows)), combine_left=True)
+
+
+def _counters(batch: int, rows: int, device: torch.device) -> torch.Tensor:
+    """Zeroed arrival counters, one per request and smallest row tile."""
+    return torch.zeros(batch * -(-rows // MIN_ROW_TILE), dtype=torch.int32, device=device)
 
 
 # once per work list (get_mla_metadata), whose split counts repeat with its pages per request
