@@ -112,16 +112,29 @@
 #endif
 
 // Diagnostic (scripts/cta_times.py sets it): 1 records per CTA (blockIdx.y * gridDim.x +
-// blockIdx.x, up to kMaxTimedCtas) the %globaltimer when its consumers start its first work item
-// and end its last, its SM and its pages, into the global snapmla_cta_times[cta][4] (zeroed by
-// the script before the call): launch skew, imbalance and the fixed cost of a call, CTA by CTA.
+// blockIdx.x, up to kMaxTimedCtas) its SM, its pages and the %globaltimer at the points of
+// CtaTimeField into the global snapmla_cta_times[cta][kCtaTimeFields] (zeroed by the script
+// before the call): launch skew, imbalance and where a call's fixed cost goes, CTA by CTA.
 #ifndef CTA_TIMES
 #define CTA_TIMES 0
 #endif
+// The fields of a CTA's row of snapmla_cta_times (the order scripts/cta_times.py reads):
+// consumers start the first item, end the last (after the fold), SM, pages, kernel entry, Q in
+// shared memory, the first block's QK done, the page loop of the last item done, its outputs
+// stored, the producer's last page issued
+enum CtaTimeField { kTimeStart, kTimeEnd, kTimeSm, kTimePages, kTimeEntry, kTimeQ, kTimeFirstQk, kTimeLoopEnd,
+                    kTimeStored, kTimeLastLoad, kCtaTimeFields };
 #if CTA_TIMES
-constexpr int kMaxTimedCtas = 4096, kCtaTimeFields = 4;  // start ns, end ns, SM, pages
+constexpr int kMaxTimedCtas = 4096;
 extern "C" __device__ long long snapmla_cta_times[kMaxTimedCtas * kCtaTimeFields];
 #endif
+// %globaltimer into this CTA's field when `who` (CTA_TIMES only; nothing otherwise)
+__device__ __forceinline__ void mark_cta_time([[maybe_unused]] int field, [[maybe_unused]] bool who) {
+#if CTA_TIMES
+    const unsigned cta = blockIdx.y * gridDim.x + blockIdx.x;
+    if (who && cta < kMaxTimedCtas) snapmla_cta_times[cta * kCtaTimeFields + field] = snapmla::globaltimer_ns();
+#endif
+}
 
 #if TRACE_PHASES
 // [2 warpgroups][kTraceTurns][kTracePoints]: turn start, the page's bytes arrived, QK done, row
@@ -403,6 +416,7 @@ __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, un
         tma_load_2d(dst + kContentTiles * kTileBytes, map_tiles, ROPE_OFFSET, row, &full[stage]);
         tma_load_2d(dst + (kContentTiles + 1) * kTileBytes, map_scale, SCALE_OFFSET, row, &full[stage]);
     }
+    mark_cta_time(kTimeLastLoad, num_blocks > 0);
 }
 
 // Q rows of this CTA into 128-byte-swizzled K-major tiles (4 content tiles + 1 RoPE tile);
@@ -624,12 +638,15 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
 #if CTA_TIMES
     long long* cta_times = snapmla_cta_times + (blockIdx.y * gridDim.x + blockIdx.x) * kCtaTimeFields;
     const bool timed = tid == 0 && blockIdx.y * gridDim.x + blockIdx.x < kMaxTimedCtas;
+    const int first_item = kColumnItems ? static_cast<int>(blockIdx.y) * p.items_per_column : blockIdx.y;
     if (timed) {  // a column: its first item's start, all its items' pages
-        const int first_item = kColumnItems ? static_cast<int>(blockIdx.y) * p.items_per_column : blockIdx.y;
-        if (item == first_item) cta_times[0] = globaltimer_ns();
-        cta_times[2] = sm_id();
-        cta_times[3] += num_blocks;
+        if (item == first_item) cta_times[kTimeStart] = globaltimer_ns();
+        cta_times[kTimeSm] = sm_id();
+        cta_times[kTimePages] += num_blocks;
     }
+    const bool timed_first = timed && item == first_item;
+#else
+    constexpr bool timed = false, timed_first = false;
 #endif
     const int qk_row0 = kAltPages ? 0 : wg * kRowsPerWg;  // first CTA row of this warpgroup's QK (N)
     const int pv_row0 = kOwnRowsPv ? wg * kRowsPerWg : 0;  // first CTA row of this warpgroup's PV (N)
@@ -650,6 +667,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     load_q(q_s, p, row_base, row0, rows, tid);
     fence_proxy_async_shared();  // Q was written by cp.async (generic proxy); wgmma reads it
     named_barrier_sync(kBarConsumers, kConsumerThreads);
+    mark_cta_time(kTimeQ, timed_first);
 
     // rows of this warpgroup's softmax state held by this thread: local n = qk_row0 + 8j + 2c + e
     float l_run[kOwnRows];
@@ -1298,6 +1316,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             named_barrier_sync(kBarTurn0 + wg, kConsumerThreads);
             if (it > 0) pv_step(it - 1);
             qk_step(it);
+            mark_cta_time(kTimeFirstQk, timed_first && it == 0);
             if (wg == 0 || it + 1 < num_blocks) named_barrier_arrive(kBarTurn0 + (wg ^ 1), kConsumerThreads);
             softmax_step(it);
         }
@@ -1316,6 +1335,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             trace(it, 1);
             if (mine) qk_step(it);
             trace(it, 2);
+            mark_cta_time(kTimeFirstQk, timed_first && it == 0);
             if (it > 0) named_barrier_sync(kBarPass0 + wg, kConsumerThreads);
             trace(it, 3);
             if constexpr (kRowsM) {
@@ -1348,6 +1368,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     } else {
         for (int it = 0; it < num_blocks; ++it) {
             qk_step(it);
+            mark_cta_time(kTimeFirstQk, timed_first && it == 0);
             softmax_step(it);
             pv_step(it);
         }
@@ -1357,6 +1378,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     // alternate pages: the warpgroups leave the page loop at different times; both finish it
     // (every hand-over and shared-memory read of the loop) before either writes its L partials
     if constexpr (kAltPages) named_barrier_sync(kBarConsumers, kConsumerThreads);
+    mark_cta_time(kTimeLoopEnd, timed);
     if constexpr (kRowsM) {  // row 16w + g + 8h: the quad's sum in slot 0, slots 1-3 zero
 #pragma unroll
         for (int h = 0; h < kOwnRows; ++h) {
@@ -1454,13 +1476,12 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             else p.lse[lse_index(req, row, p.shape)] = value;
         }
     }
+    mark_cta_time(kTimeStored, timed);
     // the last split of the request to get here merges them all (Q's tiles are free now)
     if (to_partial && num_blocks > 0 && p.fold.arrivals != nullptr)
         fold_split<kConsumerThreads, kRows>(p.fold, req, row0, rows, p.partial_out, p.partial_lse, p.out, p.lse,
                                             p.shape, tid, kBarConsumers, reinterpret_cast<float*>(smem + kOffQ));
-#if CTA_TIMES
-    if (timed) cta_times[1] = globaltimer_ns();
-#endif
+    mark_cta_time(kTimeEnd, timed);
 }
 
 // smem: roles::aligned_smem<kSmemAlign>(smem_raw), derived once at the kernel's entry
@@ -1468,6 +1489,7 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem, unsign
     const int rows = p.shape.s_q * p.shape.h_q;
     const int row0 = blockIdx.x * kRows;
     if (row0 >= rows) return;
+    mark_cta_time(kTimeEntry, threadIdx.x == 0);
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES;
     roles::init_pipeline_barriers(full, empty, STAGES, kConsumerWarps);
