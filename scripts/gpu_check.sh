@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|ship16-hN|ab|ab-small|rate|host|steploop|bench|prep|decode|steady ...]
-# With no argument everything but `ship` / `ship16*` / `ab*` / `rate` / `host` / `steploop` / `steady` runs (`ship`: re-tune the shipped database's
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship16|ship16-hN|ab|ab-small|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
+# With no argument everything but `ship` / `ship16*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship16-hN`:
 # the BF16 entries of h_q N only, replacing the stored ones (--force: after a BF16 kernel change),
@@ -11,7 +11,8 @@
 # `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `rate`: the tensor cores' rate at the
 # decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
-# step from GPU or host lengths (scripts/step_loop.py).
+# step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
+# CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT).
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -43,6 +44,8 @@ for step in $steps; do
               2>&1 | tee "$OUT/ab_tuning_small.log" | grep -v '^$' ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
+    ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \
+              | tee "$OUT/cta_times.log" | grep '^cta_times' ;;
     rate)   python3 scripts/wgmma_rate.py --json "$OUT/wgmma_rate.json" 2>&1 | tee "$OUT/wgmma_rate.log" | tail -24 ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
     prep)   python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -14 ;;
