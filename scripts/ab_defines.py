@@ -14,11 +14,10 @@ import argparse
 import statistics
 
 import torch
+from ab_split_fold import SHAPES  # this folder is sys.path[0]; the same shapes as the fold's A/B
 
 from snapmla_cli.bench.decode_case import DecodeCase, extra_defines
 from snapmla_cli.bench.timing import BURST, time_graph
-
-SHAPES = "16:1,16:2,32:1,32:2,64:1,128:1,128:2"
 
 
 def parse_defines(text: str) -> dict[str, int]:

@@ -30,7 +30,8 @@ WARMUP_STEPS = 16  # at least host_time's warm-up calls
 
 
 def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None:
-    """Print one shape's step times: GPU only (graph), eager with GPU lengths, eager with host lengths."""
+    """Print one shape's step times: GPU only (graph), eager with GPU lengths, eager with host
+    lengths, and graph replays with a GraphWorkList."""
     spread = torch.randint(0, PAGE_SIZE, (b,), generator=torch.Generator().manual_seed(b * 131 + h))
     final = [ctx - int(s) for s in spread]  # the cache holds the last step's tokens
     case = DecodeCase.build(final, 1, h, device)

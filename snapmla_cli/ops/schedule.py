@@ -370,9 +370,7 @@ def graph_work_tables(seqlens: Sequence[int], rows: int, block_m: int, policy: S
 @functools.lru_cache(maxsize=8)
 def _graph_work_tables(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy, capacity: int
                        ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    columns = _split_plan_columns(blocks, rows, block_m, policy, capacity)
-    work, cumulative, splits = _work_array(columns, len(blocks), capacity)
-    return work, cumulative, tuple(splits.tolist())
+    return _work_array(_split_plan_columns(blocks, rows, block_m, policy, capacity), len(blocks), capacity)
 
 
 class WorkList(NamedTuple):
@@ -425,15 +423,14 @@ def _upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
 @functools.lru_cache(maxsize=8)
 def _work_tables(blocks: tuple[int, ...], rows: int, block_m: int, policy: SplitPolicy, runs_columns: bool
                  ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
-    work, cumulative, splits = _work_array(_work_columns(blocks, rows, block_m, policy, runs_columns), len(blocks))
-    return work, cumulative, tuple(splits.tolist())
+    return _work_array(_work_columns(blocks, rows, block_m, policy, runs_columns), len(blocks))
 
 
 def _work_array(columns: ColumnPieces, batch: int, num_columns: int | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """The work list of ``columns`` as int32 ``[columns, width, 4]`` (padded with empty places;
     ``num_columns``: that many columns, the ones past the plan's all empty), the cumulative
-    split counts int32 ``[b + 1]`` and the splits per request, in NumPy: a step's work list is
+    split counts int32 ``[b + 1]`` (NumPy) and the splits per request: a step's work list is
     built on the host once per decode step."""
     pieces, lengths = columns
     if num_columns is not None:
@@ -457,7 +454,7 @@ def _work_array(columns: ColumnPieces, batch: int, num_columns: int | None = Non
     work[:, :, 3] = places - 1
     position = np.arange(len(pieces)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     work[columns.column_of(), position] = np.column_stack([pieces, slot])
-    return work, cumulative, splits
+    return work, cumulative, tuple(splits.tolist())
 
 
 def split_token_bounds(num_splits: torch.Tensor, metadata: torch.Tensor, seqlens: list[int]) -> list[list[int]]:
