@@ -34,6 +34,23 @@ def parse_size_list(text: str, what: str = "list") -> list[int]:
     return [parse_size(part, what) for part in items]
 
 
+def parse_int_list(text: str, what: str) -> list[int]:
+    """``"64"`` or ``"16,64,128"`` -> positive ints without size suffixes (head counts, query
+    tokens), duplicates removed, order kept."""
+    out: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
+        if int(part) not in out:
+            out.append(int(part))
+    if not out:
+        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. 16,64)")
+    return out
+
+
 def format_size(value: int) -> str:
     """Inverse of :func:`parse_size` for display: 32768 -> ``32k``, 1000 -> ``1000``."""
     for suffix, unit in (("m", 1024 * 1024), ("k", 1024)):

@@ -104,6 +104,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(invoke("verify", "--ctx", "12q"), "--ctx")
     assert_one_line_error(invoke("verify", "--fp8-kernel", "v4"), "--fp8-kernel")
     assert_one_line_error(invoke("verify", "--heads", "16,x"), "--heads")
+    for count in ("16.5", "16k"):  # head and token counts are plain integers, not sizes
+        assert_one_line_error(invoke("verify", "--heads", count), "positive integer")
+    assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "Q")
     assert_one_line_error(invoke("verify", "--ctx", "0"), "--ctx")
     if not torch.cuda.is_available():

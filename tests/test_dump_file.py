@@ -63,6 +63,9 @@ def test_not_a_dump(tmp_path: Path) -> None:
     _one_line_error(junk, "not a safetensors file")
     _one_line_error(_raw(tmp_path, {"x": torch.zeros(2)}, {"format": "other"}), "not a snapmla-kv-dump")
     _one_line_error(tmp_path / "missing.safetensors", "no such file")
+    folder = tmp_path / "a_folder.safetensors"
+    folder.mkdir()
+    _one_line_error(folder, "is a folder")
 
 
 def test_wrong_width(tmp_path: Path) -> None:

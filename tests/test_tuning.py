@@ -19,6 +19,7 @@ from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.ops import decode_config as dc
 from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
 from snapmla_cli.ops.schedule import SplitPolicy
+from snapmla_cli.sizes import parse_int_list
 from snapmla_cli.tuning import db as tdb
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, load_file, normalise_gpu_name, save_entries
@@ -34,7 +35,6 @@ from snapmla_cli.tuning.space import (
     max_row_groups,
     parse_budget,
     parse_formats,
-    parse_int_list,
     parse_ranges,
     same_kernel,
     search_space,

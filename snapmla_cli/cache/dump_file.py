@@ -56,6 +56,8 @@ class KVDump:
 
 
 def _read_metadata(path: Path) -> dict[str, str]:
+    if path.is_dir():
+        raise SnapmlaError(f"dump {path}: is a folder, expected a KV dump file (.safetensors)")
     if not path.is_file():
         raise SnapmlaError(f"dump {path}: no such file")
     try:

@@ -51,12 +51,12 @@ def tune_command(
 
 def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry_run: bool,
           resume: bool, db_dir: Path | None, force: bool) -> None:
+    from ..sizes import parse_int_list
     from ..tuning.db import user_dir
     from ..tuning.space import (
         make_buckets,
         parse_budget,
         parse_formats,
-        parse_int_list,
         parse_ranges,
     )
 

@@ -24,7 +24,7 @@ from ..analysis.verify import (
 from ..cache.atomic import check_writable
 from ..cache.dump_file import read_dump
 from ..errors import SnapmlaError
-from ..sizes import format_size, parse_size, parse_size_list
+from ..sizes import format_size, parse_int_list, parse_size
 from .common import Device, console, fmt, progress, write_json
 
 CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
@@ -56,7 +56,7 @@ def verify_command(
     if json_path is not None:
         check_writable(json_path, force, "--json")
     dev = resolve_device(device.value)
-    head_list, mtp_list = parse_size_list(heads, "--heads"), parse_size_list(mtp, "--mtp")
+    head_list, mtp_list = parse_int_list(heads, "--heads"), parse_int_list(mtp, "--mtp")
     context = None if ctx is None else parse_size(ctx, "--ctx")
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
     source = _source(dump, layer, seed)

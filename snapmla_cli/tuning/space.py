@@ -148,22 +148,6 @@ def _pair(data: dict, key: str) -> tuple[int, int]:
     return (value[0], value[1])
 
 
-def parse_int_list(text: str, what: str) -> list[int]:
-    """``"64"`` or ``"16,64,128"`` -> positive ints, duplicates removed, order kept."""
-    out: list[int] = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if not part.isdigit() or int(part) < 1:
-            raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
-        if int(part) not in out:
-            out.append(int(part))
-    if not out:
-        raise SnapmlaError(f"{what}: {text!r} is empty")
-    return out
-
-
 _RANGE = re.compile(r"^\s*([^-\s]+)\s*-\s*([^-\s]+)\s*$")
 
 
