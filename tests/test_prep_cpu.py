@@ -5,6 +5,7 @@ The CUDA paths are compared byte for byte with these same references in tests/gp
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -398,3 +399,37 @@ def test_cuda_path_append_kv_launch_args(launches: list[tuple], slot_dtype: torc
         prep._append_kv_cuda(kv.float(), slots, cache)
     with pytest.raises(SnapmlaError, match="k_cache: expected uint8 or float8_e4m3fn"):
         prep._append_kv_cuda(kv, slots, cache.view(torch.uint8).view(torch.int16))
+
+
+# ---------------------------------------------------------------- NaN / inf inputs
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), -float("inf")])
+def test_quantize_q_cpu_rejects_non_finite(poison: float) -> None:
+    q = _kv(6).view(2, 3, D_QK)
+    q[1, 2, 100] = poison
+    with pytest.raises(SnapmlaError, match=r"^q: 1 of 3456 values are NaN or inf"):
+        quantize_q(q)
+
+
+def test_append_kv_cpu_rejects_non_finite_rows_it_would_write() -> None:
+    """A non-finite K row would poison its cache slot for every later decode: refused, and the
+    cache is left as it was. A padding row (slot -1, skipped) may hold anything."""
+    cache = _poisoned_cache(2)
+    before = cache.clone()
+    kv = _kv(4)
+    kv[2, 7] = float("inf")
+    with pytest.raises(SnapmlaError, match="^kv: 1 of 2304 values are NaN or inf"):
+        append_kv(kv, torch.tensor([0, 1, 2, 3], dtype=torch.int32), cache)
+    assert torch.equal(cache, before)
+    append_kv(kv, torch.tensor([0, 1, -1, 3], dtype=torch.int32), cache)
+    assert torch.equal(cache.view(-1, FP8_TOKEN_BYTES)[3], quantize_tokens(kv[3:4])[0])
+
+
+def test_gpu_checks_switch_follows_the_environment() -> None:
+    """The CUDA paths' switch is read from SNAPMLA_CHECK_FINITE once, at import."""
+    code = "from snapmla_cli.ops.finite import GPU_CHECKS; print(GPU_CHECKS.on)"
+    for value, expected in (("1", "True"), ("0", "False"), ("", "False")):
+        env = {**os.environ, "SNAPMLA_CHECK_FINITE": value}
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == expected, (value, result.stdout, result.stderr)

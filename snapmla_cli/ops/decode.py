@@ -50,6 +50,7 @@ from .decode_config import (
     settle_balance,
 )
 from .decode_launch import DecodePlan, combine_launch, find_plan, store_plan
+from .finite import GPU_CHECKS, check_finite
 from .schedule import WORK_FIELDS, build_work_list, host_seqlens
 from .split_fold import (
     SplitFold,
@@ -334,6 +335,15 @@ def _tensor_args(**named: object) -> None:
             raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
 
 
+def _check_quantized_finite(q: QuantizedRows) -> None:
+    """The ``SNAPMLA_CHECK_FINITE`` check of an already quantized Q (its E4M3 content as well:
+    a hand-built ``QuantizedRows`` may hold NaN bytes)."""
+    for name in ("content", "scale", "rope"):
+        t = getattr(q, name)
+        if isinstance(t, torch.Tensor):  # (anything else fails the full checks below)
+            check_finite(f"q.{name}", t.view(FP8_DTYPE).float() if t.dtype == torch.uint8 else t.float())
+
+
 def decode_fp8(
     q: QuantizedRows,
     k_cache: torch.Tensor,
@@ -357,6 +367,8 @@ def decode_fp8(
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     key = _signature((q.content, q.scale, q.rope), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                      num_splits, softmax_scale, causal, config, out, lse)
+    if GPU_CHECKS.on:
+        _check_quantized_finite(q)
     plan = find_plan(key, tile_scheduler_metadata, config)
     if plan is not None:
         return _replay(plan, (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)),
@@ -404,6 +416,8 @@ def decode_bf16(
                      softmax_scale, causal, config, out, lse)
     plan = find_plan(key, tile_scheduler_metadata, config)
     if plan is not None:
+        if GPU_CHECKS.on:
+            check_finite("q", q)
         return _replay(plan, (("q", q),), tuple(q.shape[:3]), k_cache, block_table, cache_seqlens,
                        tile_scheduler_metadata, num_splits, out, lse)
     if q.dim() != 4:
@@ -411,6 +425,7 @@ def decode_bf16(
     b, s_q, h_q, _ = q.shape
     _check(q, "q", torch.bfloat16, (b, s_q, h_q, D_QK), None)
     device = q.device
+    check_finite("q", q)
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)

@@ -1,0 +1,57 @@
+"""NaN / inf checks of the floating inputs of the token-preparation and decode calls.
+
+A non-finite value in a query row makes that row's output NaN; in a K row passed to
+``append_kv`` it is worse: the token's scale becomes inf or NaN and the cache row stays poisoned
+for every later decode of that request. So the inputs are checked, with a one-line error that
+names the argument:
+
+- on the CPU paths (the reference numerics, ``snapmla quantize`` and the tests), always;
+- on CUDA only when ``SNAPMLA_CHECK_FINITE=1`` is set (or :func:`set_gpu_checks` turns it on):
+  the check reads a GPU reduction back to the host, a synchronization per call that an engine's
+  decode loop cannot afford and that CUDA-graph capture forbids. It is a debugging switch: turn
+  it on to find which call first receives a NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import SnapmlaError
+
+ENV_VAR = "SNAPMLA_CHECK_FINITE"
+
+
+class _GpuChecks:
+    """Whether CUDA inputs are checked: read from the environment once at import (the hot path
+    then pays one attribute read), changed at run time by :func:`set_gpu_checks`."""
+
+    on: bool = os.environ.get(ENV_VAR, "0").strip() not in ("", "0")
+
+
+GPU_CHECKS = _GpuChecks()
+
+
+def set_gpu_checks(enabled: bool) -> None:
+    """Turn the NaN / inf checks of CUDA inputs on or off for this process."""
+    GPU_CHECKS.on = bool(enabled)
+
+
+def check_finite(name: str, t: torch.Tensor) -> None:
+    """Raise a one-line :class:`SnapmlaError` when ``t`` holds NaN or inf. CUDA tensors are
+    checked only while :data:`GPU_CHECKS` is on, and never inside CUDA-graph capture (the
+    check's read-back is not allowed there: the error says to capture without the switch)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if t.is_cuda:
+        if not GPU_CHECKS.on:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise SnapmlaError(
+                f"{name}: {ENV_VAR}=1 cannot check values during CUDA-graph capture "
+                "(it reads them back to the host); capture with the check off")
+    bad = int((~torch.isfinite(t)).sum())
+    if bad:
+        raise SnapmlaError(
+            f"{name}: {bad} of {t.numel()} values are NaN or inf (expected finite values)")

@@ -1,0 +1,110 @@
+"""``SNAPMLA_CHECK_FINITE``: the opt-in NaN / inf checks of CUDA inputs (``ops.finite``).
+
+Off (the default), CUDA calls never read values back, so a NaN query row only makes its own
+output rows NaN; on, every entry point refuses a non-finite input with a one-line error naming
+it, before anything is written, and refuses to run inside CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.formats import FP8_TOKEN_BYTES
+from snapmla_cli.numerics.problem import random_problem
+from snapmla_cli.numerics.quant import quantize_rows
+from snapmla_cli.ops.decode import decode_fp8, flash_mla_with_kvcache, get_mla_metadata
+from snapmla_cli.ops.finite import GPU_CHECKS, set_gpu_checks
+from snapmla_cli.ops.prep import append_kv, quantize_q
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+
+
+def _switch(enabled: bool) -> Iterator[None]:
+    was = GPU_CHECKS.on
+    set_gpu_checks(enabled)
+    try:
+        yield
+    finally:
+        set_gpu_checks(was)
+
+
+@pytest.fixture
+def checks_on() -> Iterator[None]:
+    yield from _switch(True)
+
+
+@pytest.fixture
+def checks_off() -> Iterator[None]:
+    yield from _switch(False)
+
+
+def _problem():
+    prob = random_problem([65, 300], 2, 20, causal=True, seed=7)
+    seqlens = prob.layout.cache_seqlens.to(DEV)
+    meta, splits = get_mla_metadata(seqlens, 2 * 20, 1, fp8=True)
+    meta16, splits16 = get_mla_metadata(seqlens, 2 * 20, 1, fp8=False)
+    return prob, prob.layout.block_table.to(DEV), seqlens, (meta, splits), (meta16, splits16)
+
+
+@pytest.mark.usefixtures("checks_off")
+def test_off_nan_stays_in_its_rows() -> None:
+    prob, table, seqlens, (meta, splits), _ = _problem()
+    q = prob.q.to(DEV)
+    q[1, 0, 3, 10] = float("nan")
+    out, _ = flash_mla_with_kvcache(q, prob.fp8_cache().to(DEV), table, seqlens, 512, meta, splits,
+                                    prob.softmax_scale, True)
+    nan_rows = out.isnan().any(dim=-1).cpu()
+    assert bool(nan_rows[1, 0, 3]) and int(nan_rows.sum()) == 1
+
+
+@pytest.mark.usefixtures("checks_on")
+def test_decode_entry_points_refuse_non_finite_q() -> None:
+    prob, table, seqlens, (meta, splits), (meta16, splits16) = _problem()
+    q = prob.q.to(DEV)
+    q[0, 1, 19, 575] = float("inf")
+    with pytest.raises(SnapmlaError, match="^q: 1 of 46080 values are NaN or inf"):
+        flash_mla_with_kvcache(q, prob.fp8_cache().to(DEV), table, seqlens, 512, meta, splits,
+                               prob.softmax_scale, True)
+    bf16_cache = prob.bf16_cache().to(DEV)
+    clean = prob.q.to(DEV)
+    flash_mla_with_kvcache(clean, bf16_cache, table, seqlens, 512, meta16, splits16,
+                           prob.softmax_scale, True)  # a plan for this signature: the replay path
+    for _ in range(2):
+        with pytest.raises(SnapmlaError, match="^q: 1 of 46080"):
+            flash_mla_with_kvcache(q, bf16_cache, table, seqlens, 512, meta16, splits16,
+                                   prob.softmax_scale, True)
+    rows = quantize_rows(prob.q.to(DEV))
+    rows.scale[0, 0, 0] = float("nan")
+    with pytest.raises(SnapmlaError, match="^q.scale: 1 of 80 values"):
+        decode_fp8(rows, prob.fp8_cache().to(DEV), table, seqlens, meta, splits, prob.softmax_scale, True)
+
+
+@pytest.mark.usefixtures("checks_on")
+def test_prep_refuses_non_finite_and_writes_nothing() -> None:
+    q = torch.randn(4, 576, device=DEV, dtype=torch.bfloat16)
+    q[2, 0] = float("nan")
+    with pytest.raises(SnapmlaError, match="^q: 1 of 2304 values"):
+        quantize_q(q)
+    cache = torch.full((2, 64, FP8_TOKEN_BYTES), 0xFF, dtype=torch.uint8, device=DEV)
+    kv = torch.randn(3, 576, device=DEV, dtype=torch.bfloat16)
+    kv[1, 600 - 576] = -float("inf")
+    with pytest.raises(SnapmlaError, match="^kv: 1 of 1728 values"):
+        append_kv(kv, torch.tensor([0, 1, 2], dtype=torch.int32, device=DEV), cache)
+    assert bool((cache == 0xFF).all())
+    append_kv(kv, torch.tensor([0, -1, 2], dtype=torch.int32, device=DEV), cache)  # padding row skipped
+    assert not bool((cache[0, 2] == 0xFF).all())
+
+
+@pytest.mark.usefixtures("checks_on")
+def test_checks_refuse_graph_capture() -> None:
+    q = torch.randn(4, 576, device=DEV, dtype=torch.bfloat16)
+    quantize_q(q)  # compile and plan outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(SnapmlaError, match="during CUDA-graph capture"), torch.cuda.graph(graph):
+        quantize_q(q)
