@@ -256,3 +256,14 @@ def test_graph_work_list_looks_the_configuration_up_at_its_max_context():
         assert metadata_plan(work.metadata).requested == want
     blind = GraphWorkList(BATCH, ROWS, "cpu")
     assert metadata_plan(blind.metadata).requested == choose_config(ROWS, True, CPU, BATCH)
+
+
+@pytest.mark.parametrize("lengths,rows,needle", [
+    ([1, 2], ROWS, "^cache_seqlens: expected a torch.Tensor, got list"),
+    (torch.tensor([1, 2], dtype=torch.int32), 16.0, "^num_heads_per_head_k: expected an integer"),
+    (torch.tensor([1, 2], dtype=torch.int32), True, "^num_heads_per_head_k: expected an integer"),
+    (torch.tensor([1, 2], dtype=torch.int32), 0, "^num_heads_per_head_k: expected s_q"),
+])
+def test_get_mla_metadata_bad_arguments_are_one_line_errors(lengths, rows, needle):
+    with pytest.raises(SnapmlaError, match=needle):
+        get_mla_metadata(lengths, rows, 1)

@@ -99,6 +99,7 @@ def get_mla_metadata(
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
     check_rows(num_heads_per_head_k)
+    _tensor_args(cache_seqlens=cache_seqlens)
     target = _metadata_device(cache_seqlens, device)
     seqlens = host_seqlens(cache_seqlens)
     context = mean_context(seqlens)
@@ -113,6 +114,9 @@ def get_mla_metadata(
 
 def check_rows(num_heads_per_head_k: int) -> None:
     """The work list's row count (``s_q * h_q``) is at least one."""
+    if isinstance(num_heads_per_head_k, bool) or not hasattr(num_heads_per_head_k, "__index__"):
+        raise SnapmlaError(f"num_heads_per_head_k: expected an integer (s_q * h_q), "
+                           f"got {type(num_heads_per_head_k).__name__}")
     if num_heads_per_head_k < 1:
         raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
 
