@@ -267,3 +267,13 @@ def test_graph_work_list_looks_the_configuration_up_at_its_max_context():
 def test_get_mla_metadata_bad_arguments_are_one_line_errors(lengths, rows, needle):
     with pytest.raises(SnapmlaError, match=needle):
         get_mla_metadata(lengths, rows, 1)
+
+
+def test_flash_mla_with_kvcache_names_a_host_q():
+    """The FP8 path quantizes q first: a CPU q is reported as q, not as the quantizer's output."""
+    meta, splits = get_mla_metadata(torch.tensor([100, 10], dtype=torch.int32), 16, 1)
+    q = torch.randn(2, 1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    with pytest.raises(NoGpuError, match="^q: expected a CUDA tensor"):
+        decode.flash_mla_with_kvcache(q, cache, torch.zeros(2, 2, dtype=torch.int32),
+                                      torch.tensor([100, 10], dtype=torch.int32), 512, meta, splits)

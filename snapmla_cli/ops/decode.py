@@ -465,6 +465,8 @@ def flash_mla_with_kvcache(
     if k_cache.dtype in (torch.uint8, FP8_DTYPE):
         from .prep import quantize_q
 
+        _tensor_args(q=q)
+        _require_cuda(q, "q", None)
         if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
             raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
         return decode_fp8(quantize_q(q), k_cache, block_table, cache_seqlens,

@@ -49,8 +49,8 @@ class GraphWorkList:
 
     def __init__(self, batch: int, num_heads_per_head_k: int, device: torch.device | str, *, fp8: bool = True,
                  config: DecodeConfig | None = None, max_context: int | None = None) -> None:
-        if batch < 1:
-            raise SnapmlaError(f"batch: expected >= 1 requests, got {batch}")
+        if isinstance(batch, bool) or not hasattr(batch, "__index__") or batch < 1:
+            raise SnapmlaError(f"batch: expected >= 1 requests (an integer), got {batch!r}")
         check_rows(num_heads_per_head_k)
         if max_context is not None and max_context < 0:
             raise SnapmlaError(f"max_context: expected the most tokens a request holds (>= 0), got {max_context}")
