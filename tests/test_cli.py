@@ -171,3 +171,13 @@ def test_sizes() -> None:
     for bad in ("", "k", "1.5k", "-3", "0", "4g"):
         with pytest.raises(SnapmlaError):
             parse_size(bad, "--ctx")
+
+
+def test_verify_explains_a_short_context_miss() -> None:
+    """At 50 tokens (one partial block) P's E4M3 rounding alone takes the emulation past the
+    ref64 gate in this seeded case; verify fails it and says why."""
+    result = invoke("verify", "--ctx", "50", "--seed", "1", "--heads", "64", "--mtp", "1", "--device", "cpu")
+    assert result.exit_code == 1, result.output
+    assert "FAIL: rel_l2 vs ref64" in result.output and "note: at 50 tokens" in result.output
+    long_ctx = invoke("verify", "--ctx", "2k", "--seed", "1", "--heads", "64", "--mtp", "1", "--device", "cpu")
+    assert long_ctx.exit_code == 0 and "note:" not in long_ctx.output

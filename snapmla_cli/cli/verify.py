@@ -24,6 +24,7 @@ from ..analysis.verify import (
 from ..cache.atomic import check_writable
 from ..cache.dump_file import read_dump
 from ..errors import SnapmlaError
+from ..numerics.formats import PAGE_SIZE
 from ..sizes import format_size, parse_int_list, parse_size
 from .common import Device, console, fmt, progress, write_json
 
@@ -80,6 +81,11 @@ def verify_command(
         raise typer.Exit(1)
 
 
+# Below two 64-token blocks the FP8 pipeline's own P rounding can exceed the ref64 gate (measured
+# on the synthetic layer: contexts of 20-50 tokens miss it in some cases, 64 and more never did).
+SHORT_CONTEXT = 2 * PAGE_SIZE
+
+
 def _source(dump: Path | None, layer: int | None, seed: int) -> ProblemSource:
     if dump is None:
         return synthetic_source(layer, seed)
@@ -111,6 +117,11 @@ def _render(out, results: list[CaseResult], source: ProblemSource, device: str, 
     passed = sum(r.passed for r in results)
     out.print(f"{passed}/{len(results)} cases pass (fp8: rel_l2 vs ref64 <= {gates.floor_factor} * floor + "
               f"{gates.floor_abs}, vs emul <= {gates.emul_rel_l2}; bf16: cos_diff <= {gates.bf16_cos_diff})")
+    if first.ctx < SHORT_CONTEXT and any(not c.passed and c.name.endswith("ref64")
+                                          for case in results for r in case.impls for c in r.checks):
+        out.print(f"note: at {first.ctx} tokens P's E4M3 rounding (SPEC section 5) is averaged over few keys, "
+                  "so even the emulation, the algorithm's definition, can miss the ref64 gate; the gate "
+                  "is meant for long contexts")
 
 
 def _as_dict(results: list[CaseResult], source: ProblemSource, device: str, gates: Gates) -> dict:
