@@ -341,11 +341,11 @@ def config_from_spec(spec: str) -> DecodeConfig:
 
 @functools.lru_cache(maxsize=256)
 def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) -> DecodeConfig:
-    """Built-in choice, from the variant sweeps on the H200 (docs/PERF.md). wgmma kernel (float32
-    promotion on): 16 rows as two CTAs per SM with two pages each, warpgroups splitting the
-    output dims; 32 rows as one CTA with the warpgroups taking alternate pages, four pages deep;
-    64+ rows the same with the rows as QK's M (rows = M: 20-30% faster than alternate pages
-    alone at 64 rows, docs/PERF.md); the split policy leaves balanced columns or the split
+    """Built-in choice, from the variant sweeps and tuned entries on the H200 (docs/PERF.md).
+    wgmma kernel (float32 promotion on): up to 32 rows one CTA per SM with the warpgroups taking
+    alternate pages, four pages deep; 64+ rows the same with the rows as QK's M (rows = M:
+    20-30% faster than alternate pages alone at 64 rows, docs/PERF.md); the split policy
+    leaves balanced columns or the split
     plan to the planner, per batch (``auto_balance``, :func:`settle_balance`). mma.sync kernel:
     16 rows as two small CTAs per SM; 32 rows as two row groups with two token groups per page;
     64+ rows as 64-row tiles. BF16 (``version`` defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always
@@ -354,12 +354,13 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
         version = DEFAULT_FP8_KERNEL if fp8 else DEFAULT_BF16_KERNEL
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
     if fp8 and version == FP8_WGMMA:
-        if row_groups == 1:  # two CTAs per SM interleave their per-page latency chains
-            cfg = DecodeConfig(row_groups=1, stages=2, min_ctas_per_sm=2, kernel_version=FP8_WGMMA)
-        else:  # 32 rows x 2 CTAs per SM lack registers (ptxas serializes the wgmmas)
-            mode = WG_ALT_ROWS_M if row_groups == ROWS_M_ROW_GROUPS else WG_ALT_PAGES
-            cfg = fit_stages(DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1,
-                                          kernel_version=FP8_WGMMA, wg_mode=mode))
+        # one CTA per SM, its warpgroups taking alternate pages four deep, at every row count
+        # (32 rows x 2 CTAs per SM lack registers: ptxas serializes the wgmmas); at 16 rows
+        # this beat two CTAs per SM with the dims split in every tuned bucket, b 1-128
+        # (1.01-1.16x, docs/PERF.md, twenty-first session)
+        mode = WG_ALT_ROWS_M if row_groups == ROWS_M_ROW_GROUPS else WG_ALT_PAGES
+        cfg = fit_stages(DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1,
+                                      kernel_version=FP8_WGMMA, wg_mode=mode))
         # each batch gets the split plan or balanced columns, whichever the planner's model
         # says finishes sooner (every heuristic layout can run columns)
         cfg = replace(cfg, split=replace(cfg.split, auto_balance=column_capable(cfg, True)))

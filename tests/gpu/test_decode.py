@@ -65,9 +65,10 @@ def _config(rows, version, device, **kernel):
     return cfg.with_sms(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-# (kernel version, overrides): the wgmma kernel at its heuristic, at its smallest pipeline /
-# two CTAs per SM, in its other warpgroup layout, and unpromoted (diagnostic); the mma.sync kernel
-KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (3, {"wg_mode": 1}), (3, {"wg_mode": 2}),
+# (kernel version, overrides): the wgmma kernel at its heuristic, with the dims split at its
+# smallest pipeline / two CTAs per SM (the 16-row heuristic until the twenty-first session), in
+# its other warpgroup layouts, and unpromoted (diagnostic); the mma.sync kernel
+KERNELS = [(3, {}), (3, {"wg_mode": 0, "stages": 2, "min_ctas_per_sm": 2}), (3, {"wg_mode": 1}), (3, {"wg_mode": 2}),
            (3, {"wg_mode": 3}), (3, {"wg_mode": 3, "stages": 2}), (3, {"wg_mode": 4, "row_groups": 4}),
            (3, {"wg_mode": 4, "row_groups": 4, "stages": 2}), (3, {"wg_mode": 6, "row_groups": 4}),
            (3, {"wg_mode": 6, "row_groups": 4, "stages": 2}),
@@ -75,7 +76,7 @@ KERNELS = [(3, {}), (3, {"stages": 2, "min_ctas_per_sm": 2}), (3, {"wg_mode": 1}
 
 
 @pytest.mark.parametrize("version,kernel", KERNELS,
-                         ids=["v3", "v3-st2-c2", "v3-rows", "v3-pingpong", "v3-alt", "v3-alt-st2",
+                         ids=["v3", "v3-dims-st2-c2", "v3-rows", "v3-pingpong", "v3-alt", "v3-alt-st2",
                               "v3-rows-m", "v3-rows-m-st2", "v3-vt", "v3-vt-st2", "v3-unpromoted", "v2"])
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
 def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, version, kernel):
