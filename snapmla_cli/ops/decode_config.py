@@ -345,11 +345,11 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
     wgmma kernel (float32 promotion on): up to 32 rows one CTA per SM with the warpgroups taking
     alternate pages, four pages deep; 64+ rows the same with the rows as QK's M (rows = M:
     20-30% faster than alternate pages alone at 64 rows, docs/PERF.md); the split policy
-    leaves balanced columns or the split
-    plan to the planner, per batch (``auto_balance``, :func:`settle_balance`). mma.sync kernel:
-    16 rows as two small CTAs per SM; 32 rows as two row groups with two token groups per page;
-    64+ rows as 64-row tiles. BF16 (``version`` defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always
-    works on 64-row tiles; the mma.sync one as before."""
+    leaves balanced columns or the split plan to the planner, per batch (``auto_balance``,
+    :func:`settle_balance`). mma.sync kernel: 16 rows as two small CTAs per SM; 32 rows as two
+    row groups with two token groups per page; 64+ rows as 64-row tiles. BF16 (``version``
+    defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always works on 64-row tiles; the
+    mma.sync one as before."""
     if version is None:
         version = DEFAULT_FP8_KERNEL if fp8 else DEFAULT_BF16_KERNEL
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
