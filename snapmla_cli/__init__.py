@@ -3,7 +3,8 @@
 Public API, FlashMLA-shaped: ``get_mla_metadata`` (``GraphWorkList`` for a decode step replayed
 from a CUDA graph), ``flash_mla_with_kvcache``, plus the fused
 token-preparation ops (``quantize_q``, ``append_kv``, ``fetch_dequant``) and ``decode_fp8`` for an
-already-quantized Q. GPU modules are imported on first use so that ``import snapmla_cli`` works on
+already-quantized Q; ``set_gpu_checks`` turns on the NaN / inf checks of CUDA inputs
+(``SNAPMLA_CHECK_FINITE=1``). GPU modules are imported on first use so that ``import snapmla_cli`` works on
 a machine without CuPy or a GPU.
 """
 
@@ -24,6 +25,7 @@ _LAZY = {
     "fetch_dequant": "snapmla_cli.ops.prep",
     "fetch_dequant_slots": "snapmla_cli.ops.prep",
     "fetch_dequant_soa": "snapmla_cli.ops.prep",
+    "set_gpu_checks": "snapmla_cli.ops.finite",
 }
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "flash_mla_with_kvcache",
     "get_mla_metadata",
     "quantize_q",
+    "set_gpu_checks",
 ]
 
 

@@ -23,6 +23,7 @@ from snapmla_cli.cache.layout import (
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from snapmla_cli.numerics.quant import QuantizedRows, quantize_rows
+from snapmla_cli.ops.finite import set_gpu_checks
 from snapmla_cli.ops.prep import (
     append_kv,
     fetch_dequant,
@@ -433,3 +434,14 @@ def test_gpu_checks_switch_follows_the_environment() -> None:
         env = {**os.environ, "SNAPMLA_CHECK_FINITE": value}
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert result.stdout.strip() == expected, (value, result.stdout, result.stderr)
+
+
+def test_public_api_names_resolve() -> None:
+    """Every name ``snapmla_cli`` exports resolves through its lazy table (no GPU needed)."""
+    import snapmla_cli
+
+    for name in snapmla_cli.__all__:
+        assert callable(getattr(snapmla_cli, name)), name
+    assert snapmla_cli.set_gpu_checks is set_gpu_checks
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        snapmla_cli.nope  # noqa: B018
