@@ -50,7 +50,7 @@ from .decode_config import (
     settle_balance,
 )
 from .decode_launch import DecodePlan, combine_launch, find_plan, store_plan
-from .finite import GPU_CHECKS, check_finite
+from .finite import GPU_CHECKS, check_all_finite, check_finite
 from .schedule import WORK_FIELDS, build_work_list, host_seqlens
 from .split_fold import (
     SplitFold,
@@ -341,11 +341,10 @@ def _tensor_args(**named: object) -> None:
 
 def _check_quantized_finite(q: QuantizedRows) -> None:
     """The ``SNAPMLA_CHECK_FINITE`` check of an already quantized Q (its E4M3 content as well:
-    a hand-built ``QuantizedRows`` may hold NaN bytes)."""
-    for name in ("content", "scale", "rope"):
-        t = getattr(q, name)
-        if isinstance(t, torch.Tensor):  # (anything else fails the full checks below)
-            check_finite(f"q.{name}", t.view(FP8_DTYPE).float() if t.dtype == torch.uint8 else t.float())
+    a hand-built ``QuantizedRows`` may hold NaN bytes), one read-back for the three parts."""
+    parts = [(f"q.{name}", getattr(q, name)) for name in ("content", "scale", "rope")]
+    check_all_finite(*((name, (t.view(FP8_DTYPE) if t.dtype == torch.uint8 else t).float())
+                       for name, t in parts if isinstance(t, torch.Tensor)))  # (others fail below)
 
 
 def decode_fp8(

@@ -39,19 +39,31 @@ def set_gpu_checks(enabled: bool) -> None:
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
-    """Raise a one-line :class:`SnapmlaError` when ``t`` holds NaN or inf. CUDA tensors are
-    checked only while :data:`GPU_CHECKS` is on, and never inside CUDA-graph capture (the
-    check's read-back is not allowed there: the error says to capture without the switch)."""
-    if not t.is_floating_point() or t.numel() == 0:
+    """Raise a one-line :class:`SnapmlaError` when ``t`` holds NaN or inf (see
+    :func:`check_all_finite`)."""
+    check_all_finite((name, t))
+
+
+def check_all_finite(*named: tuple[str, torch.Tensor]) -> None:
+    """Raise a one-line :class:`SnapmlaError` naming the first of ``named`` that holds NaN or
+    inf. CUDA tensors are checked only while :data:`GPU_CHECKS` is on, all of them with one
+    read-back (each read-back waits for the GPU), and never inside CUDA-graph capture, where a
+    read-back is not allowed: the error says to capture without the switch."""
+    tensors = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
+    if not tensors:
         return
-    if t.is_cuda:
+    if any(t.is_cuda for _, t in tensors):
         if not GPU_CHECKS.on:
-            return
-        if torch.cuda.is_current_stream_capturing():
+            tensors = [(name, t) for name, t in tensors if not t.is_cuda]
+            if not tensors:
+                return
+        elif torch.cuda.is_current_stream_capturing():
             raise SnapmlaError(
-                f"{name}: {ENV_VAR}=1 cannot check values during CUDA-graph capture "
+                f"{tensors[0][0]}: {ENV_VAR}=1 cannot check values during CUDA-graph capture "
                 "(it reads them back to the host); capture with the check off")
-    bad = int((~torch.isfinite(t)).sum())
-    if bad:
-        raise SnapmlaError(
-            f"{name}: {bad} of {t.numel()} values are NaN or inf (expected finite values)")
+    alls = [torch.isfinite(t).all() for _, t in tensors]
+    flags = torch.stack(alls).tolist() if len({a.device for a in alls}) == 1 else [bool(a) for a in alls]
+    for (name, t), ok in zip(tensors, flags):
+        if not ok:
+            bad = int((~torch.isfinite(t)).sum())
+            raise SnapmlaError(f"{name}: {bad} of {t.numel()} values are NaN or inf (expected finite values)")
