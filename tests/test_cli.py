@@ -109,6 +109,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "Q")
     assert_one_line_error(invoke("verify", "--ctx", "0"), "--ctx")
+    bad_plot = invoke("quantize", "-o", tmp_path / "p.st", "--layers", "1", "--tokens", "64", "--plot", tmp_path / "p.txt")
+    assert_one_line_error(bad_plot, "--plot", ".png, .pdf, .svg")
+    assert not (tmp_path / "p.st").exists(), "a bad --plot must be refused before any output is written"
     if not torch.cuda.is_available():
         assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--device", "cuda"), "no CUDA GPU")
 

@@ -6,21 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..cache.atomic import write_atomic
-from ..errors import SnapmlaError
+from ..plot_files import check_plot_path, pyplot
 from .fidelity import METRICS, FidelityReport
 
 _TITLES = {"rmse": "RMSE", "cos_diff": "cosine difference (1 - cos)", "rel_l2": "relative L2"}
 
 
 def plot_fidelity(report: FidelityReport, path: Path, title: str = "") -> None:
-    try:
-        import matplotlib
+    check_plot_path(path)
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise SnapmlaError("--plot needs matplotlib: pip install 'snapmla[plot]'") from None
     layers = [layer.layer for layer in report.layers]
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4), constrained_layout=True)
     for ax, metric in zip(axes, METRICS):
@@ -35,6 +31,6 @@ def plot_fidelity(report: FidelityReport, path: Path, title: str = "") -> None:
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    suffix = Path(path).suffix.lstrip(".") or "png"
+    suffix = Path(path).suffix.lstrip(".").lower()
     write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format=suffix))
     plt.close(fig)

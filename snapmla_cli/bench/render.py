@@ -10,13 +10,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cache.atomic import write_atomic
-from ..errors import SnapmlaError
+from ..plot_files import check_plot_path, pyplot
 from ..sizes import format_size
 from .plan import PRESETS, BenchPlan, format_bytes
 from .results import BenchReport, CaseResult
 from .timing import STEADY
-
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 def _tps(value: float) -> str:
@@ -122,22 +120,11 @@ def render_report(out: Console, report: BenchReport) -> None:
         out.print(f"note: {note}")
 
 
-def check_plot_path(path: Path) -> None:
-    if path.suffix.lower() not in PLOT_SUFFIXES:
-        raise SnapmlaError(f"--plot {path}: expected a {', '.join(PLOT_SUFFIXES)} file")
-
-
 def plot_report(report: BenchReport, path: Path) -> None:
     """Grouped bars per context (BF16, FP8 at the same batch, FP8 at the same KV memory),
     one panel per layout, FP8/BF16 speed-ups written over the FP8 bars. Written atomically."""
     check_plot_path(path)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SnapmlaError("--plot needs matplotlib: pip install 'snapmla[plot]'") from None
+    plt = pyplot()
     comparisons = report.comparisons
     layouts = list(dict.fromkeys(c.layout for c in comparisons))
     fig, axes = plt.subplots(1, len(layouts), figsize=(4.8 * len(layouts), 4.2), squeeze=False,

@@ -129,14 +129,10 @@ def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps,
     if json_path is not None:
         check_writable(json_path, force, "--json")
     if plot is not None:
-        from ..bench.render import check_plot_path
+        from ..plot_files import check_plot_output
 
         check_writable(plot, force, "--plot")
-        check_plot_path(plot)
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise SnapmlaError("--plot needs matplotlib: pip install 'snapmla[plot]'") from None
+        check_plot_output(plot)
     from ..bench.render import describe_plan, plot_report, render_report
 
     env = torchrun_env()

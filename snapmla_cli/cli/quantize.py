@@ -27,7 +27,7 @@ def quantize_command(
     output: Annotated[Path, typer.Option("--output", "-o", help="FP8 cache file to write.")] = ...,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT, --json, --plot files.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the fidelity report as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write the Fig.-5-style plot (PNG).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the Fig.-5-style plot (.png/.pdf/.svg).")] = None,
     queries: Annotated[int | None, typer.Option(help="Probe queries per layer (default: the dump's, else 4 synthetic).")] = None,
     configs: Annotated[str, typer.Option(help="Configurations to compare, comma-separated.")] = ",".join(CONFIGS),
     device: Annotated[Device, typer.Option(help="Where to quantize and analyse.")] = Device.auto,
@@ -43,6 +43,10 @@ def quantize_command(
     for path, what in ((output, "output"), (json_path, "--json"), (plot, "--plot")):
         if path is not None:
             check_writable(path, force, what)
+    if plot is not None:
+        from ..plot_files import check_plot_output
+
+        check_plot_output(plot)
     chosen = get_configs([c.strip() for c in configs.split(",") if c.strip()])
     if queries is not None and queries < 1:
         raise SnapmlaError(f"--queries: must be at least 1, got {queries}")
