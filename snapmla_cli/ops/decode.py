@@ -99,9 +99,8 @@ def get_mla_metadata(
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
     check_rows(num_heads_per_head_k)
-    _tensor_args(cache_seqlens=cache_seqlens)
+    seqlens = host_seqlens(cache_seqlens)  # (checks that it is an int32 [b] tensor)
     target = _metadata_device(cache_seqlens, device)
-    seqlens = host_seqlens(cache_seqlens)
     context = mean_context(seqlens)
     requested = config or choose_config(num_heads_per_head_k, fp8, target, len(seqlens), context)
     cfg = settle_balance(requested, seqlens, num_heads_per_head_k, fp8)
@@ -112,9 +111,14 @@ def get_mla_metadata(
     return work.metadata, work.num_splits
 
 
+def is_integer(value: object) -> bool:
+    """An integer count (Python or NumPy int; not a bool, not a float)."""
+    return not isinstance(value, bool) and hasattr(value, "__index__")
+
+
 def check_rows(num_heads_per_head_k: int) -> None:
     """The work list's row count (``s_q * h_q``) is at least one."""
-    if isinstance(num_heads_per_head_k, bool) or not hasattr(num_heads_per_head_k, "__index__"):
+    if not is_integer(num_heads_per_head_k):
         raise SnapmlaError(f"num_heads_per_head_k: expected an integer (s_q * h_q), "
                            f"got {type(num_heads_per_head_k).__name__}")
     if num_heads_per_head_k < 1:

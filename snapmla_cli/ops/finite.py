@@ -49,18 +49,14 @@ def check_all_finite(*named: tuple[str, torch.Tensor]) -> None:
     inf. CUDA tensors are checked only while :data:`GPU_CHECKS` is on, all of them with one
     read-back (each read-back waits for the GPU), and never inside CUDA-graph capture, where a
     read-back is not allowed: the error says to capture without the switch."""
-    tensors = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
+    tensors = [(name, t) for name, t in named
+               if t.is_floating_point() and t.numel() and (GPU_CHECKS.on or not t.is_cuda)]
     if not tensors:
         return
-    if any(t.is_cuda for _, t in tensors):
-        if not GPU_CHECKS.on:
-            tensors = [(name, t) for name, t in tensors if not t.is_cuda]
-            if not tensors:
-                return
-        elif torch.cuda.is_current_stream_capturing():
-            raise SnapmlaError(
-                f"{tensors[0][0]}: {ENV_VAR}=1 cannot check values during CUDA-graph capture "
-                "(it reads them back to the host); capture with the check off")
+    if any(t.is_cuda for _, t in tensors) and torch.cuda.is_current_stream_capturing():
+        raise SnapmlaError(
+            f"{tensors[0][0]}: {ENV_VAR}=1 cannot check values during CUDA-graph capture "
+            "(it reads them back to the host); capture with the check off")
     alls = [torch.isfinite(t).all() for _, t in tensors]
     flags = torch.stack(alls).tolist() if len({a.device for a in alls}) == 1 else [bool(a) for a in alls]
     for (name, t), ok in zip(tensors, flags):

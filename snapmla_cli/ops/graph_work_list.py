@@ -29,7 +29,7 @@ import torch
 from ..errors import SnapmlaError
 from ..numerics.formats import PAGE_SIZE
 from .config_choice import MetadataPlan, choose_config, record_plan
-from .decode import check_rows, requested_device
+from .decode import check_rows, is_integer, requested_device
 from .decode_config import DecodeConfig, with_balance
 from .schedule import WORK_FIELDS, graph_capacity, graph_work_tables, host_seqlens
 from .split_fold import fixed_fold
@@ -49,7 +49,7 @@ class GraphWorkList:
 
     def __init__(self, batch: int, num_heads_per_head_k: int, device: torch.device | str, *, fp8: bool = True,
                  config: DecodeConfig | None = None, max_context: int | None = None) -> None:
-        if isinstance(batch, bool) or not hasattr(batch, "__index__") or batch < 1:
+        if not is_integer(batch) or batch < 1:
             raise SnapmlaError(f"batch: expected >= 1 requests (an integer), got {batch!r}")
         check_rows(num_heads_per_head_k)
         if max_context is not None and max_context < 0:

@@ -226,7 +226,7 @@ def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
     one device-to-host copy of a decode step's scheduling: ``get_mla_metadata`` reads it once and
     uses the list both for the configuration choice (the context) and for the work list."""
     if not isinstance(cache_seqlens, torch.Tensor):
-        raise SnapmlaError(f"cache_seqlens: expected a torch.Tensor (int32 [b]), got {type(cache_seqlens).__name__}")
+        raise SnapmlaError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
         raise SnapmlaError(
             f"cache_seqlens: expected int32 [b], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
