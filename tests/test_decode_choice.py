@@ -218,6 +218,26 @@ def test_automatic_balance_is_settled_by_the_metadata_and_run_by_the_decode(laun
         assert launch_probe[-1] == settle_blind(auto) and not runs_columns(launch_probe[-1], True)
 
 
+@pytest.mark.parametrize(("rows", "columns"), [(16, False), (64, False), (65, True), (128, True), (256, True)])
+def test_the_bf16_heuristic_runs_columns_from_two_row_tiles_on(rows: int, columns: bool, monkeypatch):
+    """The BF16 wgmma heuristic takes balanced columns once a request needs two or more 64-row
+    tiles (what every tuned H200 bucket of 128+ rows chose from 32k on), and the split plan
+    below; the metadata builds the matching work list."""
+    from snapmla_cli.ops.decode_config import BF16_WGMMA, runs_columns
+
+    monkeypatch.setattr(lookup, "lookup_decode_config", lambda **kw: None)  # the heuristic runs
+    cfg = heuristic_config(rows, False, BF16_WGMMA)
+    assert cfg.split.balanced == columns and not cfg.split.auto_balance
+    assert runs_columns(cfg, False) == columns
+    assert heuristic_config(rows, True).split.balanced is False  # FP8 leaves it to the planner
+    lens = _lens(16384, 5)
+    meta, _ = get_mla_metadata(lens, rows, 1, fp8=False)
+    settled = metadata_plan(meta).config
+    assert settled.split.balanced == columns
+    ref_meta, _ = build_metadata(lens, rows, settled.block_m, settled.split, runs_columns=columns)
+    assert torch.equal(meta, ref_meta)
+
+
 def test_a_repeated_step_gets_its_own_tensors():
     """Steps whose pages per request repeat reuse the planned tables (schedule._work_tables), but
     every call returns fresh tensors: writing into one step's work list changes no other's."""

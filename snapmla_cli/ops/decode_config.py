@@ -375,6 +375,13 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
     elif version == BF16_WGMMA:
         cfg = DecodeConfig(row_groups=BF16_WGMMA_ROW_GROUPS, stages=MIN_STAGES, block_n=PAGE_TOKENS,
                            min_ctas_per_sm=1, kernel_version=BF16_WGMMA)
+        if rows > cfg.block_m:
+            # two or more 64-row tiles per request: balanced columns. Every tuned H200 bucket of
+            # 128-256 rows from 32k on chose them, b 1-64 (1.02-1.09x over the split plan); at
+            # 16k half did, and the split plan won none by more than noise (docs/PERF.md,
+            # twenty-second session). The planner's cost model, drawn from the FP8 kernel, does
+            # not see this, so the choice is fixed here rather than left to auto_balance.
+            cfg = balanced(cfg)
     else:
         block_n = 64 if row_groups == 1 else 32
         cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1,
