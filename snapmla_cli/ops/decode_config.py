@@ -348,8 +348,8 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
     leaves balanced columns or the split plan to the planner, per batch (``auto_balance``,
     :func:`settle_balance`). mma.sync kernel: 16 rows as two small CTAs per SM; 32 rows as two
     row groups with two token groups per page; 64+ rows as 64-row tiles. BF16 (``version``
-    defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always works on 64-row tiles; the
-    mma.sync one as before."""
+    defaults to ``DEFAULT_BF16_KERNEL``): the wgmma kernel always works on 64-row tiles, in
+    balanced columns where a request needs two or more of them; the mma.sync one as before."""
     if version is None:
         version = DEFAULT_FP8_KERNEL if fp8 else DEFAULT_BF16_KERNEL
     row_groups = 1 if rows <= 16 else 2 if rows <= 32 else 4
@@ -378,7 +378,7 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
         if rows > cfg.block_m:
             # two or more 64-row tiles per request: balanced columns. Every tuned H200 bucket of
             # 128-256 rows from 32k on chose them, b 1-64 (1.02-1.09x over the split plan); at
-            # 16k half did, and the split plan won none by more than noise (docs/PERF.md,
+            # 16k half did, and the two came within 3% of each other either way (docs/PERF.md,
             # twenty-second session). The planner's cost model, drawn from the FP8 kernel, does
             # not see this, so the choice is fixed here rather than left to auto_balance.
             cfg = balanced(cfg)
