@@ -281,6 +281,24 @@ def test_balanced_columns_in_the_space_only_where_the_kernel_runs_them():
 # database file
 
 
+def test_an_entry_timed_against_another_default_is_not_current_and_gives_way(isolated_db):
+    """A resumed tune skips a bucket only when its entry was measured with these kernels against
+    today's default; a merge replaces an entry timed against another default even by a slower
+    one (their times do not rank: only the new entry beat today's heuristic)."""
+    user, _ = isolated_db
+    today = heuristic_config(128).with_sms(132)
+    current = entry(t=100.0)
+    assert current.is_current("abc123", today)
+    assert not current.is_current("other-kernels", today)
+    stale = replace(current, default_config=alt_config())
+    assert not stale.is_current("abc123", today)
+    save_entries(user, GPU, [stale])
+    _, [o] = save_entries(user, GPU, [entry(t=130.0)])  # slower, but against today's default
+    assert o.action == "replaced" and o.previous == stale
+    _, [o] = save_entries(user, GPU, [entry(t=140.0)])  # same default, slower: kept
+    assert o.action == "kept_old"
+
+
 def test_db_round_trip(isolated_db):
     user, _ = isolated_db
     entries = [entry(), entry(context=(65536, 65536), t=250.5, cfg=alt_config()),

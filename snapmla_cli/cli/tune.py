@@ -29,7 +29,7 @@ def tune_command(
     fmt: Annotated[str, typer.Option("--format", help="Cache format: fp8, bf16 or both.")] = "fp8",
     budget: Annotated[str, typer.Option("--budget", help=HELP_BUDGET)] = "60s",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the search space and exit (no GPU needed).")] = False,
-    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted run and skip buckets already tuned with these kernel sources.")] = True,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted run and skip buckets already tuned with these kernel sources against this default.")] = True,
     db_dir: Annotated[Path | None, typer.Option("--db-dir", help="Database folder (default: $SNAPMLA_TUNING_DIR or ~/.config/snapmla/tuning).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Store the new result even when the stored entry is faster (and overwrite an unreadable file).")] = False,
 ) -> None:
@@ -173,7 +173,7 @@ def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) 
     todo = []
     for space in spaces:
         stored = find_entry(folder, gpu, space.bucket) if resume and not force else None
-        if stored is not None and stored.kernels == kernels:
+        if stored is not None and stored.is_current(kernels, space.default):
             results.append(BucketResult(space.bucket, None, None, [], stored.default_time_us / 1e6,
                                         stored.time_us / 1e6, skipped="already tuned",
                                         entry=stored))

@@ -208,6 +208,13 @@ class Entry:
     def speedup(self) -> float:
         return self.default_time_us / self.time_us if self.time_us > 0 else math.nan
 
+    def is_current(self, kernels: str, default: DecodeConfig) -> bool:
+        """Whether this entry was measured with these kernel sources against this default (the
+        built-in heuristic of today): only then may a resumed ``snapmla tune`` skip its bucket.
+        An entry timed against an older heuristic can lose to the new one (a b 8 entry of the
+        H200 was 7% slower after the 16-row heuristic changed, docs/PERF.md)."""
+        return self.kernels == kernels and self.default_config == strip_sms(default)
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "bucket": self.bucket.as_dict(),
@@ -356,13 +363,15 @@ class MergeOutcome:
 def merge_entry(entries: list[Entry], new: Entry, force: bool = False
                 ) -> tuple[list[Entry], MergeOutcome]:
     """``entries`` with ``new`` merged in: per bucket the faster entry stays (``force``: the new
-    one); entries of other buckets are kept untouched."""
+    one); entries of other buckets are kept untouched. A stored entry timed against another
+    default than ``new`` (the heuristic has changed since) gives way whatever its time: only
+    ``new`` shows that it beats today's default."""
     out = [e for e in entries if e.bucket != new.bucket]
     same = [e for e in entries if e.bucket == new.bucket]
     previous = min(same, key=lambda e: e.time_us) if same else None
     if previous is None:
         return out + [new], MergeOutcome("added")
-    if force or new.time_us < previous.time_us:
+    if force or new.time_us < previous.time_us or previous.default_config != new.default_config:
         return out + [new], MergeOutcome("replaced", previous)
     return out + [previous], MergeOutcome("kept_old", previous)
 
