@@ -31,8 +31,9 @@ def pyplot() -> ModuleType:
     return plt
 
 
-def check_plot_output(path: Path) -> None:
+def check_plot_output(path: Path) -> ModuleType:
     """Everything about a ``--plot`` path that can fail before the work: its format and
-    matplotlib (whether the file may be overwritten is :func:`cache.atomic.check_writable`'s)."""
+    matplotlib (whether the file may be overwritten is :func:`cache.atomic.check_writable`'s).
+    Returns ``matplotlib.pyplot`` for the plotting functions, which check again on their own."""
     check_plot_path(path)
-    pyplot()
+    return pyplot()

@@ -6,15 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..cache.atomic import write_atomic
-from ..plot_files import check_plot_path, pyplot
+from ..plot_files import check_plot_output
 from .fidelity import METRICS, FidelityReport
 
 _TITLES = {"rmse": "RMSE", "cos_diff": "cosine difference (1 - cos)", "rel_l2": "relative L2"}
 
 
 def plot_fidelity(report: FidelityReport, path: Path, title: str = "") -> None:
-    check_plot_path(path)
-    plt = pyplot()
+    plt = check_plot_output(path)
     from matplotlib.ticker import MaxNLocator
 
     layers = [layer.layer for layer in report.layers]

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..cache.atomic import write_atomic
-from ..plot_files import check_plot_path, pyplot
+from ..plot_files import check_plot_output
 from ..sizes import format_size
 from .plan import PRESETS, BenchPlan, format_bytes
 from .results import BenchReport, CaseResult
@@ -123,8 +123,7 @@ def render_report(out: Console, report: BenchReport) -> None:
 def plot_report(report: BenchReport, path: Path) -> None:
     """Grouped bars per context (BF16, FP8 at the same batch, FP8 at the same KV memory),
     one panel per layout, FP8/BF16 speed-ups written over the FP8 bars. Written atomically."""
-    check_plot_path(path)
-    plt = pyplot()
+    plt = check_plot_output(path)
     comparisons = report.comparisons
     layouts = list(dict.fromkeys(c.layout for c in comparisons))
     fig, axes = plt.subplots(1, len(layouts), figsize=(4.8 * len(layouts), 4.2), squeeze=False,
