@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ab|ab-small|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ab|ab-small|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
 # the shipped 1, 8 and 64; `ship16-small`: the same for BF16; `ship16-hN`:
 # the BF16 entries of h_q N only, replacing the stored ones (--force: after a BF16 kernel change),
-# 33-36 s each on a warm machine; `ship16`:
+# 33-36 s each on a warm machine; `ship16-retune`: re-tune the BF16 entries of h_q 64 / 128 that
+# were timed against another default (--resume skips the current ones); `ship16`:
 # add the BF16 entries of the same buckets; the new file lands in $OUT).
 # `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
 # `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `rate`: the tensor cores' rate at the
@@ -40,6 +41,10 @@ for step in $steps; do
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship16_small.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     ship16) snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 4s \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship16.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
+    ship16-retune) for spec in "1,4,8,16 16k,128k" "64 16k,32k,64k,128k"; do set -- $spec
+              snap tune --heads 64,128 --mtp 1,2 --batch "$1" --ctx "$2" --format bf16 --budget 4s --resume \
+                --db-dir tuning_db; done 2>&1 | tee "$OUT/tune_ship16_retune.log" | tail -50
+              cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     ship16-h*) heads="${step#ship16-h}"
             snap tune --heads "$heads" --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 8s --force \
               --db-dir tuning_db 2>&1 | tee "$OUT/tune_$step.log" | tail -12; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
