@@ -12,7 +12,7 @@ max, block max of e s_k, the rows' state, P^T, the hand-over. A diagnostic: its 
 the chains it times, so the trace build is slower than the real one; read phases against each
 other (see docs/PERF.md, "Softmax latency, ablations, timeline" and the eleventh session).
 
-    python3 scripts/trace_decode.py --heads 64 --mtp 1 --ctx 32768 [--config 3:4:1:4:1:1:1:4]
+    python3 scripts/trace_decode.py --heads 64 --mtp 1 --ctx 32768 [--config 3:4:1:4:1:1:1:4] [--define PV_PAIRS=0]
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import statistics
 from collections.abc import Iterator
 
 import numpy as np
-from profile_decode import add_shape_args, run_decode  # this folder is sys.path[0]
+from ab_defines import parse_defines  # this folder is sys.path[0]
+from profile_decode import add_shape_args, run_decode
 
 from snapmla_cli.bench.decode_case import extra_defines
 from snapmla_cli.runtime import launch
@@ -64,9 +65,10 @@ def read_global(symbol: str, shape: tuple[int, ...],
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shape_args(ap)
+    ap.add_argument("--define", default="", help="further kernel defines, NAME=V,... (an A/B switch's phases)")
     ap.set_defaults(heads=64)
     args = ap.parse_args()
-    with extra_defines({"TRACE_PHASES": 1}):
+    with extra_defines({**parse_defines(args.define), "TRACE_PHASES": 1}):
         run_decode(args)  # the second call's trace is read
     trace = read_global(TRACE_SYMBOL, (2, TURNS, POINTS))  # [warpgroup, turn, point] cycles
     turn_ns = read_global(TIMER_SYMBOL, (2, TURNS))           # %globaltimer at each turn start
