@@ -21,6 +21,15 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DI
 OUT="${OUT:-/tmp/snapmla_out}"; mkdir -p "$OUT"
 steps="${*:-precompile tests verify probe tune bench prep decode}"
 snap() { python3 -m snapmla_cli.cli.app "$@"; }
+SHAPES="--heads 16,32,64,128 --mtp 1,2"   # the decode issues' head counts and query tokens
+SWEEP_CTX="16k,32k,64k,128k"
+# snapmla tune into the shipped database (tuning_db/): LOG.log and the new file land in $OUT,
+# the last LINES lines print
+tune_db() {
+  local log="$1" lines="$2"; shift 2
+  snap tune "$@" --db-dir tuning_db 2>&1 | tee "$OUT/$log.log" | tail -"$lines"
+  cp tuning_db/*.yaml "$OUT/" 2>/dev/null
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 for step in $steps; do
   echo "== $step"
@@ -31,23 +40,18 @@ for step in $steps; do
               | tee "$OUT/verify.log" | tail -40 ;;
     probe)  for shape in "16 1 32768 4" "128 2 32768 2"; do python3 scripts/probe_precision.py $shape; done 2>&1 \
               | tee "$OUT/probe_precision.log" | grep -v '^$' ;;
-    tune)   snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 32k --format fp8 --budget 8s \
-              --db-dir tuning_db 2>&1 | tee "$OUT/tune.log" | tail -20; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
-    ship)   snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format fp8 --budget 8s --force \
-              --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
-    ship-small) snap tune --heads 16,32,64,128 --mtp 1,2 --batch 4,16 --ctx 16k,128k --format fp8 --budget 6s \
-              --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship_small.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
-    ship16-small) snap tune --heads 16,32,64,128 --mtp 1,2 --batch 4,16 --ctx 16k,128k --format bf16 --budget 4s \
-              --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship16_small.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
-    ship16) snap tune --heads 16,32,64,128 --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 4s \
-              --db-dir tuning_db 2>&1 | tee "$OUT/tune_ship16.log" | tail -40; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
-    ship16-retune) for spec in "1,4,8,16 16k,128k" "64 16k,32k,64k,128k"; do set -- $spec
-              snap tune --heads 64,128 --mtp 1,2 --batch "$1" --ctx "$2" --format bf16 --budget 4s --resume \
-                --db-dir tuning_db; done 2>&1 | tee "$OUT/tune_ship16_retune.log" | tail -50
-              cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
-    ship16-h*) heads="${step#ship16-h}"
-            snap tune --heads "$heads" --mtp 1,2 --batch 64 --ctx 16k,32k,64k,128k --format bf16 --budget 8s --force \
-              --db-dir tuning_db 2>&1 | tee "$OUT/tune_$step.log" | tail -12; cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
+    tune)   tune_db tune 20 $SHAPES --batch 64 --ctx 32k --format fp8 --budget 8s ;;
+    ship)   tune_db tune_ship 40 $SHAPES --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 8s --force ;;
+    ship-small) tune_db tune_ship_small 40 $SHAPES --batch 4,16 --ctx 16k,128k --format fp8 --budget 6s ;;
+    ship16-small) tune_db tune_ship16_small 40 $SHAPES --batch 4,16 --ctx 16k,128k --format bf16 --budget 4s ;;
+    ship16) tune_db tune_ship16 40 $SHAPES --batch 64 --ctx $SWEEP_CTX --format bf16 --budget 4s ;;
+    ship16-retune)
+            tune_db tune_ship16_retune_small 30 --heads 64,128 --mtp 1,2 --batch 1,4,8,16 --ctx 16k,128k --format bf16 \
+              --budget 4s --resume
+            tune_db tune_ship16_retune_b64 20 --heads 64,128 --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format bf16 \
+              --budget 4s --resume ;;
+    ship16-h*) tune_db "tune_$step" 12 --heads "${step#ship16-h}" --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format bf16 \
+              --budget 8s --force ;;
     ab)     for fmt in fp8 bf16; do python3 scripts/ab_tuning.py --format "$fmt" --rounds 3; done 2>&1 \
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
