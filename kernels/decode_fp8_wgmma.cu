@@ -104,6 +104,18 @@
 #ifndef COLUMN_ITEMS
 #define COLUMN_ITEMS 0
 #endif
+// Promoted QK: how many chunk accumulators are in flight (2: chunk c + 1 runs while chunk c is
+// added; 3: chunks c + 1 and c + 2), where the pipelined QK applies (an A/B switch for the
+// benchmarks, not a DecodeConfig field). The sums keep their order, so the bits do not change.
+#ifndef QK_DEPTH
+#define QK_DEPTH 2
+#endif
+// Paired PVs: 1 builds m-tile mt + 2's V^T fragments while m-tiles mt and mt + 1 run (three
+// fragment sets); 0 builds each m-tile's right before its wgmmas (an A/B switch, not a
+// DecodeConfig field; the same wgmmas on the same bytes)
+#ifndef PV_FRAG_AHEAD
+#define PV_FRAG_AHEAD 0
+#endif
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
 // global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
@@ -222,6 +234,8 @@ constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote 
 // accumulators spill there next to its PV's two).
 constexpr int kQkPipelineMaxAcc = 16;
 constexpr bool kQkPipelined = kSAcc <= kQkPipelineMaxAcc || WG_MODE == 4;
+// (rows = M at N = 64: a third 32-float accumulator spills next to O, 520 bytes)
+constexpr int kQkDepth = kRowsM ? 2 : QK_DEPTH;
 // An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
 // there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
 constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
@@ -236,6 +250,7 @@ constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
 constexpr int kPvPairsMaxRows = 32;
 constexpr bool kPvPairs =
     PV_PAIRS && WG_MODE == 3 && kRows <= kPvPairsMaxRows && MIN_CTAS_PER_SM == 1 && kPvPromote && kPvPipelined;
+constexpr bool kPvFragAhead = PV_FRAG_AHEAD != 0;
 static_assert(!(kPvPairs && kPrefetchQk), "pv_pair does not hand over a prefetched QK (pv_page does)");
 // Alternate pages (WG_MODE 3) up to 32 rows: every warp derives the new state of all rows of the
 // block from the warps' statistics (lane n: row n), so the P^T pass needs no second warpgroup
@@ -538,24 +553,31 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem
 // modes keep the content tiles first. Position `i` of the order -> qk_chunk's chunk.
 __device__ __forceinline__ constexpr int qk_chunk_at(int i) { return kVtSmem ? (i + kContentTiles) % kQkChunks : i; }
 
-// `kSteps` wgmma groups through two accumulators in turn: step i + 1 is issued before step i
-// is waited for and handed to `take(i, acc)` (float32 promotion of QK chunks or PV chunks).
-// `issue(i, acc)` fences, issues and commits step i's wgmmas into `acc`; an accumulator may be
-// one array or a set of them (`float[kSets][kCount]`: the paired PVs' two pages).
-template <int kSteps, class Acc, class Issue, class Take>
-__device__ __forceinline__ void two_accumulator_pipeline(Acc (&acc)[2], Issue issue, Take take) {
-    issue(0, acc[0]);
+// `kSteps` wgmma groups through kDepth accumulators in turn: steps i + 1 .. i + kDepth - 1 are
+// issued before step i is waited for and handed to `take(i, acc)` (float32 promotion of QK
+// chunks or PV chunks). `issue(i, acc)` fences, issues and commits step i's wgmmas into `acc`;
+// an accumulator may be one array or a set of them (`float[kSets][kCount]`: the paired PVs' two
+// pages).
+template <int kSteps, int kDepth, class Acc, class Issue, class Take>
+__device__ __forceinline__ void accumulator_pipeline(Acc (&acc)[kDepth], Issue issue, Take take) {
+    static_assert(kDepth >= 2 && kDepth <= 3, "wgmma_wait below covers two or three groups in flight");
+#pragma unroll
+    for (int i = 0; i + 1 < kDepth && i < kSteps; ++i) issue(i, acc[i]);
 #pragma unroll
     for (int i = 0; i < kSteps; ++i) {
-        if (i + 1 < kSteps) {
-            issue(i + 1, acc[(i + 1) % 2]);
-            wgmma_wait<1>();
-        } else {
-            wgmma_wait<0>();
-        }
-        fence_accumulators(acc[i % 2]);
-        take(i, acc[i % 2]);
+        if (i + kDepth - 1 < kSteps) issue(i + kDepth - 1, acc[(i + kDepth - 1) % kDepth]);
+        // groups committed after step i's: min(kDepth - 1, kSteps - 1 - i)
+        const int later = kSteps - 1 - i < kDepth - 1 ? kSteps - 1 - i : kDepth - 1;
+        if (later >= 2) wgmma_wait<2>();
+        else if (later == 1) wgmma_wait<1>();
+        else wgmma_wait<0>();
+        fence_accumulators(acc[i % kDepth]);
+        take(i, acc[i % kDepth]);
     }
+}
+template <int kSteps, class Acc, class Issue, class Take>
+__device__ __forceinline__ void two_accumulator_pipeline(Acc (&acc)[2], Issue issue, Take take) {
+    accumulator_pipeline<kSteps, 2>(acc, issue, take);
 }
 
 // What WG_MODE 6's QK needs to transpose block `it`'s page while its chunks run: the
@@ -603,8 +625,8 @@ __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* sme
         }
         return;
     }
-    float acc[2][kAcc];
-    two_accumulator_pipeline<kQkChunks>(
+    float acc[kQkDepth][kAcc];
+    accumulator_pipeline<kQkChunks, kQkDepth>(
         acc,
         [&](int chunk, float (&into)[kAcc]) {
             wgmma_fence();
@@ -1240,23 +1262,29 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
 #pragma unroll
             for (int h = 0; h < 2; ++h) vmask[ks][h] = !masked ? ~0u : v_token_mask(ks, h, c, valid_of(it));
         float t[2][2][kOAcc];  // [m-tile in turn][page]
-        auto issue = [&](int mt, float (&acc)[2][kOAcc]) {
-            wgmma_fence();
+        // m-tile mt's V^T fragments of both pages ([page][k-step]), page it's bytes masked
+        auto build = [&](int mt, unsigned (&f)[2][kPvKSteps][4]) {
 #pragma unroll
             for (int k = 0; k < 2; ++k)
 #pragma unroll
                 for (int ks = 0; ks < kPvKSteps; ++ks) {
-                    unsigned a[4];
-                    v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
+                    v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, f[k][ks]);
                     if (masked && k == 1) {
 #pragma unroll
-                        for (int i = 0; i < 4; ++i) a[i] &= vmask[ks][i / 2];
+                        for (int i = 0; i < 4; ++i) f[k][ks][i] &= vmask[ks][i / 2];
                     }
-                    wgmma_fp8_rs(acc[k], a, p_desc[k] + ((kFp8KStep * ks) >> 4), ks > 0);
                 }
+        };
+        auto issue_built = [&](const unsigned (&f)[2][kPvKSteps][4], float (&acc)[2][kOAcc]) {
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+#pragma unroll
+                for (int ks = 0; ks < kPvKSteps; ++ks)
+                    wgmma_fp8_rs(acc[k], f[k][ks], p_desc[k] + ((kFp8KStep * ks) >> 4), ks > 0);
             wgmma_commit();
         };
-        two_accumulator_pipeline<kMTiles>(t, issue, [&](int mt, float (&done)[2][kOAcc]) {
+        auto take = [&](int mt, float (&done)[2][kOAcc]) {
 #pragma unroll
             for (int j = 0; j < kPvRows / 8; ++j)
 #pragma unroll
@@ -1265,7 +1293,45 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
                     const float g0 = i % 2 ? gam[0][j].y : gam[0][j].x, g1 = i % 2 ? gam[1][j].y : gam[1][j].x;
                     o_acc[mt][a] = fmaf(g1, fmaf(g0, o_acc[mt][a], done[0][a]), done[1][a]);
                 }
-        });
+        };
+        if constexpr (kPvFragAhead) {
+            // m-tile mt + 2's fragments are built while m-tiles mt and mt + 1 run: three sets,
+            // set (mt + 2) % 3 is mt - 1's, whose wgmmas were waited for
+            unsigned frag[3][2][kPvKSteps][4];
+            build(0, frag[0]);
+            issue_built(frag[0], t[0]);
+            if (kMTiles > 1) build(1, frag[1]);
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+                if (mt + 1 < kMTiles) {
+                    issue_built(frag[(mt + 1) % 3], t[(mt + 1) % 2]);
+                    if (mt + 2 < kMTiles) build(mt + 2, frag[(mt + 2) % 3]);
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
+                fence_accumulators(t[mt % 2]);
+                take(mt, t[mt % 2]);
+            }
+        } else {
+            // each fragment right before its wgmma
+            two_accumulator_pipeline<kMTiles>(t, [&](int mt, float (&acc)[2][kOAcc]) {
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int ks = 0; ks < kPvKSteps; ++ks) {
+                        unsigned a[4];
+                        v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
+                        if (masked && k == 1) {
+#pragma unroll
+                            for (int i = 0; i < 4; ++i) a[i] &= vmask[ks][i / 2];
+                        }
+                        wgmma_fp8_rs(acc[k], a, p_desc[k] + ((kFp8KStep * ks) >> 4), ks > 0);
+                    }
+                wgmma_commit();
+            }, take);
+        }
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) fence_accumulators(o_acc[mt]);
         if (lane == 0) {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ab|ab-small|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -10,7 +10,8 @@
 # were timed against another default (--resume skips the current ones); `ship16`:
 # add the BF16 entries of the same buckets; the new file lands in $OUT).
 # `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
-# `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `rate`: the tensor cores' rate at the
+# `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `ab-pipe`: the QK_DEPTH and
+# PV_FRAG_AHEAD switches against the shipped build at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
 # decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
 # step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
@@ -56,6 +57,11 @@ for step in $steps; do
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
               2>&1 | tee "$OUT/ab_tuning_small.log" | grep -v '^$' ;;
+    ab-pipe) { python3 scripts/ab_defines.py --b QK_DEPTH=3 --b PV_FRAG_AHEAD=1 --b QK_DEPTH=3,PV_FRAG_AHEAD=1 \
+                  --formats fp8 --shapes 16:1,32:1,16:2 --ctx 16384,65536 --rounds 3
+                for d in QK_DEPTH=3 PV_FRAG_AHEAD=1; do
+                  python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d"; done
+                python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
     ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \

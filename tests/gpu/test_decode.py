@@ -110,7 +110,8 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
 
 
 # Kernel switches that reorder work without changing a float32 operation (A/B defines of the
-# benchmarks, not DecodeConfig fields): define -> (the value it replaces, [(s_q, h_q, configuration)])
+# benchmarks, not DecodeConfig fields): define -> (the value other than the kernel's default: the
+# code it replaced, or the one on trial; [(s_q, h_q, configuration)])
 ALT_1CTA = {"wg_mode": 3, "min_ctas_per_sm": 1}
 EXACT_SWITCH_CASES = {
     # a turn's two PVs as one pair (alternate pages, up to 32 rows, one CTA per SM)
@@ -124,6 +125,12 @@ EXACT_SWITCH_CASES = {
     "TRANSPOSED_STATS": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
                              (1, 16, {**ALT_1CTA, "stages": 5}),
                              (1, 64, {"wg_mode": 0, "row_groups": 4, "stages": 3})]),
+    # promoted QK with three chunk accumulators in flight (the pipelined swapped layouts)
+    "QK_DEPTH": (3, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
+                     (1, 16, {**ALT_1CTA, "stages": 4}), (1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})]),
+    # the paired PVs' V^T fragments built two m-tiles ahead
+    "PV_FRAG_AHEAD": (1, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
+                          (1, 16, {**ALT_1CTA, "stages": 4})]),
 }
 EXACT_SWITCHES = [(define, old, s_q, h_q, kernel)
                   for define, (old, cases) in EXACT_SWITCH_CASES.items() for s_q, h_q, kernel in cases]
