@@ -105,16 +105,16 @@
 #define COLUMN_ITEMS 0
 #endif
 // Promoted QK: how many chunk accumulators are in flight (2: chunk c + 1 runs while chunk c is
-// added; 3: chunks c + 1 and c + 2), where the pipelined QK applies (an A/B switch for the
-// benchmarks, not a DecodeConfig field). The sums keep their order, so the bits do not change.
+// added; 3: chunks c + 1 and c + 2), where the swapped layouts pipeline QK (an A/B switch for
+// the benchmarks, not a DecodeConfig field). The sums keep their order: the same bits.
 #ifndef QK_DEPTH
-#define QK_DEPTH 2
+#define QK_DEPTH 3
 #endif
 // Paired PVs: 1 builds m-tile mt + 2's V^T fragments while m-tiles mt and mt + 1 run (three
 // fragment sets); 0 builds each m-tile's right before its wgmmas (an A/B switch, not a
 // DecodeConfig field; the same wgmmas on the same bytes)
 #ifndef PV_FRAG_AHEAD
-#define PV_FRAG_AHEAD 0
+#define PV_FRAG_AHEAD 1
 #endif
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
@@ -235,7 +235,7 @@ constexpr bool kPrefetchQk = MIN_CTAS_PER_SM == 1 && !kQkPromote && !kPvPromote 
 constexpr int kQkPipelineMaxAcc = 16;
 constexpr bool kQkPipelined = kSAcc <= kQkPipelineMaxAcc || WG_MODE == 4;
 // (rows = M at N = 64: a third 32-float accumulator spills next to O, 520 bytes)
-constexpr int kQkDepth = kRowsM ? 2 : QK_DEPTH;
+constexpr int kQkDepth = kQkPipelined && !kRowsM ? QK_DEPTH : 2;
 // An in-flight wgmma keeps its register A fragment (4 registers) alive: with two CTAs per SM
 // there are not enough registers for all 8 PV wgmmas at once (ptxas would serialize them all).
 constexpr bool kPvGroups = MIN_CTAS_PER_SM > 1 && !kPvPromote;
@@ -250,7 +250,7 @@ constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
 constexpr int kPvPairsMaxRows = 32;
 constexpr bool kPvPairs =
     PV_PAIRS && WG_MODE == 3 && kRows <= kPvPairsMaxRows && MIN_CTAS_PER_SM == 1 && kPvPromote && kPvPipelined;
-constexpr bool kPvFragAhead = PV_FRAG_AHEAD != 0;
+constexpr bool kPvFragAhead = PV_FRAG_AHEAD && kPvPairs;
 static_assert(!(kPvPairs && kPrefetchQk), "pv_pair does not hand over a prefetched QK (pv_page does)");
 // Alternate pages (WG_MODE 3) up to 32 rows: every warp derives the new state of all rows of the
 // block from the warps' statistics (lane n: row n), so the P^T pass needs no second warpgroup

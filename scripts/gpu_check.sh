@@ -11,7 +11,7 @@
 # add the BF16 entries of the same buckets; the new file lands in $OUT).
 # `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
 # `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `ab-pipe`: the QK_DEPTH and
-# PV_FRAG_AHEAD switches against the shipped build at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
+# PV_FRAG_AHEAD switches against the build before them at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
 # decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
 # step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
@@ -57,11 +57,10 @@ for step in $steps; do
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
               2>&1 | tee "$OUT/ab_tuning_small.log" | grep -v '^$' ;;
-    ab-pipe) { python3 scripts/ab_defines.py --b QK_DEPTH=3 --b PV_FRAG_AHEAD=1 --b QK_DEPTH=3,PV_FRAG_AHEAD=1 \
+    ab-pipe) { python3 scripts/ab_defines.py --a QK_DEPTH=2,PV_FRAG_AHEAD=0 --b QK_DEPTH=3 --b PV_FRAG_AHEAD=1 --b QK_DEPTH=3,PV_FRAG_AHEAD=1 \
                   --formats fp8 --shapes 16:1,32:1,16:2 --ctx 16384,65536 --rounds 3
-                for d in QK_DEPTH=3 PV_FRAG_AHEAD=1; do
-                  python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d"; done
-                python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
+                for d in QK_DEPTH=2,PV_FRAG_AHEAD=0 QK_DEPTH=2 PV_FRAG_AHEAD=0 ""; do
+                  python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d" | tail -2; done; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
     ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \

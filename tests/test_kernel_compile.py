@@ -495,6 +495,13 @@ SWITCH_LAYOUTS = [
     ("TRANSPOSED_STATS", 0, [(32, {"wg_mode": 3}), (64, {"wg_mode": 0, "row_groups": 4, "stages": 3})],
      [(64, {"wg_mode": 3, "row_groups": 4, "stages": 3}), (16, {"wg_mode": 0, "stages": 2, "min_ctas_per_sm": 2}),
       (64, {"wg_mode": 4, "row_groups": 4})]),
+    # three promoted QK chunks in flight: the pipelined swapped layouts (16-32 rows); rows = M
+    # keeps two (a third spills next to its O)
+    ("QK_DEPTH", 2, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})],
+     [(64, {"wg_mode": 4, "row_groups": 4}), (64, {"wg_mode": 3, "row_groups": 4, "stages": 3})]),
+    # the paired PVs' fragments two m-tiles ahead: wherever the pairs run
+    ("PV_FRAG_AHEAD", 0, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1})],
+     [(64, {"wg_mode": 4, "row_groups": 4}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})]),
 ]
 
 

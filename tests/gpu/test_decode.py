@@ -126,10 +126,10 @@ EXACT_SWITCH_CASES = {
                              (1, 16, {**ALT_1CTA, "stages": 5}),
                              (1, 64, {"wg_mode": 0, "row_groups": 4, "stages": 3})]),
     # promoted QK with three chunk accumulators in flight (the pipelined swapped layouts)
-    "QK_DEPTH": (3, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
+    "QK_DEPTH": (2, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
                      (1, 16, {**ALT_1CTA, "stages": 4}), (1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})]),
     # the paired PVs' V^T fragments built two m-tiles ahead
-    "PV_FRAG_AHEAD": (1, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
+    "PV_FRAG_AHEAD": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
                           (1, 16, {**ALT_1CTA, "stages": 4})]),
 }
 EXACT_SWITCHES = [(define, old, s_q, h_q, kernel)
