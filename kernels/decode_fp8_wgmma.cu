@@ -250,7 +250,8 @@ constexpr bool kPvPipelined = kOAcc <= kPvPipelineMaxAcc;
 constexpr int kPvPairsMaxRows = 32;
 constexpr bool kPvPairs =
     PV_PAIRS && WG_MODE == 3 && kRows <= kPvPairsMaxRows && MIN_CTAS_PER_SM == 1 && kPvPromote && kPvPipelined;
-constexpr bool kPvFragAhead = PV_FRAG_AHEAD && kPvPairs;
+// (not in the column loop: its third fragment set spills there with NVRTC 13.0's ptxas, 52 bytes)
+constexpr bool kPvFragAhead = PV_FRAG_AHEAD && kPvPairs && !kColumnItems;
 static_assert(!(kPvPairs && kPrefetchQk), "pv_pair does not hand over a prefetched QK (pv_page does)");
 // Alternate pages (WG_MODE 3) up to 32 rows: every warp derives the new state of all rows of the
 // block from the warps' statistics (lane n: row n), so the P^T pass needs no second warpgroup
