@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -8,7 +8,8 @@
 # the BF16 entries of h_q N only, replacing the stored ones (--force: after a BF16 kernel change),
 # 33-36 s each on a warm machine; `ship16-retune`: re-tune the BF16 entries of h_q 64 / 128 that
 # were timed against another default (--resume skips the current ones); `ship16`:
-# add the BF16 entries of the same buckets; the new file lands in $OUT).
+# add the BF16 entries of the same buckets; `ship32`: re-tune the FP8 b 64 entries of 16 and 32 rows (h16 s1 / s2,
+# h32 s1) after a change of those kernels, replacing the stored ones; the new file lands in $OUT).
 # `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
 # `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `ab-pipe`: the QK_DEPTH and
 # PV_FRAG_AHEAD switches against the build before them at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
@@ -53,6 +54,8 @@ for step in $steps; do
               --budget 4s --resume ;;
     ship16-h*) tune_db "tune_$step" 12 --heads "${step#ship16-h}" --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format bf16 \
               --budget 8s --force ;;
+    ship32) tune_db tune_ship32_h16 16 --heads 16 --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force
+            tune_db tune_ship32_h32 10 --heads 32 --mtp 1 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force ;;
     ab)     for fmt in fp8 bf16; do python3 scripts/ab_tuning.py --format "$fmt" --rounds 3; done 2>&1 \
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
