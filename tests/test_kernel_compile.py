@@ -16,6 +16,7 @@ import pytest
 
 from snapmla_cli.errors import NoGpuError, SnapmlaError
 from snapmla_cli.numerics import formats
+from snapmla_cli.ops.schedule import SplitPolicy
 from snapmla_cli.runtime import kernel_cache, nvrtc
 from snapmla_cli.runtime.launch import Kernel, device_arch, f32, i32, i64, launch
 from snapmla_cli.runtime.ptxas import parse_ptxas_log
@@ -499,9 +500,11 @@ SWITCH_LAYOUTS = [
     # keeps two (a third spills next to its O)
     ("QK_DEPTH", 2, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})],
      [(64, {"wg_mode": 4, "row_groups": 4}), (64, {"wg_mode": 3, "row_groups": 4, "stages": 3})]),
-    # the paired PVs' fragments two m-tiles ahead: wherever the pairs run
+    # the paired PVs' fragments two m-tiles ahead: wherever the pairs run, except the column
+    # build (balanced columns), where the third fragment set spills with NVRTC 13.0
     ("PV_FRAG_AHEAD", 0, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1})],
-     [(64, {"wg_mode": 4, "row_groups": 4}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})]),
+     [(64, {"wg_mode": 4, "row_groups": 4}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2}),
+      (32, {"wg_mode": 3, "split": SplitPolicy(balanced=True)})]),
 ]
 
 
