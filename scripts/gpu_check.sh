@@ -60,9 +60,11 @@ for step in $steps; do
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
               2>&1 | tee "$OUT/ab_tuning_small.log" | grep -v '^$' ;;
-    ab-pipe) { python3 scripts/ab_defines.py --a QK_DEPTH=2,PV_FRAG_AHEAD=0 --b QK_DEPTH=3 --b PV_FRAG_AHEAD=1 --b QK_DEPTH=3,PV_FRAG_AHEAD=1 \
+    ab-pipe) { python3 scripts/ab_defines.py --a QK_DEPTH=2,PV_FRAG_AHEAD=0 --b QK_DEPTH=3,PV_FRAG_AHEAD=0 \
+                  --b QK_DEPTH=2,PV_FRAG_AHEAD=1 --b QK_DEPTH=3,PV_FRAG_AHEAD=1 \
                   --formats fp8 --shapes 16:1,32:1,16:2 --ctx 16384,65536 --rounds 3
-                for d in QK_DEPTH=2,PV_FRAG_AHEAD=0 QK_DEPTH=2 PV_FRAG_AHEAD=0 ""; do
+                for d in QK_DEPTH=2,PV_FRAG_AHEAD=0 QK_DEPTH=2,PV_FRAG_AHEAD=1 QK_DEPTH=3,PV_FRAG_AHEAD=0 \
+                         QK_DEPTH=3,PV_FRAG_AHEAD=1; do
                   python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d" | tail -2; done; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
