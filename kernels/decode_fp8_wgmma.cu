@@ -576,10 +576,6 @@ __device__ __forceinline__ void accumulator_pipeline(Acc (&acc)[kDepth], Issue i
         take(i, acc[i % kDepth]);
     }
 }
-template <int kSteps, class Acc, class Issue, class Take>
-__device__ __forceinline__ void two_accumulator_pipeline(Acc (&acc)[2], Issue issue, Take take) {
-    accumulator_pipeline<kSteps, 2>(acc, issue, take);
-}
 
 // What WG_MODE 6's QK needs to transpose block `it`'s page while its chunks run: the
 // warpgroup's named barrier, the warp, and the V^T masks of a partial page.
@@ -1263,27 +1259,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
 #pragma unroll
             for (int h = 0; h < 2; ++h) vmask[ks][h] = !masked ? ~0u : v_token_mask(ks, h, c, valid_of(it));
         float t[2][2][kOAcc];  // [m-tile in turn][page]
-        // m-tile mt's V^T fragments of both pages ([page][k-step]), page it's bytes masked
-        auto build = [&](int mt, unsigned (&f)[2][kPvKSteps][4]) {
+        // V^T fragment (page k, k-step ks) of m-tile mt, page it's bytes masked
+        auto fragment = [&](int mt, int k, int ks, unsigned (&a)[4]) {
+            v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
+            if (masked && k == 1) {
 #pragma unroll
-            for (int k = 0; k < 2; ++k)
-#pragma unroll
-                for (int ks = 0; ks < kPvKSteps; ++ks) {
-                    v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, f[k][ks]);
-                    if (masked && k == 1) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) f[k][ks][i] &= vmask[ks][i / 2];
-                    }
-                }
-        };
-        auto issue_built = [&](const unsigned (&f)[2][kPvKSteps][4], float (&acc)[2][kOAcc]) {
-            wgmma_fence();
-#pragma unroll
-            for (int k = 0; k < 2; ++k)
-#pragma unroll
-                for (int ks = 0; ks < kPvKSteps; ++ks)
-                    wgmma_fp8_rs(acc[k], f[k][ks], p_desc[k] + ((kFp8KStep * ks) >> 4), ks > 0);
-            wgmma_commit();
+                for (int i = 0; i < 4; ++i) a[i] &= vmask[ks][i / 2];
+            }
         };
         auto take = [&](int mt, float (&done)[2][kOAcc]) {
 #pragma unroll
@@ -1296,38 +1278,37 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
                 }
         };
         if constexpr (kPvFragAhead) {
-            // m-tile mt + 2's fragments are built while m-tiles mt and mt + 1 run: three sets,
-            // set (mt + 2) % 3 is mt - 1's, whose wgmmas were waited for
+            // m-tile mt + 1's fragments are built right after m-tile mt's wgmmas are issued, i.e.
+            // while m-tiles mt - 1 and mt run: three sets, set (mt + 1) % 3 is mt - 2's, whose
+            // wgmmas were waited for
             unsigned frag[3][2][kPvKSteps][4];
-            build(0, frag[0]);
-            issue_built(frag[0], t[0]);
-            if (kMTiles > 1) build(1, frag[1]);
+            auto build = [&](int mt) {
 #pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-                if (mt + 1 < kMTiles) {
-                    issue_built(frag[(mt + 1) % 3], t[(mt + 1) % 2]);
-                    if (mt + 2 < kMTiles) build(mt + 2, frag[(mt + 2) % 3]);
-                    wgmma_wait<1>();
-                } else {
-                    wgmma_wait<0>();
-                }
-                fence_accumulators(t[mt % 2]);
-                take(mt, t[mt % 2]);
-            }
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int ks = 0; ks < kPvKSteps; ++ks) fragment(mt, k, ks, frag[mt % 3][k][ks]);
+            };
+            build(0);
+            accumulator_pipeline<kMTiles, 2>(t, [&](int mt, float (&acc)[2][kOAcc]) {
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < 2; ++k)
+#pragma unroll
+                    for (int ks = 0; ks < kPvKSteps; ++ks)
+                        wgmma_fp8_rs(acc[k], frag[mt % 3][k][ks], p_desc[k] + ((kFp8KStep * ks) >> 4), ks > 0);
+                wgmma_commit();
+                if (mt + 1 < kMTiles) build(mt + 1);
+            }, take);
         } else {
             // each fragment right before its wgmma
-            two_accumulator_pipeline<kMTiles>(t, [&](int mt, float (&acc)[2][kOAcc]) {
+            accumulator_pipeline<kMTiles, 2>(t, [&](int mt, float (&acc)[2][kOAcc]) {
                 wgmma_fence();
 #pragma unroll
                 for (int k = 0; k < 2; ++k)
 #pragma unroll
                     for (int ks = 0; ks < kPvKSteps; ++ks) {
                         unsigned a[4];
-                        v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
-                        if (masked && k == 1) {
-#pragma unroll
-                            for (int i = 0; i < 4; ++i) a[i] &= vmask[ks][i / 2];
-                        }
+                        fragment(mt, k, ks, a);
                         wgmma_fp8_rs(acc[k], a, p_desc[k] + ((kFp8KStep * ks) >> 4), ks > 0);
                     }
                 wgmma_commit();
@@ -1365,7 +1346,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             wgmma_commit();
         };
         float t[2][kOAcc];
-        two_accumulator_pipeline<kMTiles>(t, issue, [&](int nc, float (&done)[kOAcc]) {
+        accumulator_pipeline<kMTiles, 2>(t, issue, [&](int nc, float (&done)[kOAcc]) {
 #pragma unroll
             for (int i = 0; i < kOAcc; ++i) o_acc[nc][i] = fmaf(gam[(i / 2) % 2], o_acc[nc][i], done[i]);
         });
