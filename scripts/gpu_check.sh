@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|bench|prep|decode|steady ...]
-# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `steady` runs (`ship`: re-tune the shipped database's
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|stalls|bench|prep|decode|steady ...]
+# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
 # the shipped 1, 8 and 64; `ship16-small`: the same for BF16; `ship16-hN`:
@@ -16,7 +16,8 @@
 # decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
 # step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
-# CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT).
+# CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT); `stalls`: Nsight Compute's warp-state
+# sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT).
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -76,5 +77,14 @@ for step in $steps; do
     decode) python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" | tail -34 ;;
     steady) python3 scripts/bench_decode.py --clocks steady --json "$OUT/bench_decode_steady.json" 2>&1 \
               | tee "$OUT/bench_decode_steady.log" | tail -34 ;;
+    stalls) for shape in "16 1" "32 1" "64 1"; do
+              set -- $shape; rep="$OUT/stalls_h$1s$2"
+              ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 \
+                  --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$rep" \
+                  python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 > "$rep.log" 2>&1
+              ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$rep.log"
+              ncu -i "$rep.ncu-rep" --page details --csv > "$rep.details.csv" 2>> "$rep.log"
+              tail -3 "$rep.log"; python3 scripts/stall_ledger.py "$rep.csv" --top 25
+            done 2>&1 | tee "$OUT/stalls.log" | tail -150 ;;
   esac
 done

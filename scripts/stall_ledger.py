@@ -1,0 +1,129 @@
+"""Where a decode kernel's warps wait, instruction by instruction: Nsight Compute's warp-state
+sampling (the SourceCounters section, exported as the SASS source page's CSV) summed per
+instruction, per opcode and per stall reason, so that a lever is chosen from measured stalls
+rather than from a reading of the SASS.
+
+Collect on the GPU machine (``bash scripts/gpu_check.sh stalls`` does it), then read here or on
+any machine::
+
+    ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 \\
+        --section SourceCounters -o rep python3 scripts/profile_decode.py --heads 32 --ctx 16384
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > rep.csv
+    python3 scripts/stall_ledger.py rep.csv
+
+The CSV's column names differ between Nsight Compute versions: the columns are found by their
+words (address, source, samples), and every numeric column whose name names a stall reason is
+summed as one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+SAMPLES_ALL = "warp stall sampling (all"
+SAMPLES_NOT_ISSUED = "warp stall sampling (not"
+TOP_INSTRUCTIONS = 30
+# a phase marker: the instructions that close a phase of the page loop, by opcode prefix
+PHASE_MARKERS = ("BAR.SYNC", "BAR.ARV", "WARPGROUP.DEPBAR", "SYNCS.PHASECHK", "WARPGROUP.ARRIVE")
+
+
+def _number(text: str) -> float:
+    text = text.replace(",", "").strip()
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def _find(header: list[str], *words: str) -> int | None:
+    for i, name in enumerate(header):
+        low = name.lower()
+        if all(w in low for w in words):
+            return i
+    return None
+
+
+def opcode(sass: str) -> str:
+    """The opcode of a SASS line without its predicate (``@!P0 FADD R1, ...`` -> ``FADD``)."""
+    text = re.sub(r"^\s*@!?U?P\w+\s+", "", sass.strip())
+    return text.split()[0] if text else ""
+
+
+def read_rows(path: Path) -> tuple[list[str], list[list[str]]]:
+    with path.open(newline="") as handle:
+        lines = [line for line in handle if line.strip()]
+    # the page may start with notes before the header: the header is the first row naming Source
+    start = next((i for i, line in enumerate(lines) if "Source" in line), 0)
+    table = list(csv.reader(lines[start:]))
+    return table[0], table[1:]
+
+
+def ledger(path: Path, top: int) -> None:
+    header, rows = read_rows(path)
+    i_src = _find(header, "source")
+    i_addr = _find(header, "address")
+    i_all = _find(header, SAMPLES_ALL)
+    i_not = _find(header, SAMPLES_NOT_ISSUED)
+    if i_src is None or i_all is None:
+        print(f"{path.name}: no Source / '{SAMPLES_ALL}' columns; the header is:")
+        print("  " + " | ".join(header))
+        return
+    reasons = [i for i, name in enumerate(header) if "stall" in name.lower() and i not in (i_all, i_not)]
+    total = sum(_number(r[i_all]) for r in rows if len(r) > i_all)
+    print(f"== {path.name}: {len(rows)} instructions, {total:.0f} samples")
+    if total == 0:
+        return
+    by_op: Counter[str] = Counter()
+    by_reason: Counter[str] = Counter()
+    phases: list[tuple[str, float]] = []  # samples between phase markers, in address order
+    running = 0.0
+    for r in rows:
+        if len(r) <= i_all:
+            continue
+        samples = _number(r[i_all])
+        op = opcode(r[i_src])
+        by_op[op] += samples
+        running += samples
+        for i in reasons:
+            by_reason[header[i]] += _number(r[i]) if len(r) > i else 0.0
+        if op.startswith(PHASE_MARKERS):
+            addr = r[i_addr] if i_addr is not None else "?"
+            phases.append((f"{addr} {r[i_src].strip()[:60]}", running))
+            running = 0.0
+    print("-- top instructions (share of all samples, not issued)")
+    ranked = sorted((r for r in rows if len(r) > i_all), key=lambda r: -_number(r[i_all]))
+    for r in ranked[:top]:
+        addr = r[i_addr] if i_addr is not None else "?"
+        not_issued = _number(r[i_not]) if i_not is not None and len(r) > i_not else float("nan")
+        print(f"  {100 * _number(r[i_all]) / total:5.1f}%  {not_issued:7.0f}  {addr:>8}  {r[i_src].strip()[:90]}")
+    print("-- by opcode")
+    for op, samples in by_op.most_common(20):
+        print(f"  {100 * samples / total:5.1f}%  {op}")
+    if by_reason:
+        print("-- by stall reason (columns of the page)")
+        for name, samples in by_reason.most_common(20):
+            print(f"  {samples:10.0f}  {name}")
+    print("-- samples up to each phase marker (address order; >= 1% of all)")
+    for label, samples in phases:
+        if samples >= 0.01 * total:
+            print(f"  {100 * samples / total:5.1f}%  up to {label}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", nargs="+", type=Path, help="source-page CSVs (ncu --page source --csv --print-source sass)")
+    ap.add_argument("--top", type=int, default=TOP_INSTRUCTIONS)
+    args = ap.parse_args()
+    for path in args.csv:
+        if not path.is_file():
+            sys.exit(f"csv: {path} not found")
+        ledger(path, args.top)
+
+
+if __name__ == "__main__":
+    main()
