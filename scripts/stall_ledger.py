@@ -63,7 +63,7 @@ def read_rows(path: Path) -> tuple[list[str], list[list[str]]]:
     return table[0], table[1:]
 
 
-def ledger(path: Path, top: int) -> None:
+def ledger(path: Path, top: int, pages: int = 0) -> None:
     header, rows = read_rows(path)
     i_src = _find(header, "source")
     i_addr = _find(header, "address")
@@ -73,15 +73,18 @@ def ledger(path: Path, top: int) -> None:
         print(f"{path.name}: no Source / '{SAMPLES_ALL}' columns; the header is:")
         print("  " + " | ".join(header))
         return
-    reasons = [i for i, name in enumerate(header) if "stall" in name.lower() and i not in (i_all, i_not)]
+    i_exec = _find(header, "instructions executed")
+    reasons = [i for i, name in enumerate(header)
+               if name.lower().startswith("stall_") and "not issued" not in name.lower()]
     total = sum(_number(r[i_all]) for r in rows if len(r) > i_all)
     print(f"== {path.name}: {len(rows)} instructions, {total:.0f} samples")
     if total == 0:
         return
     by_op: Counter[str] = Counter()
     by_reason: Counter[str] = Counter()
-    phases: list[tuple[str, float]] = []  # samples between phase markers, in address order
-    running = 0.0
+    # (marker, samples, warp instructions executed) between phase markers, in address order
+    phases: list[tuple[str, float, float]] = []
+    running = executed = 0.0
     for r in rows:
         if len(r) <= i_all:
             continue
@@ -89,12 +92,13 @@ def ledger(path: Path, top: int) -> None:
         op = opcode(r[i_src])
         by_op[op] += samples
         running += samples
+        executed += _number(r[i_exec]) if i_exec is not None and len(r) > i_exec else 0.0
         for i in reasons:
             by_reason[header[i]] += _number(r[i]) if len(r) > i else 0.0
         if op.startswith(PHASE_MARKERS):
             addr = r[i_addr] if i_addr is not None else "?"
-            phases.append((f"{addr} {r[i_src].strip()[:60]}", running))
-            running = 0.0
+            phases.append((f"{addr} {r[i_src].strip()[:60]}", running, executed))
+            running = executed = 0.0
     print("-- top instructions (share of all samples, not issued)")
     ranked = sorted((r for r in rows if len(r) > i_all), key=lambda r: -_number(r[i_all]))
     for r in ranked[:top]:
@@ -105,24 +109,28 @@ def ledger(path: Path, top: int) -> None:
     for op, samples in by_op.most_common(20):
         print(f"  {100 * samples / total:5.1f}%  {op}")
     if by_reason:
-        print("-- by stall reason (columns of the page)")
-        for name, samples in by_reason.most_common(20):
-            print(f"  {samples:10.0f}  {name}")
-    print("-- samples up to each phase marker (address order; >= 1% of all)")
-    for label, samples in phases:
+        print("-- by stall reason (share of all samples)")
+        for name, samples in by_reason.most_common(12):
+            print(f"  {100 * samples / total:5.1f}%  {name.removeprefix('stall_')}")
+    per = f", warp instructions per {'page' if pages else 'call'}" if i_exec is not None else ""
+    print(f"-- samples up to each phase marker (address order; >= 1% of all){per}")
+    for label, samples, executed in phases:
         if samples >= 0.01 * total:
-            print(f"  {100 * samples / total:5.1f}%  up to {label}")
+            count = f"  {executed / (pages or 1):9.0f}" if i_exec is not None else ""
+            print(f"  {100 * samples / total:5.1f}%{count}  up to {label}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", nargs="+", type=Path, help="source-page CSVs (ncu --page source --csv --print-source sass)")
     ap.add_argument("--top", type=int, default=TOP_INSTRUCTIONS)
+    ap.add_argument("--pages", type=int, default=0,
+                    help="KV pages of the profiled call (b * ctx / 64): instructions are then given per page")
     args = ap.parse_args()
     for path in args.csv:
         if not path.is_file():
             sys.exit(f"csv: {path} not found")
-        ledger(path, args.top)
+        ledger(path, args.top, args.pages)
 
 
 if __name__ == "__main__":
