@@ -84,7 +84,7 @@ for step in $steps; do
                   python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 > "$rep.log" 2>&1
               ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$rep.log"
               ncu -i "$rep.ncu-rep" --page details --csv > "$rep.details.csv" 2>> "$rep.log"
-              tail -3 "$rep.log"; python3 scripts/stall_ledger.py "$rep.csv" --top 25
+              tail -3 "$rep.log"; python3 scripts/stall_ledger.py "$rep.csv" --top 25 --pages 16384
             done 2>&1 | tee "$OUT/stalls.log" | tail -150 ;;
   esac
 done
