@@ -77,14 +77,15 @@ for step in $steps; do
     decode) python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" | tail -34 ;;
     steady) python3 scripts/bench_decode.py --clocks steady --json "$OUT/bench_decode_steady.json" 2>&1 \
               | tee "$OUT/bench_decode_steady.log" | tail -34 ;;
-    stalls) for shape in "16 1" "32 1" "64 1"; do
+    stalls) # (the reports are dropped once exported: the device returns at most eight files)
+            for shape in "16 1" "32 1" "64 1"; do
               set -- $shape; rep="$OUT/stalls_h$1s$2"
               ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 \
                   --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$rep" \
-                  python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 > "$rep.log" 2>&1
-              ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$rep.log"
-              ncu -i "$rep.ncu-rep" --page details --csv > "$rep.details.csv" 2>> "$rep.log"
-              tail -3 "$rep.log"; python3 scripts/stall_ledger.py "$rep.csv" --top 25 --pages 16384
+                  python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 >> "$OUT/stalls_ncu.log" 2>&1
+              ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$OUT/stalls_ncu.log"
+              ncu -i "$rep.ncu-rep" --page details --csv > "$rep.details.csv" 2>> "$OUT/stalls_ncu.log"
+              rm -f "$rep.ncu-rep"; python3 scripts/stall_ledger.py "$rep.csv" --top 25 --pages 16384
             done 2>&1 | tee "$OUT/stalls.log" | tail -150 ;;
   esac
 done
