@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|stalls|bench|prep|decode|steady ...]
-# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `steady` runs (`ship`: re-tune the shipped database's
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
 # the shipped 1, 8 and 64; `ship16-small`: the same for BF16; `ship16-hN`:
@@ -17,7 +17,8 @@
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
 # step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
 # CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT); `stalls`: Nsight Compute's warp-state
-# sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT).
+# sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT);
+# `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a device copy.
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -67,6 +68,18 @@ for step in $steps; do
                 for d in QK_DEPTH=2,PV_FRAG_AHEAD=0 QK_DEPTH=2,PV_FRAG_AHEAD=1 QK_DEPTH=3,PV_FRAG_AHEAD=0 \
                          QK_DEPTH=3,PV_FRAG_AHEAD=1; do
                   python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d" | tail -2; done; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
+    memory) # Nsight Compute's memory workload (DRAM, L2, its fabric) of one 16k call at 16 and 32 rows and of a
+            # 2 GiB device copy (the copy roofline's kind of traffic); the details pages land in $OUT
+            for shape in "16 1" "32 1"; do set -- $shape
+              ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 --section SpeedOfLight \
+                  --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --csv --page details \
+                  python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 > "$OUT/memory_h$1s$2.csv" 2>&1
+            done
+            ncu --clock-control none -k regex:copy -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                --section MemoryWorkloadAnalysis_Tables --csv --page details python3 -c \
+                "import torch; a = torch.empty(2 << 30, dtype=torch.uint8, device='cuda'); b = torch.empty_like(a); b.copy_(a); torch.cuda.synchronize()" \
+                > "$OUT/memory_copy.csv" 2>&1
+            grep -h -E "Throughput|L2 Fabric|Hit Rate|Bandwidth|Duration" "$OUT"/memory_*.csv | cut -c1-220 | tail -60 ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
     ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \
