@@ -18,7 +18,7 @@
 # step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
 # CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT); `stalls`: Nsight Compute's warp-state
 # sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT);
-# `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a device copy.
+# `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream.
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -68,17 +68,17 @@ for step in $steps; do
                 for d in QK_DEPTH=2,PV_FRAG_AHEAD=0 QK_DEPTH=2,PV_FRAG_AHEAD=1 QK_DEPTH=3,PV_FRAG_AHEAD=0 \
                          QK_DEPTH=3,PV_FRAG_AHEAD=1; do
                   python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d" | tail -2; done; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
-    memory) # Nsight Compute's memory workload (DRAM, L2, its fabric) of one 16k call at 16 and 32 rows and of a
-            # 2 GiB device copy (the copy roofline's kind of traffic); the details pages land in $OUT
+    memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB
+            # read-only stream (a float32 sum); the details pages land in $OUT
             for shape in "16 1" "32 1"; do set -- $shape
               ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 --section SpeedOfLight \
                   --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --csv --page details \
                   python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 > "$OUT/memory_h$1s$2.csv" 2>&1
             done
-            ncu --clock-control none -k regex:copy -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-                --section MemoryWorkloadAnalysis_Tables --csv --page details python3 -c \
-                "import torch; a = torch.empty(2 << 30, dtype=torch.uint8, device='cuda'); b = torch.empty_like(a); b.copy_(a); torch.cuda.synchronize()" \
-                > "$OUT/memory_copy.csv" 2>&1
+            # (a device copy is a memcpy, not a kernel Nsight Compute profiles: a read-only sum streams instead)
+            ncu --clock-control none -k regex:reduce -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                --csv --page details python3 -c \
+                "import torch; a = torch.ones(1 << 29, device='cuda'); print(float(a.sum()))" > "$OUT/memory_stream.csv" 2>&1
             grep -h -E "Throughput|L2 Fabric|Hit Rate|Bandwidth|Duration" "$OUT"/memory_*.csv | cut -c1-220 | tail -60 ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
