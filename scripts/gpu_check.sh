@@ -34,6 +34,12 @@ tune_db() {
   snap tune "$@" --db-dir tuning_db 2>&1 | tee "$OUT/$log.log" | tail -"$lines"
   cp tuning_db/*.yaml "$OUT/" 2>/dev/null
 }
+# Nsight Compute on the second decode call of one 16k shape (b 64): ncu_decode HEADS MTP NCU-OPTIONS...
+ncu_decode() {
+  local heads="$1" mtp="$2"; shift 2
+  ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 "$@" \
+      python3 scripts/profile_decode.py --heads "$heads" --mtp "$mtp" --ctx 16384
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 for step in $steps; do
   echo "== $step"
@@ -71,15 +77,14 @@ for step in $steps; do
     memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB
             # read-only stream (a float32 sum); the details pages land in $OUT
             for shape in "16 1" "32 1"; do set -- $shape
-              ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 --section SpeedOfLight \
-                  --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --csv --page details \
-                  python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 > "$OUT/memory_h$1s$2.csv" 2>&1
+              ncu_decode "$1" "$2" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                  --section MemoryWorkloadAnalysis_Tables --csv --page details > "$OUT/memory_h$1s$2.csv" 2>&1
             done
             # (a device copy is a memcpy, not a kernel Nsight Compute profiles: a read-only sum streams instead)
             ncu --clock-control none -k regex:reduce -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
                 --csv --page details python3 -c \
                 "import torch; a = torch.ones(1 << 29, device='cuda'); print(float(a.sum()))" > "$OUT/memory_stream.csv" 2>&1
-            grep -h -E "Throughput|L2 Fabric|Hit Rate|Bandwidth|Duration" "$OUT"/memory_*.csv | cut -c1-220 | tail -60 ;;
+            grep -h -E "Throughput|Hit Rate|Bandwidth|Duration" "$OUT"/memory_*.csv | cut -c1-220 | tail -60 ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
     ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \
@@ -93,9 +98,8 @@ for step in $steps; do
     stalls) # (the reports are dropped once exported: the device returns at most eight files)
             for shape in "16 1" "32 1" "64 1"; do
               set -- $shape; rep="$OUT/stalls_h$1s$2"
-              ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 \
-                  --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o "$rep" \
-                  python3 scripts/profile_decode.py --heads "$1" --mtp "$2" --ctx 16384 >> "$OUT/stalls_ncu.log" 2>&1
+              ncu_decode "$1" "$2" --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+                  -f -o "$rep" >> "$OUT/stalls_ncu.log" 2>&1
               ncu -i "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.csv" 2>> "$OUT/stalls_ncu.log"
               ncu -i "$rep.ncu-rep" --page details --csv > "$rep.details.csv" 2>> "$OUT/stalls_ncu.log"
               rm -f "$rep.ncu-rep"; python3 scripts/stall_ledger.py "$rep.csv" --top 25 --pages 16384

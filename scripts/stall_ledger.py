@@ -40,6 +40,11 @@ def _number(text: str) -> float:
         return 0.0
 
 
+def _cell(row: list[str], column: int | None, default: str = "") -> str:
+    """The row's text in ``column``, or ``default`` where the page has no such column."""
+    return row[column] if column is not None and column < len(row) else default
+
+
 def _find(header: list[str], *words: str) -> int | None:
     for i, name in enumerate(header):
         low = name.lower()
@@ -76,7 +81,8 @@ def ledger(path: Path, top: int, pages: int = 0) -> None:
     i_exec = _find(header, "instructions executed")
     reasons = [i for i, name in enumerate(header)
                if name.lower().startswith("stall_") and "not issued" not in name.lower()]
-    total = sum(_number(r[i_all]) for r in rows if len(r) > i_all)
+    rows = [r for r in rows if len(r) > i_all]
+    total = sum(_number(r[i_all]) for r in rows)
     print(f"== {path.name}: {len(rows)} instructions, {total:.0f} samples")
     if total == 0:
         return
@@ -86,25 +92,21 @@ def ledger(path: Path, top: int, pages: int = 0) -> None:
     phases: list[tuple[str, float, float]] = []
     running = executed = 0.0
     for r in rows:
-        if len(r) <= i_all:
-            continue
         samples = _number(r[i_all])
         op = opcode(r[i_src])
         by_op[op] += samples
         running += samples
-        executed += _number(r[i_exec]) if i_exec is not None and len(r) > i_exec else 0.0
+        executed += _number(_cell(r, i_exec))
         for i in reasons:
-            by_reason[header[i]] += _number(r[i]) if len(r) > i else 0.0
+            by_reason[header[i]] += _number(_cell(r, i))
         if op.startswith(PHASE_MARKERS):
-            addr = r[i_addr] if i_addr is not None else "?"
-            phases.append((f"{addr} {r[i_src].strip()[:60]}", running, executed))
+            phases.append((f"{_cell(r, i_addr, '?')} {r[i_src].strip()[:60]}", running, executed))
             running = executed = 0.0
     print("-- top instructions (share of all samples, not issued)")
-    ranked = sorted((r for r in rows if len(r) > i_all), key=lambda r: -_number(r[i_all]))
-    for r in ranked[:top]:
-        addr = r[i_addr] if i_addr is not None else "?"
-        not_issued = _number(r[i_not]) if i_not is not None and len(r) > i_not else float("nan")
-        print(f"  {100 * _number(r[i_all]) / total:5.1f}%  {not_issued:7.0f}  {addr:>8}  {r[i_src].strip()[:90]}")
+    for r in sorted(rows, key=lambda r: -_number(r[i_all]))[:top]:
+        not_issued = _number(_cell(r, i_not, "nan"))
+        print(f"  {100 * _number(r[i_all]) / total:5.1f}%  {not_issued:7.0f}  {_cell(r, i_addr, '?'):>8}  "
+              f"{r[i_src].strip()[:90]}")
     print("-- by opcode")
     for op, samples in by_op.most_common(20):
         print(f"  {100 * samples / total:5.1f}%  {op}")
