@@ -119,6 +119,12 @@
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
 // global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
+// ROPE_RING > 0 (alternate pages up to 32 rows): a page's RoPE tile and scale box go to a ring of
+// ROPE_RING slots of their own, released once the owner's softmax has read them, so that the
+// stages hold only the content tiles (32 KB instead of 41 KB) and one more of them fits
+#ifndef ROPE_RING
+#define ROPE_RING 0
+#endif
 #ifndef TRACE_PHASES
 #define TRACE_PHASES 0
 #endif
@@ -193,7 +199,12 @@ constexpr int kBox = 128;                              // TMA box width in bytes
 constexpr int kContentTiles = D_CONTENT / kBox;        // 4
 constexpr int kTileBytes = kPageTokens * kBox;         // 8192: one 64 x 128 B box
 constexpr int kScaleBoxBytes = kPageTokens * VEC_BYTES;  // 64 x 16 B (scale + pad)
-constexpr int kStageBytes = (kContentTiles + 1) * kTileBytes + kScaleBoxBytes;  // 41984
+constexpr int kContentBytes = kContentTiles * kTileBytes;  // 32768: V (and K's content)
+constexpr int kRopeSlotBytes = kTileBytes + kScaleBoxBytes;   // 9216: K's RoPE tile and the scales
+constexpr int kPageBytes = kContentBytes + kRopeSlotBytes;    // 41984: the TMA bytes of a page
+constexpr int kRopeRing = ROPE_RING;
+constexpr bool kSplitRing = kRopeRing > 0;
+constexpr int kStageBytes = kSplitRing ? kContentBytes : kPageBytes;
 constexpr int kSwizzleAtom128 = 8 * kBox;              // 1024: 8 rows of 128 B
 constexpr int kPRowBytes = kPageTokens;                // P^T row: 64 E4M3 tokens
 constexpr int kSwizzleAtom64 = 8 * kPRowBytes;         // 512
@@ -281,7 +292,8 @@ constexpr int kPvBarThreads = kOwnRowsPv ? kWgThreads : kConsumerThreads;
 // shared memory map (offsets from a 1024-aligned base)
 constexpr int kOffQ = 0;
 constexpr int kOffStages = kOffQ + kQBytes;
-constexpr int kOffP = kOffStages + STAGES * kStageBytes;
+constexpr int kOffRope = kOffStages + STAGES * kStageBytes;  // ROPE_RING's slots
+constexpr int kOffP = kOffRope + kRopeRing * kRopeSlotBytes;
 constexpr int kOffGamma = kOffP + kPBuffers * kPBytes;
 // the per-warp statistics exchange (stats, rowinfo); rows = M needs none
 constexpr int kStatsBytes = kRowsM ? 0 : 2 * 4 * kQkRows * 8;
@@ -297,12 +309,17 @@ constexpr int kOffRowState = kOffRowConst + kRows * 8;  // alternate pages: m, s
 constexpr int kRowStateBuffers = kWarpRowStateLayout ? 2 : 1;
 constexpr int kRowStateBytes = kAltPages ? kRowStateBuffers * kRows * 16 : 0;
 constexpr int kOffBars = kOffRowState + kRowStateBytes;
-constexpr int kSmemBytes = kOffBars + 2 * STAGES * 8;
+// full and empty barriers per stage, an empty barrier per RoPE slot
+constexpr int kSmemBytes = kOffBars + (2 * STAGES + kRopeRing) * 8;
 constexpr int kSmemAlign = 1024;                       // swizzle-128B atoms need 1024 B alignment
 constexpr int kMaxSmemPerCta = 232448;
 
 static_assert(WG_MODE >= 0 && WG_MODE <= 6 && WG_MODE != 5, "WG_MODE is 0, 1, 2, 3, 4 or 6");
 static_assert(!kRowsM || kRows == 64, "rows = M (WG_MODE 4, 6) fills wgmma's M = 64 with 64 rows");
+// the RoPE ring: the owner's softmax is the last reader of a page's RoPE tile and scales (alternate
+// pages), one item per CTA (the ring's phases start at the item)
+static_assert(!kSplitRing || (WG_MODE == 3 && !COLUMN_ITEMS && kRopeSlotBytes % kSwizzleAtom128 == 0),
+              "ROPE_RING: alternate pages (WG_MODE 3), one item per CTA");
 static_assert(ROW_GROUPS == 1 || ROW_GROUPS == 2 || ROW_GROUPS == 4, "16, 32 or 64 rows per CTA");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES x rows exceed shared memory");
@@ -420,17 +437,21 @@ __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, un
     const unsigned char* map_scale = p.tmaps + kTensorMapBytes;
     prefetch_tensor_map(map_tiles);
     prefetch_tensor_map(map_scale);
+    unsigned long long* rope_empty = empty + STAGES;
     for (int it = 0; it < num_blocks; ++it) {
         const int stage = it % STAGES;
         if (base + it >= STAGES) mbarrier_wait_parity(&empty[stage], (((base + it) / STAGES) - 1) & 1);
+        if (kSplitRing && it >= kRopeRing)
+            mbarrier_wait_parity(&rope_empty[it % kRopeRing], ((it / kRopeRing) - 1) & 1);
         const int row = table[block_begin + it] * kPageTokens;
         unsigned char* dst = smem + kOffStages + stage * kStageBytes;
-        mbarrier_arrive_expect_tx(&full[stage], kStageBytes);
+        unsigned char* rope_dst = kSplitRing ? smem + kOffRope + (it % kRopeRing) * kRopeSlotBytes : dst + kContentBytes;
+        mbarrier_arrive_expect_tx(&full[stage], kPageBytes);
 #pragma unroll
         for (int t = 0; t < kContentTiles; ++t)
             tma_load_2d(dst + t * kTileBytes, map_tiles, t * kBox, row, &full[stage]);
-        tma_load_2d(dst + kContentTiles * kTileBytes, map_tiles, ROPE_OFFSET, row, &full[stage]);
-        tma_load_2d(dst + (kContentTiles + 1) * kTileBytes, map_scale, SCALE_OFFSET, row, &full[stage]);
+        tma_load_2d(rope_dst, map_tiles, ROPE_OFFSET, row, &full[stage]);
+        tma_load_2d(rope_dst + kTileBytes, map_scale, SCALE_OFFSET, row, &full[stage]);
     }
     mark_cta_time(kTimeLastLoad, num_blocks > 0);
 }
@@ -497,9 +518,17 @@ __device__ __forceinline__ float warp_col_sum(float v) {
 // The wgmmas of one QK chunk (chunk < 4: a 128-dim E4M3 content tile, 4 QGMMA k-steps; chunk 4:
 // the bf16 RoPE tile, 4 HGMMA k-steps) into `acc`: S^T = K . Q^T (rows = M: S = Q . K^T);
 // `fresh` overwrites instead of accumulating.
+// Byte offset of block `it`'s RoPE tile from its stage (the page's content tiles): right behind them,
+// or in the RoPE ring's slot (always past the stages)
+__device__ __forceinline__ int rope_tile_offset(int it) {
+    if constexpr (!kSplitRing) return kContentBytes;
+    return kOffRope + (it % kRopeRing) * kRopeSlotBytes - (kOffStages + (it % STAGES) * kStageBytes);
+}
+
 template <int kAcc>
 __device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long k_desc,
-                                         unsigned long long q_desc_base, int chunk, bool fresh) {
+                                         unsigned long long q_desc_base, int chunk, bool fresh,
+                                         int rope_bytes = kContentBytes) {
     // (A, B) descriptors of one k-step at byte offsets into the K page and the Q tiles
     auto operands = [&](int k_bytes, int q_bytes) {
         const unsigned long long k = k_desc + (k_bytes >> 4), q = q_desc_base + (q_bytes >> 4);
@@ -514,7 +543,7 @@ __device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long 
     } else {
 #pragma unroll
         for (int kk = 0; kk < kRopeKSteps; ++kk) {
-            const ulonglong2 ab = operands(kContentTiles * kTileBytes + kk * kBf16KStepBytes,
+            const ulonglong2 ab = operands(rope_bytes + kk * kBf16KStepBytes,
                                            kContentTiles * kQTileBytes + kk * kBf16KStepBytes);
             wgmma_bf16_ss(acc, ab.x, ab.y, !(fresh && kk == 0));
         }
@@ -545,7 +574,8 @@ __device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem
     const unsigned long long k_desc = page_k_desc(smem, full, it);
     wgmma_fence();
 #pragma unroll
-    for (int chunk = 0; chunk < kQkChunks; ++chunk) qk_chunk(acc, k_desc, q_desc_base, chunk, chunk == 0);
+    for (int chunk = 0; chunk < kQkChunks; ++chunk)
+        qk_chunk(acc, k_desc, q_desc_base, chunk, chunk == 0, rope_tile_offset(it));
     wgmma_commit();
 }
 
@@ -599,13 +629,13 @@ __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* sme
     if constexpr (!kQkPipelined) {
         const unsigned page = smem_addr(smem + kOffStages + (it % STAGES) * kStageBytes);
         wgmma_fence();
-        qk_chunk(s, k_desc, q_desc_base, qk_chunk_at(0), true);
+        qk_chunk(s, k_desc, q_desc_base, qk_chunk_at(0), true, rope_tile_offset(it));
         wgmma_commit();
 #pragma unroll
         for (int i = 1; i < kQkChunks; ++i) {
             float acc[kAcc];
             wgmma_fence();
-            qk_chunk(acc, k_desc, q_desc_base, qk_chunk_at(i), true);
+            qk_chunk(acc, k_desc, q_desc_base, qk_chunk_at(i), true, rope_tile_offset(it));
             wgmma_commit();
             if constexpr (kVtSmem) {
                 const int t = i - 1;  // the content tile this step transposes
@@ -627,7 +657,7 @@ __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* sme
         acc,
         [&](int chunk, float (&into)[kAcc]) {
             wgmma_fence();
-            qk_chunk(into, k_desc, q_desc_base, chunk, true);
+            qk_chunk(into, k_desc, q_desc_base, chunk, true, rope_tile_offset(it));
             wgmma_commit();
         },
         [&](int chunk, float (&done)[kAcc]) {
@@ -719,6 +749,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     // Where block it lives: its stage's page, its valid tokens, and its P^T / gamma buffers
     // (kPBuffers deep, by block; the softmax writes them, the PV reads them).
     auto page_of = [&](int it) { return smem + kOffStages + (it % STAGES) * kStageBytes; };
+    // block it's RoPE tile and scale box: behind its content tiles, or in the RoPE ring
+    auto rope_of = [&](int it) { return page_of(it) + rope_tile_offset(it); };
+    unsigned long long* rope_empty = empty + STAGES;
     auto valid_of = [&](int it) { return min(kPageTokens, seqlen - (block_begin + it) * kPageTokens); };
     auto p_tile_of = [&](int it) { return smem + kOffP + (it % kPBuffers) * kPBytes; };
     auto gamma_of = [&](int it) { return gamma_s + (it % kPBuffers) * kRows; };
@@ -769,7 +802,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     // other warpgroup through rowstate_s.
     auto softmax_rows_m = [&](int it) {
         float (&s_acc)[kSAcc] = s_cur;
-        const unsigned char* scales = page_of(it) + (kContentTiles + 1) * kTileBytes;
+        const unsigned char* scales = rope_of(it) + kTileBytes;
         const int page_first = (block_begin + it) * kPageTokens;
         const int valid = valid_of(it);
         unsigned char* p_s = p_tile_of(it);
@@ -887,7 +920,7 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         // ---- logits, masks, warp-local block statistics --------------------------------------
         const int page_first = (block_begin + it) * kPageTokens;
         const int valid = valid_of(it);
-        const unsigned char* scales = page + (kContentTiles + 1) * kTileBytes;
+        const unsigned char* scales = rope_of(it) + kTileBytes;
         const float ks_a = tok_a < valid ? *reinterpret_cast<const float*>(scales + tok_a * VEC_BYTES) : 0.f;
         const float ks_b = tok_b < valid ? *reinterpret_cast<const float*>(scales + tok_b * VEC_BYTES) : 0.f;
         // s_acc turns into e = exp2(logit - warp max) in place. The rows go in groups of
@@ -974,6 +1007,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         }
         trace(it, kSoftmaxPoint0);
         named_barrier_sync(kBarWg0 + wg, kWgThreads);
+        // the RoPE ring: QK and the scales' loads (used above) are the slot's last readers
+        if (kSplitRing && lane == 0) mbarrier_arrive(&rope_empty[it % kRopeRing]);
         trace(it, kSoftmaxPoint0 + 1);
 
         // ---- block statistics, once per row: m, sigma, gamma and each warp's rescale factor --
@@ -1540,7 +1575,11 @@ __device__ __forceinline__ void run(const Params& p, unsigned char* smem, unsign
     mark_cta_time(kTimeEntry, threadIdx.x == 0);
     unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + kOffBars);
     unsigned long long* empty = full + STAGES;
-    roles::init_pipeline_barriers(full, empty, STAGES, kConsumerWarps);
+    if (kSplitRing && threadIdx.x == 0) {  // a RoPE slot comes back from its owner's four warps
+#pragma unroll
+        for (int b = 0; b < kRopeRing; ++b) mbarrier_init(&empty[STAGES + b], kWgThreads / 32);
+    }
+    roles::init_pipeline_barriers(full, empty, STAGES, kConsumerWarps);  // (fences and syncs those too)
     auto producer = [&p, smem, full, empty](const int* table, int begin, int n, int base) {
         produce(p, smem, full, empty, table, begin, n, base);
     };

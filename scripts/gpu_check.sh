@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|ring|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -74,6 +74,11 @@ for step in $steps; do
                 for d in QK_DEPTH=2,PV_FRAG_AHEAD=0 QK_DEPTH=2,PV_FRAG_AHEAD=1 QK_DEPTH=3,PV_FRAG_AHEAD=0 \
                          QK_DEPTH=3,PV_FRAG_AHEAD=1; do
                   python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d" | tail -2; done; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
+    ring)   # a page's RoPE tile and scales in a ring of their own (ROPE_RING), one more content stage: its GPU
+            # tests, then against the shipped path at 16-32 rows, b 64 (scripts/ab_configs.py)
+            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "rr" 2>&1 | tail -3
+              python3 scripts/ab_configs.py --b stages=5,rope_ring=3 --b stages=5,rope_ring=2 --b stages=5,rope_ring=4 \
+                --shapes 32:1,16:2,16:1 --ctx 16384,32768,131072 --rounds 3; } 2>&1 | tee "$OUT/ring.log" | grep -v '^$' ;;
     memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB
             # read-only stream (a float32 sum); the details pages land in $OUT
             for shape in "16 1" "32 1"; do set -- $shape

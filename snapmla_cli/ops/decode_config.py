@@ -53,6 +53,8 @@ ROWS_M_ROW_GROUPS = 4  # rows = M fills wgmma's M = 64 with the CTA's rows
 MIN_STAGES = 2  # the kernels' pipelines need two stages
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
+WGMMA_CONTENT_BYTES = 4 * PAGE_TOKENS * 128  # a stage's content boxes alone (with a RoPE ring)
+WGMMA_ROPE_SLOT_BYTES = WGMMA_STAGE_BYTES - WGMMA_CONTENT_BYTES  # a RoPE ring slot: RoPE box + scales
 WGMMA_Q_BYTES_PER_ROW = 5 * 128
 WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS
 WGMMA_SMEM_ALIGN = 1024
@@ -86,7 +88,8 @@ class DecodeConfig:
     the P-quantization block), ``min_ctas_per_sm`` for ``__launch_bounds__``, the FP8
     ``kernel_version``, the wgmma kernel's float32 promotion flags ``qk_promote`` /
     ``pv_promote`` (0 or 1: shorter tensor-core accumulation chains, see
-    kernels/decode_fp8_wgmma.cu), its warpgroup mode ``wg_mode`` (``WG_MODES``), and the split
+    kernels/decode_fp8_wgmma.cu), its warpgroup mode ``wg_mode`` (``WG_MODES``), the slots of its
+    RoPE ring ``rope_ring`` (0: a page's RoPE tile and scales stay in its stage), and the split
     policy."""
 
     row_groups: int = 4
@@ -98,6 +101,7 @@ class DecodeConfig:
     qk_promote: int = 1
     pv_promote: int = 1
     wg_mode: int = WG_DIMS_SPLIT
+    rope_ring: int = 0
     split: SplitPolicy = field(default_factory=SplitPolicy)
 
     @property
@@ -141,12 +145,13 @@ def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     # reduces inside quads and needs neither
     exchange = 0 if cfg.wg_mode in WG_ROWS_M_MODES else 2 * 4 * qk_rows * 8 + 2 * qk_rows * WGMMA_ROW_INFO_BYTES
     row_state_buffers = 2 if cfg.wg_mode == WG_ALT_PAGES and qk_rows <= WGMMA_ROW_STATE_DOUBLE_MAX_ROWS else 1
-    return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * WGMMA_STAGE_BYTES
+    stage_bytes = WGMMA_CONTENT_BYTES if cfg.rope_ring else WGMMA_STAGE_BYTES
+    return (rows * WGMMA_Q_BYTES_PER_ROW + cfg.stages * stage_bytes + cfg.rope_ring * WGMMA_ROPE_SLOT_BYTES
             + p_buffers * rows * (WGMMA_P_BYTES_PER_ROW + 4)  # P^T and gamma per buffered block
             + exchange + 2 * 4 * qk_rows * 4  # L partials per warp and row
             + rows * WGMMA_ROW_CONST_BYTES
             + (row_state_buffers * rows * WGMMA_ROW_STATE_BYTES if alt_pages else 0)
-            + 2 * cfg.stages * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
+            + (2 * cfg.stages + cfg.rope_ring) * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
 
 def fp8_smem_bytes(cfg: DecodeConfig) -> int:
@@ -167,12 +172,13 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     shared memory within the opt-in limit."""
     if cfg.kernel_version not in FP8_KERNEL_VERSIONS:
         return False
-    if not cfg.wgmma and (cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) != WGMMA_SWITCH_DEFAULTS:
+    if not cfg.wgmma and ((cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) != WGMMA_SWITCH_DEFAULTS or cfg.rope_ring):
         return False  # wgmma-only switches; the mma.sync kernel accumulates in float32 already
     if cfg.wgmma:
         return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= MIN_STAGES
                 and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1) and cfg.wg_mode in WG_MODES
                 and (cfg.wg_mode not in WG_ROWS_M_MODES or cfg.row_groups == ROWS_M_ROW_GROUPS)
+                and (cfg.rope_ring == 0 or (cfg.wg_mode == WG_ALT_PAGES and cfg.rope_ring >= MIN_STAGES))
                 and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
                 and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
@@ -233,6 +239,8 @@ def column_capable(cfg: DecodeConfig, fp8: bool) -> bool:
     kernels, but for the layouts whose column loop spills."""
     if not cfg.wgmma:
         return False
+    if fp8 and cfg.rope_ring:  # the ring's phases start at the item
+        return False
     return not fp8 or (cfg.row_groups, cfg.wg_mode, cfg.min_ctas_per_sm) not in COLUMN_LOOP_SPILLS
 
 
@@ -278,7 +286,8 @@ def fp8_defines(cfg: DecodeConfig) -> dict[str, int]:
         return {"ROW_GROUPS": cfg.row_groups, "STAGES": cfg.stages,
                 "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm, "QK_PROMOTE": cfg.qk_promote,
                 "PV_PROMOTE": cfg.pv_promote, "WG_MODE": cfg.wg_mode,
-                "COLUMN_ITEMS": int(runs_columns(cfg, True)), "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg)}
+                "COLUMN_ITEMS": int(runs_columns(cfg, True)), "SNAPMLA_EXPECT_SMEM": wgmma_smem_bytes(cfg),
+                **({"ROPE_RING": cfg.rope_ring} if cfg.rope_ring else {})}
     return {"ROW_GROUPS": cfg.row_groups, "KV_SPLIT": cfg.kv_split, "STAGES": cfg.stages,
             "MIN_CTAS_PER_SM": cfg.min_ctas_per_sm}
 
@@ -322,12 +331,12 @@ def bf16_defines(cfg: DecodeConfig) -> dict[str, int]:
 
 
 SPEC_FIELDS = ("kernel_version", "row_groups", "kv_split", "stages", "min_ctas_per_sm", "qk_promote",
-               "pv_promote", "wg_mode")
+               "pv_promote", "wg_mode", "rope_ring")
 
 
 def config_from_spec(spec: str) -> DecodeConfig:
     """A decode config from the compact text the kernel scripts take,
-    ``version:row_groups:kv_split:stages:ctas[:qk_promote:pv_promote[:wg_mode]]``; omitted
+    ``version:row_groups:kv_split:stages:ctas[:qk_promote:pv_promote[:wg_mode[:rope_ring]]]``; omitted
     trailing fields keep their defaults; the split policy targets ``ctas`` CTAs per SM."""
     try:
         values = [int(v) for v in spec.split(":")]

@@ -145,7 +145,7 @@ def search_dirs() -> list[tuple[str, Path]]:
 
 _CONFIG_FIELDS = [f.name for f in dataclasses.fields(DecodeConfig) if f.name != "split"]
 # fields that may be 0, with their allowed values; every other field is >= 1
-_CHOICE_FIELDS = {"qk_promote": (0, 1), "pv_promote": (0, 1), "wg_mode": WG_MODES}
+_CHOICE_FIELDS = {"qk_promote": (0, 1), "pv_promote": (0, 1), "wg_mode": WG_MODES, "rope_ring": tuple(range(9))}
 _SPLIT_FIELDS = [f.name for f in dataclasses.fields(SplitPolicy) if f.name != "num_sms"]
 # the split policy's booleans (true / false in the file, never 0 / 1)
 _FLAG_FIELDS = {f.name for f in dataclasses.fields(SplitPolicy) if f.type in (bool, "bool")}

@@ -276,6 +276,8 @@ def config_id(cfg: DecodeConfig, fmt: str) -> str:
             parts.append(dc.WG_MODE_NAMES[cfg.wg_mode])
             if (cfg.qk_promote, cfg.pv_promote) != (1, 1):
                 parts.append(f"pq{cfg.qk_promote}v{cfg.pv_promote}")
+            if cfg.rope_ring:
+                parts.append(f"rr{cfg.rope_ring}")
     parts.append(f"st{cfg.stages}")
     if fmt == "bf16" and not cfg.wgmma:
         parts.append(f"bn{cfg.block_n}")
