@@ -255,10 +255,12 @@ def test_balanced_columns_in_the_space_only_where_the_kernel_runs_them():
     and only a balanced configuration gets that build (COLUMN_ITEMS), and its work list columns."""
     from snapmla_cli.tuning.space import split_policies
 
-    # the heuristic's layouts all run columns (rows = M at 64+ rows since its column build reads
-    # the gammas from shared memory); alternate pages at 64 rows spills in its column loop
+    # the heuristic's layouts run columns (rows = M at 64+ rows since its column build reads the
+    # gammas from shared memory) but at 32 rows, whose RoPE ring runs one item per CTA;
+    # alternate pages at 64 rows spills in its column loop
     alt_64 = dc.fit_stages(replace(heuristic_config(64), wg_mode=dc.WG_ALT_PAGES))
-    for kernel, capable in [(heuristic_config(rows), True) for rows in (16, 32, 64, 128)] + [(alt_64, False)]:
+    cases = [(heuristic_config(rows), rows != 32) for rows in (16, 32, 64, 128)] + [(alt_64, False)]
+    for kernel, capable in cases:
         policies = split_policies(kernel, kernel.split, True)
         assert any(p.balanced for p in policies) == capable == dc.column_capable(kernel, True)
         assert dc.fp8_defines(kernel)["COLUMN_ITEMS"] == 0
@@ -802,14 +804,16 @@ def test_tune_on_gpu_end_to_end(isolated_db):
 
 def test_config_from_spec_parses_the_kernel_scripts_format():
     """``bench_decode.py --sweep`` and ``precompile.py`` name configs as
-    version:row_groups:kv_split:stages:ctas[:qk:pv[:wg_mode]]; omitted switches keep defaults."""
+    version:row_groups:kv_split:stages:ctas[:qk:pv[:wg_mode[:rope_ring]]]; omitted switches keep defaults."""
     cfg = dc.config_from_spec("3:4:1:3:1:1:1:2")
     assert (cfg.kernel_version, cfg.row_groups, cfg.stages, cfg.min_ctas_per_sm) == (3, 4, 3, 1)
     assert (cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) == (1, 1, dc.WG_PINGPONG)
     short = dc.config_from_spec("2:1:2:2:2")
     assert short.kv_split == 2 and short.split.ctas_per_sm == 2
     assert (short.qk_promote, short.pv_promote, short.wg_mode) == dc.WGMMA_SWITCH_DEFAULTS
-    for bad in ("3:4", "3:4:1:x:1", "3:4:1:4:1:1:1:0:9"):
+    ring = dc.config_from_spec("3:2:1:5:1:1:1:3:3")
+    assert (ring.stages, ring.wg_mode, ring.rope_ring) == (5, dc.WG_ALT_PAGES, 3) and dc.fp8_config_valid(ring)
+    for bad in ("3:4", "3:4:1:x:1", "3:4:1:4:1:1:1:0:9:1"):
         with pytest.raises(ValueError, match="kernel spec"):
             dc.config_from_spec(bad)
 

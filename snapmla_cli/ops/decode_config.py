@@ -51,6 +51,8 @@ WG_ROWS_M_MODES = (WG_ALT_ROWS_M, WG_ROWS_M_VT)
 WG_ALT_PAGES_MODES = (WG_ALT_PAGES, *WG_ROWS_M_MODES)
 ROWS_M_ROW_GROUPS = 4  # rows = M fills wgmma's M = 64 with the CTA's rows
 MIN_STAGES = 2  # the kernels' pipelines need two stages
+# the heuristic's RoPE ring at 32-row tiles: three slots and five content stages (what fits next to Q)
+RING_ROW_GROUPS, RING_STAGES, RING_SLOTS = 2, 5, 3
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
 WGMMA_CONTENT_BYTES = 4 * PAGE_TOKENS * 128  # a stage's content boxes alone (with a RoPE ring)
@@ -370,8 +372,13 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
         mode = WG_ALT_ROWS_M if row_groups == ROWS_M_ROW_GROUPS else WG_ALT_PAGES
         cfg = fit_stages(DecodeConfig(row_groups=row_groups, stages=4, min_ctas_per_sm=1,
                                       kernel_version=FP8_WGMMA, wg_mode=mode))
+        if row_groups == RING_ROW_GROUPS:
+            # 17-32 rows: the RoPE tiles and scales in a ring of their own and five content stages
+            # (1.02-1.03x at b 64, 16k-128k, docs/PERF.md, twenty-sixth session); the ring runs
+            # one work item per CTA, so the split plan
+            cfg = replace(cfg, stages=RING_STAGES, rope_ring=RING_SLOTS)
         # each batch gets the split plan or balanced columns, whichever the planner's model
-        # says finishes sooner (every heuristic layout can run columns)
+        # says finishes sooner (where the layout can run columns)
         cfg = replace(cfg, split=replace(cfg.split, auto_balance=column_capable(cfg, True)))
     elif fp8:
         v2 = {"kernel_version": FP8_MMA_SYNC}
@@ -403,4 +410,7 @@ def variant_config(rows: int, version: int = DEFAULT_FP8_KERNEL, **overrides: in
     warpgroup mode, promotion switches, a depth) laid over it, its pipeline fitted to the shared
     memory (:func:`fit_stages`). What ``verify --fp8-kernel``, the kernel registry and the tests
     build for a named variant."""
-    return fit_stages(replace(heuristic_config(rows, True, version), **overrides))
+    cfg = replace(heuristic_config(rows, True, version), **overrides)
+    if cfg.rope_ring and "rope_ring" not in overrides and not fp8_config_valid(cfg):
+        cfg = replace(cfg, rope_ring=0)  # a layout the heuristic's RoPE ring does not apply to
+    return fit_stages(cfg)

@@ -46,6 +46,10 @@ PROMOTE = (1,)
 # an experiment: never faster than rows = M in a tuned bucket, and compute-sanitizer racecheck
 # reports hazards on it that are not explained yet (docs/DESIGN.md), so no tune may pick it.
 WG_MODES = (dc.WG_DIMS_SPLIT, dc.WG_ALT_PAGES, dc.WG_ALT_ROWS_M)
+# wgmma kernel, alternate pages: a page's RoPE tile and scales in a ring of this many slots of their own
+# (0: in the page's stage), so that one more stage of content fits (1.02-1.03x at 32 rows, b 64,
+# docs/PERF.md, twenty-sixth session); two slots bound the pipeline (1.01-1.02x slower)
+ROPE_RINGS = (0, 3)
 SPLIT_CTAS = (1, 2)
 SPLIT_WAVES = (1, 2)
 MIN_BLOCKS_PER_SPLIT = (2, 4, 8, 16)
@@ -305,7 +309,8 @@ def kernel_variants(rows: int, fmt: str
     if fmt == "fp8":
         for version in FP8_VERSIONS:
             extra = ({"kv_split": KV_SPLITS} if version == dc.FP8_MMA_SYNC
-                     else {"qk_promote": PROMOTE, "pv_promote": PROMOTE, "wg_mode": WG_MODES})
+                     else {"qk_promote": PROMOTE, "pv_promote": PROMOTE, "wg_mode": WG_MODES,
+                           "rope_ring": ROPE_RINGS})
             names = [*axes, *extra]
             for values in product(*axes.values(), *extra.values()):
                 combos.append({**dict(zip(names, values)), "kernel_version": version, "block_n": 64})

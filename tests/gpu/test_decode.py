@@ -73,12 +73,14 @@ KERNELS = [(3, {}), (3, {"wg_mode": 0, "stages": 2, "min_ctas_per_sm": 2}), (3, 
            (3, {"wg_mode": 4, "row_groups": 4, "stages": 2}), (3, {"wg_mode": 6, "row_groups": 4}),
            (3, {"wg_mode": 6, "row_groups": 4, "stages": 2}),
            (3, {"wg_mode": 3, "stages": 5, "rope_ring": 3}), (3, {"wg_mode": 3, "stages": 2, "rope_ring": 2}),
+           (3, {"wg_mode": 3, "rope_ring": 0}),
            (3, {"wg_mode": 0, "qk_promote": 0, "pv_promote": 0}), (2, {})]
 
 
 @pytest.mark.parametrize("version,kernel", KERNELS,
                          ids=["v3", "v3-dims-st2-c2", "v3-rows", "v3-pingpong", "v3-alt", "v3-alt-st2",
                               "v3-rows-m", "v3-rows-m-st2", "v3-vt", "v3-vt-st2", "v3-alt-rr3", "v3-alt-st2-rr2",
+                              "v3-alt-rr0",
                               "v3-unpromoted", "v2"])
 @pytest.mark.parametrize("seqlens,s_q,h_q,causal", CASES)
 def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, version, kernel):
