@@ -146,6 +146,9 @@ def search_dirs() -> list[tuple[str, Path]]:
 _CONFIG_FIELDS = [f.name for f in dataclasses.fields(DecodeConfig) if f.name != "split"]
 # fields that may be 0, with their allowed values; every other field is >= 1
 _CHOICE_FIELDS = {"qk_promote": (0, 1), "pv_promote": (0, 1), "wg_mode": WG_MODES, "rope_ring": tuple(range(9))}
+# fields added after entries were stored, written only where they differ from the value that
+# reproduces the older kernels (so that the stored entries keep their text)
+_OMITTED_AT_DEFAULT = {"rope_ring": 0}
 _SPLIT_FIELDS = [f.name for f in dataclasses.fields(SplitPolicy) if f.name != "num_sms"]
 # the split policy's booleans (true / false in the file, never 0 / 1)
 _FLAG_FIELDS = {f.name for f in dataclasses.fields(SplitPolicy) if f.type in (bool, "bool")}
@@ -154,7 +157,8 @@ _FLAG_FIELDS = {f.name for f in dataclasses.fields(SplitPolicy) if f.type in (bo
 def config_to_dict(cfg: DecodeConfig) -> dict[str, Any]:
     """Every kernel parameter plus the split policy; ``num_sms`` is left out (filled in from the
     GPU at run time)."""
-    out: dict[str, Any] = {name: getattr(cfg, name) for name in _CONFIG_FIELDS}
+    out: dict[str, Any] = {name: getattr(cfg, name) for name in _CONFIG_FIELDS
+                           if name not in _OMITTED_AT_DEFAULT or getattr(cfg, name) != _OMITTED_AT_DEFAULT[name]}
     out["split"] = {name: getattr(cfg.split, name) for name in _SPLIT_FIELDS}
     return out
 

@@ -328,7 +328,8 @@ def test_fp8_decode_meets_verify_gates_on_synthetic_default(spec, heads, mtp):
 # item per CTA and must still run such a list (the one-item build of rows = M, the default at
 # 64+ rows under the split plan, and the mma.sync kernel).
 COLUMN_KERNELS = [(1, 16, 3, {}), (1, 16, 3, {"wg_mode": 3, "stages": 5, "min_ctas_per_sm": 1}),
-                  (2, 16, 3, {"wg_mode": 3, "stages": 4}), (1, 20, 3, {"wg_mode": 3, "stages": 4}),
+                  (2, 16, 3, {"wg_mode": 3, "stages": 4, "rope_ring": 0}),
+                  (1, 20, 3, {"wg_mode": 3, "stages": 4, "rope_ring": 0}),
                   (2, 32, 3, {"wg_mode": 0, "row_groups": 4, "stages": 2}),
                   (1, 64, 3, {"wg_mode": 6, "row_groups": 4}), (1, 64, 3, {"wg_mode": 4, "row_groups": 4}),
                   (2, 64, 3, {"wg_mode": 4, "row_groups": 4, "stages": 3})]
