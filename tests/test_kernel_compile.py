@@ -504,7 +504,7 @@ SWITCH_LAYOUTS = [
     # build (balanced columns), where the third fragment set spills with NVRTC 13.0
     ("PV_FRAG_AHEAD", 0, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1})],
      [(64, {"wg_mode": 4, "row_groups": 4}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2}),
-      (32, {"wg_mode": 3, "split": SplitPolicy(balanced=True)})]),
+      (32, {"wg_mode": 3, "rope_ring": 0, "split": SplitPolicy(balanced=True)})]),
 ]
 
 
