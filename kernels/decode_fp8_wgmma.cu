@@ -49,7 +49,10 @@
 // Pages arrive by TMA: four 64 x 128-byte content boxes and one RoPE box with 128-byte swizzle
 // (cache-line-aligned tiles) plus a 64 x 16-byte box holding the scales; STAGES deep, full /
 // empty mbarriers between the producer warpgroup (one lane issues, setmaxnreg gives its
-// registers to the consumers) and the 8 consumer warps.
+// registers to the consumers) and the 8 consumer warps. With ROPE_RING (alternate pages), the
+// RoPE box and the scales go to a ring of their own, released by the page's owner once its QK
+// and softmax have read them, so that a stage holds only the four content boxes (PV's V) and
+// one more stage fits next to a 32-row Q.
 // Softmax per 64-token block (SPEC 5): block max and block max of e * s_k are combined across
 // the 4 warps of the warpgroup through shared memory (WG_MODE 4: inside a quad), so m, sigma
 // and gamma are exact functions of the block; P = e4m3(e * s_k / sigma) per (row, block); blocks
