@@ -135,6 +135,9 @@ EXACT_SWITCH_CASES = {
     # the paired PVs' V^T fragments built two m-tiles ahead
     "PV_FRAG_AHEAD": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
                           (1, 16, {**ALT_1CTA, "stages": 4})]),
+    # the RoPE ring's slot released right after the softmax's scale loads (the 32-row heuristic's ring)
+    "RING_EARLY_RELEASE": (0, [(2, 16, {}), (1, 24, {}), (1, 16, {**ALT_1CTA, "stages": 5, "rope_ring": 3}),
+                               (2, 16, {**ALT_1CTA, "stages": 2, "rope_ring": 2})]),
 }
 EXACT_SWITCHES = [(define, old, s_q, h_q, kernel)
                   for define, (old, cases) in EXACT_SWITCH_CASES.items() for s_q, h_q, kernel in cases]
@@ -156,6 +159,20 @@ def test_fp8_exact_switches_keep_every_bit(define, old_value, s_q, h_q, kernel):
         old = _run_fp8(prob, device, cfg)
     assert new[0].isfinite().all()
     assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+
+
+@pytest.mark.parametrize("s_q,h_q,rope_ring,stages", [(2, 16, 3, 5), (1, 32, 3, 5), (1, 16, 3, 5), (1, 24, 2, 2)])
+def test_fp8_rope_ring_keeps_every_bit(s_q, h_q, rope_ring, stages):
+    """The RoPE ring moves where a page's RoPE tile and scales wait, not what is computed: the
+    same output and lse bits as the same layout with them in the page's stage."""
+    device = torch.device("cuda")
+    prob = random_problem([9000, 70, 0, 4097, 129, 64, 1], s_q, h_q, causal=True, seed=13)
+    ring = _config(s_q * h_q, 3, device, wg_mode=3, stages=stages, rope_ring=rope_ring)
+    plain = _config(s_q * h_q, 3, device, wg_mode=3, stages=min(stages, 4), rope_ring=0)
+    assert ring.rope_ring == rope_ring and plain.rope_ring == 0
+    a, b = _run_fp8(prob, device, ring), _run_fp8(prob, device, plain)
+    assert a[0].isfinite().all()
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 @pytest.mark.parametrize("s_q,h_q", [(1, 16), (1, 64), (2, 64), (1, 48)])
