@@ -128,11 +128,6 @@
 #ifndef ROPE_RING
 #define ROPE_RING 0
 #endif
-// 1: the owner releases a page's RoPE slot as soon as its softmax has issued the scales' loads
-// (QK is complete by then); 0: after the softmax's warp statistics (the first build; an A/B switch)
-#ifndef RING_EARLY_RELEASE
-#define RING_EARLY_RELEASE 1
-#endif
 #ifndef TRACE_PHASES
 #define TRACE_PHASES 0
 #endif
@@ -931,9 +926,6 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         const unsigned char* scales = rope_of(it) + kTileBytes;
         const float ks_a = tok_a < valid ? *reinterpret_cast<const float*>(scales + tok_a * VEC_BYTES) : 0.f;
         const float ks_b = tok_b < valid ? *reinterpret_cast<const float*>(scales + tok_b * VEC_BYTES) : 0.f;
-        // the RoPE ring: QK (waited for) and these loads are the slot's last readers; the arrival
-        // releases them (the compiler keeps the loads before it, the arrival orders them)
-        if (kSplitRing && RING_EARLY_RELEASE && lane == 0) mbarrier_arrive(&rope_empty[it % kRopeRing]);
         // s_acc turns into e = exp2(logit - warp max) in place. The rows go in groups of
         // kStatRows whose shuffle chains interleave (the softmax is latency-bound: a store per
         // row inside the loop serializes them, measured 30% slower), each group's (warp max,
@@ -1018,8 +1010,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         }
         trace(it, kSoftmaxPoint0);
         named_barrier_sync(kBarWg0 + wg, kWgThreads);
-        // the RoPE ring, the late release: the scales' loads were used above
-        if (kSplitRing && !RING_EARLY_RELEASE && lane == 0) mbarrier_arrive(&rope_empty[it % kRopeRing]);
+        // the RoPE ring: QK and the scales' loads (used above) are the slot's last readers
+        if (kSplitRing && lane == 0) mbarrier_arrive(&rope_empty[it % kRopeRing]);
         trace(it, kSoftmaxPoint0 + 1);
 
         // ---- block statistics, once per row: m, sigma, gamma and each warp's rescale factor --

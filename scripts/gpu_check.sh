@@ -75,10 +75,10 @@ for step in $steps; do
                          QK_DEPTH=3,PV_FRAG_AHEAD=1; do
                   python3 scripts/trace_decode.py --heads 32 --mtp 1 --ctx 32768 --define "$d" | tail -2; done; } 2>&1 | tee "$OUT/ab_pipe.log" | grep -v '^$' ;;
     ring)   # a page's RoPE tile and scales in a ring of their own (ROPE_RING, the 32-row default): its GPU
-            # tests, then its slot released early against late on the default path, b 64 (scripts/ab_defines.py)
-            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "rr or ring or RING or v3-alt" 2>&1 | tail -3
-              python3 scripts/ab_defines.py --a RING_EARLY_RELEASE=0 --b RING_EARLY_RELEASE=1 --formats fp8 \
-                --shapes 32:1,16:2 --ctx 16384,32768,131072 --rounds 3; } 2>&1 | tee "$OUT/ring.log" | grep -v '^$' ;;
+            # tests, then the shipped path against it without the ring and with two slots, b 64 (scripts/ab_configs.py)
+            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "rr or ring or v3-alt" 2>&1 | tail -3
+              python3 scripts/ab_configs.py --b rope_ring=0 --b stages=5,rope_ring=2 --shapes 32:1,16:2 \
+                --ctx 16384,32768,131072 --rounds 3; } 2>&1 | tee "$OUT/ring.log" | grep -v '^$' ;;
     memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB
             # read-only stream (a float32 sum); the details pages land in $OUT
             for shape in "16 1" "32 1"; do set -- $shape

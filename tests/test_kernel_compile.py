@@ -505,9 +505,6 @@ SWITCH_LAYOUTS = [
     ("PV_FRAG_AHEAD", 0, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1})],
      [(64, {"wg_mode": 4, "row_groups": 4}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2}),
       (32, {"wg_mode": 3, "rope_ring": 0, "split": SplitPolicy(balanced=True)})]),
-    # the RoPE slot's early release: the ring's builds only
-    ("RING_EARLY_RELEASE", 0, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 5, "rope_ring": 3})],
-     [(16, {"wg_mode": 3}), (32, {"wg_mode": 3, "rope_ring": 0}), (64, {"wg_mode": 4, "row_groups": 4})]),
 ]
 
 

@@ -135,9 +135,6 @@ EXACT_SWITCH_CASES = {
     # the paired PVs' V^T fragments built two m-tiles ahead
     "PV_FRAG_AHEAD": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
                           (1, 16, {**ALT_1CTA, "stages": 4})]),
-    # the RoPE ring's slot released right after the softmax's scale loads (the 32-row heuristic's ring)
-    "RING_EARLY_RELEASE": (0, [(2, 16, {}), (1, 24, {}), (1, 16, {**ALT_1CTA, "stages": 5, "rope_ring": 3}),
-                               (2, 16, {**ALT_1CTA, "stages": 2, "rope_ring": 2})]),
 }
 EXACT_SWITCHES = [(define, old, s_q, h_q, kernel)
                   for define, (old, cases) in EXACT_SWITCH_CASES.items() for s_q, h_q, kernel in cases]
