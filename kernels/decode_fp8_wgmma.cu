@@ -122,7 +122,7 @@
 // Diagnostic, not a DecodeConfig field (scripts/trace_decode.py sets it): 1 records clock64()
 // at the phase boundaries of the alternate-pages loop (WG_MODE 3, 4) of CTA (0, 0) into the
 // global snapmla_phase_trace[warpgroup][turn][point], read back from the host.
-// ROPE_RING > 0 (alternate pages up to 32 rows): a page's RoPE tile and scale box go to a ring of
+// ROPE_RING > 0 (alternate pages, WG_MODE 3): a page's RoPE tile and scale box go to a ring of
 // ROPE_RING slots of their own, released once the owner's softmax has read them, so that the
 // stages hold only the content tiles (32 KB instead of 41 KB) and one more of them fits
 #ifndef ROPE_RING
@@ -518,9 +518,6 @@ __device__ __forceinline__ float warp_col_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 16);
 }
 
-// The wgmmas of one QK chunk (chunk < 4: a 128-dim E4M3 content tile, 4 QGMMA k-steps; chunk 4:
-// the bf16 RoPE tile, 4 HGMMA k-steps) into `acc`: S^T = K . Q^T (rows = M: S = Q . K^T);
-// `fresh` overwrites instead of accumulating.
 // Byte offset of block `it`'s RoPE tile from its stage (the page's content tiles): right behind them,
 // or in the RoPE ring's slot (always past the stages)
 __device__ __forceinline__ int rope_tile_offset(int it) {
@@ -528,6 +525,9 @@ __device__ __forceinline__ int rope_tile_offset(int it) {
     return kOffRope + (it % kRopeRing) * kRopeSlotBytes - (kOffStages + (it % STAGES) * kStageBytes);
 }
 
+// The wgmmas of one QK chunk (chunk < 4: a 128-dim E4M3 content tile, 4 QGMMA k-steps; chunk 4:
+// the bf16 RoPE tile, 4 HGMMA k-steps, at `rope_bytes` from the page) into `acc`: S^T = K . Q^T
+// (rows = M: S = Q . K^T); `fresh` overwrites instead of accumulating.
 template <int kAcc>
 __device__ __forceinline__ void qk_chunk(float (&acc)[kAcc], unsigned long long k_desc,
                                          unsigned long long q_desc_base, int chunk, bool fresh,
@@ -918,7 +918,6 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     // Softmax of block it (SPEC 5): logits, masks, block statistics, P^T into shared memory.
     auto softmax_step = [&](int it) {
         float (&s_acc)[kSAcc] = s_cur;
-        unsigned char* page = page_of(it);
 
         // ---- logits, masks, warp-local block statistics --------------------------------------
         const int page_first = (block_begin + it) * kPageTokens;

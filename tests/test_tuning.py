@@ -25,6 +25,7 @@ from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, load_file, normalise_gpu_name, save_entries
 from snapmla_cli.tuning.space import (
     FP8_VERSIONS,
+    ROPE_RINGS,
     SMEM_PER_SM,
     SMEM_RESERVED_PER_CTA,
     Bucket,
@@ -248,6 +249,32 @@ def test_automatic_balance_leads_the_space_and_settles_at_the_timed_shape():
     stored = tdb.config_to_dict(space.default)
     assert stored["split"]["auto_balance"] is True and tdb.config_from_dict(stored) == replace(
         space.default, split=replace(space.default.split, num_sms=SplitPolicy().num_sms))
+
+
+def test_rope_ring_is_searched_where_it_applies_and_stored_only_when_set():
+    """The RoPE ring (alternate pages only) is a tuner axis, stored under its name only when set,
+    so that the entries written before it keep their text; a ring of one slot is refused."""
+    valid, _ = kernel_variants(32, "fp8")
+    rings = [c for c in valid if c.rope_ring]
+    assert rings and all(c.wg_mode == dc.WG_ALT_PAGES and c.rope_ring in ROPE_RINGS for c in rings)
+    assert any(c.rope_ring == 3 and c.stages == 5 for c in rings)  # the fifth stage the ring makes room for
+    assert not any(c.stages == 5 and not c.rope_ring and c.row_groups == 2 and c.wg_mode == dc.WG_ALT_PAGES
+                   for c in valid)  # five 41 KB stages do not fit next to a 32-row Q
+    ring = heuristic_config(32)
+    assert (ring.rope_ring, ring.stages) == (dc.RING_SLOTS, dc.RING_STAGES) and "rr3" in config_id(ring, "fp8")
+    stored = tdb.config_to_dict(ring)
+    assert stored["rope_ring"] == 3 and tdb.config_from_dict(stored).rope_ring == 3
+    assert "rope_ring" not in tdb.config_to_dict(heuristic_config(64))
+    assert tdb.config_from_dict(tdb.config_to_dict(heuristic_config(64))).rope_ring == 0
+    with pytest.raises(ValueError, match="rope_ring must be one of"):
+        tdb.config_from_dict({**stored, "rope_ring": 1})
+    assert not dc.fp8_config_valid(replace(heuristic_config(64), rope_ring=3))  # rows = M: no ring
+    # the host's map: four whole stages give way to five content stages, three RoPE slots and
+    # their barriers (the kernel static_asserts the same sum: test_kernel_compile)
+    plain = replace(ring, stages=4, rope_ring=0)
+    assert dc.wgmma_smem_bytes(ring) == (dc.wgmma_smem_bytes(plain) - 4 * dc.WGMMA_STAGE_BYTES
+                                         + 5 * dc.WGMMA_CONTENT_BYTES + 3 * dc.WGMMA_ROPE_SLOT_BYTES
+                                         + (2 + 3) * dc.MBARRIER_BYTES) <= dc.MAX_SMEM_PER_CTA
 
 
 def test_balanced_columns_in_the_space_only_where_the_kernel_runs_them():

@@ -53,6 +53,10 @@ ROWS_M_ROW_GROUPS = 4  # rows = M fills wgmma's M = 64 with the CTA's rows
 MIN_STAGES = 2  # the kernels' pipelines need two stages
 # the heuristic's RoPE ring at 32-row tiles: three slots and five content stages (what fits next to Q)
 RING_ROW_GROUPS, RING_STAGES, RING_SLOTS = 2, 5, 3
+# RoPE ring sizes a configuration may name: none, or two slots up to MAX_ROPE_RING (shared memory
+# decides what fits)
+MAX_ROPE_RING = 8
+ROPE_RING_CHOICES = (0, *range(MIN_STAGES, MAX_ROPE_RING + 1))
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
 WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
 WGMMA_CONTENT_BYTES = 4 * PAGE_TOKENS * 128  # a stage's content boxes alone (with a RoPE ring)
@@ -180,7 +184,7 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
         return (cfg.kv_split == 1 and cfg.row_groups in (1, 2, 4) and cfg.stages >= MIN_STAGES
                 and cfg.qk_promote in (0, 1) and cfg.pv_promote in (0, 1) and cfg.wg_mode in WG_MODES
                 and (cfg.wg_mode not in WG_ROWS_M_MODES or cfg.row_groups == ROWS_M_ROW_GROUPS)
-                and (cfg.rope_ring == 0 or (cfg.wg_mode == WG_ALT_PAGES and cfg.rope_ring >= MIN_STAGES))
+                and cfg.rope_ring in ROPE_RING_CHOICES and (cfg.rope_ring == 0 or cfg.wg_mode == WG_ALT_PAGES)
                 and cfg.min_ctas_per_sm in (1, 2) and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA
                 and cfg.min_ctas_per_sm * (fp8_smem_bytes(cfg) + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
@@ -354,7 +358,8 @@ def config_from_spec(spec: str) -> DecodeConfig:
 def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) -> DecodeConfig:
     """Built-in choice, from the variant sweeps and tuned entries on the H200 (docs/PERF.md).
     wgmma kernel (float32 promotion on): up to 32 rows one CTA per SM with the warpgroups taking
-    alternate pages, four pages deep; 64+ rows the same with the rows as QK's M (rows = M:
+    alternate pages, four pages deep (17-32 rows: five pages of content, their RoPE tiles and scales
+    in a ring of three, the split plan); 64+ rows the same with the rows as QK's M (rows = M:
     20-30% faster than alternate pages alone at 64 rows, docs/PERF.md); the split policy
     leaves balanced columns or the split plan to the planner, per batch (``auto_balance``,
     :func:`settle_balance`). mma.sync kernel: 16 rows as two small CTAs per SM; 32 rows as two

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
-from ..ops.decode_config import FP8_MMA_SYNC, WG_MODES, DecodeConfig
+from ..ops.decode_config import FP8_MMA_SYNC, ROPE_RING_CHOICES, WG_MODES, DecodeConfig
 from ..ops.schedule import SplitPolicy
 from .space import Bucket, config_problem
 
@@ -145,7 +145,7 @@ def search_dirs() -> list[tuple[str, Path]]:
 
 _CONFIG_FIELDS = [f.name for f in dataclasses.fields(DecodeConfig) if f.name != "split"]
 # fields that may be 0, with their allowed values; every other field is >= 1
-_CHOICE_FIELDS = {"qk_promote": (0, 1), "pv_promote": (0, 1), "wg_mode": WG_MODES, "rope_ring": tuple(range(9))}
+_CHOICE_FIELDS = {"qk_promote": (0, 1), "pv_promote": (0, 1), "wg_mode": WG_MODES, "rope_ring": ROPE_RING_CHOICES}
 # fields added after entries were stored, written only where they differ from the value that
 # reproduces the older kernels (so that the stored entries keep their text)
 _OMITTED_AT_DEFAULT = {"rope_ring": 0}
