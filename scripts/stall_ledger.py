@@ -132,7 +132,11 @@ def main() -> None:
     for path in args.csv:
         if not path.is_file():
             sys.exit(f"csv: {path} not found")
-        ledger(path, args.top, args.pages)
+        try:
+            ledger(path, args.top, args.pages)
+        except BrokenPipeError:  # the reader (`| head`) has what it wanted
+            sys.stderr.close()
+            return
 
 
 if __name__ == "__main__":
