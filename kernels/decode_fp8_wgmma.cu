@@ -430,6 +430,13 @@ __device__ __forceinline__ void transpose_tile(unsigned src, unsigned dst, int w
     }
 }
 
+// Byte offset of block `it`'s RoPE tile from its stage (the page's content tiles): right behind them,
+// or in the RoPE ring's slot (always past the stages)
+__device__ __forceinline__ int rope_tile_offset(int it) {
+    if constexpr (!kSplitRing) return kContentBytes;
+    return kOffRope + (it % kRopeRing) * kRopeSlotBytes - (kOffStages + (it % STAGES) * kStageBytes);
+}
+
 // Producer: one elected lane streams the pages of [block_begin, block_end) through the stages.
 // `base`: the CTA's pages before this work item (a multiple of STAGES: see roles::run_column),
 // whose stages the first pages of this item wait for as well.
@@ -448,7 +455,7 @@ __device__ __forceinline__ void produce(const Params& p, unsigned char* smem, un
             mbarrier_wait_parity(&rope_empty[it % kRopeRing], ((it / kRopeRing) - 1) & 1);
         const int row = table[block_begin + it] * kPageTokens;
         unsigned char* dst = smem + kOffStages + stage * kStageBytes;
-        unsigned char* rope_dst = kSplitRing ? smem + kOffRope + (it % kRopeRing) * kRopeSlotBytes : dst + kContentBytes;
+        unsigned char* rope_dst = dst + rope_tile_offset(it);
         mbarrier_arrive_expect_tx(&full[stage], kPageBytes);
 #pragma unroll
         for (int t = 0; t < kContentTiles; ++t)
@@ -518,13 +525,6 @@ __device__ __forceinline__ float warp_col_sum(float v) {
     return v + __shfl_xor_sync(FULL_MASK, v, 16);
 }
 
-// Byte offset of block `it`'s RoPE tile from its stage (the page's content tiles): right behind them,
-// or in the RoPE ring's slot (always past the stages)
-__device__ __forceinline__ int rope_tile_offset(int it) {
-    if constexpr (!kSplitRing) return kContentBytes;
-    return kOffRope + (it % kRopeRing) * kRopeSlotBytes - (kOffStages + (it % STAGES) * kStageBytes);
-}
-
 // The wgmmas of one QK chunk (chunk < 4: a 128-dim E4M3 content tile, 4 QGMMA k-steps; chunk 4:
 // the bf16 RoPE tile, 4 HGMMA k-steps, at `rope_bytes` from the page) into `acc`: S^T = K . Q^T
 // (rows = M: S = Q . K^T); `fresh` overwrites instead of accumulating.
@@ -575,10 +575,10 @@ template <int kAcc>
 __device__ __forceinline__ void issue_qk(float (&acc)[kAcc], unsigned char* smem, const FullBarriers& full,
                                          int it, unsigned long long q_desc_base) {
     const unsigned long long k_desc = page_k_desc(smem, full, it);
+    const int rope_bytes = rope_tile_offset(it);
     wgmma_fence();
 #pragma unroll
-    for (int chunk = 0; chunk < kQkChunks; ++chunk)
-        qk_chunk(acc, k_desc, q_desc_base, chunk, chunk == 0, rope_tile_offset(it));
+    for (int chunk = 0; chunk < kQkChunks; ++chunk) qk_chunk(acc, k_desc, q_desc_base, chunk, chunk == 0, rope_bytes);
     wgmma_commit();
 }
 
@@ -629,16 +629,17 @@ template <int kAcc>
 __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* smem, const FullBarriers& full,
                                             int it, unsigned long long q_desc_base, const PageTranspose& vt) {
     const unsigned long long k_desc = page_k_desc(smem, full, it);
+    const int rope_bytes = rope_tile_offset(it);
     if constexpr (!kQkPipelined) {
         const unsigned page = smem_addr(smem + kOffStages + (it % STAGES) * kStageBytes);
         wgmma_fence();
-        qk_chunk(s, k_desc, q_desc_base, qk_chunk_at(0), true, rope_tile_offset(it));
+        qk_chunk(s, k_desc, q_desc_base, qk_chunk_at(0), true, rope_bytes);
         wgmma_commit();
 #pragma unroll
         for (int i = 1; i < kQkChunks; ++i) {
             float acc[kAcc];
             wgmma_fence();
-            qk_chunk(acc, k_desc, q_desc_base, qk_chunk_at(i), true, rope_tile_offset(it));
+            qk_chunk(acc, k_desc, q_desc_base, qk_chunk_at(i), true, rope_bytes);
             wgmma_commit();
             if constexpr (kVtSmem) {
                 const int t = i - 1;  // the content tile this step transposes
@@ -660,7 +661,7 @@ __device__ __forceinline__ void qk_promoted(float (&s)[kAcc], unsigned char* sme
         acc,
         [&](int chunk, float (&into)[kAcc]) {
             wgmma_fence();
-            qk_chunk(into, k_desc, q_desc_base, chunk, true, rope_tile_offset(it));
+            qk_chunk(into, k_desc, q_desc_base, chunk, true, rope_bytes);
             wgmma_commit();
         },
         [&](int chunk, float (&done)[kAcc]) {

@@ -12,14 +12,14 @@ Usage: PYTHONPATH=. python3 scripts/ab_configs.py --b wg_mode=8 [--b wg_mode=8,s
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import replace
 
 import torch
 from ab_defines import parse_defines  # this folder is sys.path[0]
+from ab_tuning import alternating_medians
 
 from snapmla_cli.bench.decode_case import DecodeCase
-from snapmla_cli.bench.timing import BURST, time_graph
+from snapmla_cli.bench.timing import BURST
 from snapmla_cli.ops.config_choice import choose_config
 from snapmla_cli.ops.decode_config import (
     DecodeConfig,
@@ -59,12 +59,9 @@ def main() -> None:
                 if cfg is not None:
                     sides["B" if len(args.b) == 1 else f"B{k + 1}"] = cfg
             case = DecodeCase.build([ctx] * args.batch, s_q, h_q, device)
-            calls = {side: case.fp8(cfg) for side, cfg in sides.items()}
-            times: dict[str, list[float]] = {side: [] for side in sides}
-            for _ in range(args.rounds):
-                for side, call in calls.items():
-                    times[side].append(time_graph(call, clocks=BURST) * 1e6)
-            medians = {side: statistics.median_high(t) for side, t in times.items()}
+            calls = [case.fp8(cfg) for cfg in sides.values()]
+            seconds = alternating_medians(calls, BURST, args.rounds)
+            medians = {side: t * 1e6 for side, t in zip(sides, seconds)}
             a = medians["A"]
             others = ", ".join(f"{side} [{config_id(sides[side], 'fp8')}] {t:.1f} us, {side}/A {t / a:.4f}"
                                for side, t in medians.items() if side != "A")

@@ -15,23 +15,29 @@ import statistics
 
 import torch
 
-from snapmla_cli.bench.decode_case import DecodeCase
+from snapmla_cli.bench.decode_case import DecodeCall, DecodeCase
 from snapmla_cli.bench.timing import BURST, STEADY, Clocks, time_graph
 from snapmla_cli.ops.config_choice import choose_config
 from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
 from snapmla_cli.tuning.space import config_id
 
 
-def time_pair(case: DecodeCase, tuned: DecodeConfig, heuristic: DecodeConfig, fp8: bool, clocks: Clocks,
-              rounds: int) -> tuple[float, float]:
-    """Median seconds (the higher middle one for an even count) of the tuned and the heuristic
-    configuration, timed in alternation."""
-    calls = [case.fp8(c) if fp8 else case.bf16(c) for c in (tuned, heuristic)]
-    times: list[list[float]] = [[], []]
+def alternating_medians(calls: list[DecodeCall], clocks: Clocks, rounds: int) -> list[float]:
+    """Median seconds (the higher middle one for an even count) of each call, the calls timed in
+    alternation, round after round (so that a drift of the clocks touches every side alike)."""
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
         for i, call in enumerate(calls):
             times[i].append(time_graph(call, clocks=clocks))
-    return statistics.median_high(times[0]), statistics.median_high(times[1])
+    return [statistics.median_high(t) for t in times]
+
+
+def time_pair(case: DecodeCase, tuned: DecodeConfig, heuristic: DecodeConfig, fp8: bool, clocks: Clocks,
+              rounds: int) -> tuple[float, float]:
+    """Median seconds of the tuned and the heuristic configuration, timed in alternation."""
+    calls = [case.fp8(c) if fp8 else case.bf16(c) for c in (tuned, heuristic)]
+    t_tuned, t_heuristic = alternating_medians(calls, clocks, rounds)
+    return t_tuned, t_heuristic
 
 
 def main() -> None:
