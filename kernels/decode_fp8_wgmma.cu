@@ -128,6 +128,21 @@
 #ifndef ROPE_RING
 #define ROPE_RING 0
 #endif
+// 1: rows = M (WG_MODE 4): the owner of a request's partial last page zeroes the page's content
+// rows past its end in shared memory during its softmax, so that no PV masks V^T's bytes (the
+// 64-row PV otherwise masks every page: a second, unmasked copy of it spilled); 0 masks them (an
+// A/B switch for the benchmarks, not a DecodeConfig field; the same float32 operations)
+#ifndef TAIL_ZERO
+#define TAIL_ZERO 1
+#endif
+// 1: rows = M gives a whole page's token scale loads and exponentials code of their own, without
+// the per-token test against the page's end and the per-logit guard of a partial or causal page
+// (ptxas otherwise merges the exponentials of both kinds of page into one predicated pass: three
+// instructions a logit more); 0 tests on every page (an A/B switch, not a DecodeConfig field; the
+// same operations on every value)
+#ifndef ROWS_M_WHOLE
+#define ROWS_M_WHOLE 1
+#endif
 #ifndef TRACE_PHASES
 #define TRACE_PHASES 0
 #endif
@@ -186,6 +201,7 @@ constexpr bool kAltPages = WG_MODE == 3 || kRowsM;
 // after the wait, they cost the column build 5% a page, measured) and the others where used, and
 // derives the lane offsets again per page; the one-item build keeps both (its SASS unchanged).
 constexpr bool kRowsMColumns = kRowsM && COLUMN_ITEMS;
+constexpr bool kTailZero = TAIL_ZERO && WG_MODE == 4;
 constexpr int kGammaEarly = 4;
 constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;
@@ -385,6 +401,19 @@ __device__ __forceinline__ unsigned v_token_mask(int ks, int h, int c, int valid
     const int left = valid - (kFp8KStep * ks + 16 * h + 2 * c);  // tokens from the first one on
     return (left > 0 ? 0x000000ffu : 0u) | (left > 1 ? 0x0000ff00u : 0u) | (left > 8 ? 0x00ff0000u : 0u) |
            (left > 9 ? 0xff000000u : 0u);
+}
+
+// TAIL_ZERO: thread `wtid` of the page owner's warpgroup's share of zeroing the content rows of
+// tokens [valid, 64) (unused cache rows may hold NaN patterns; P is 0 there, but 0 x NaN is NaN).
+// A token's row of a 128-byte-swizzled box is its 128 bytes whatever the swizzle, so the rows
+// past the end are the tile's last (64 - valid) x 128 bytes.
+__device__ __forceinline__ void zero_tail_rows(unsigned char* page, int valid, int wtid) {
+    constexpr int kChunk = 16;  // bytes per store
+    const int chunks_per_tile = (kPageTokens - valid) * kBox / kChunk;
+    for (int i = wtid; i < kContentTiles * chunks_per_tile; i += kWgThreads) {
+        const int tile = i / chunks_per_tile, chunk = i % chunks_per_tile;
+        *reinterpret_cast<uint4*>(page + tile * kTileBytes + valid * kBox + chunk * kChunk) = make_uint4(0, 0, 0, 0);
+    }
 }
 
 // WG_MODE 6: where the V^T of content tile t lives after the transposition: in tile t - 1's
@@ -813,10 +842,14 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         float* gamma_buf = gamma_of(it);
         constexpr int kTokens = kSAcc / 2;  // tokens of this thread: 8j + 2c + e
         float ks[kTokens];                  // their scales s_k, 0 past the valid tokens
+        auto token_of = [&](int t) { return 8 * (t / 2) + 2 * c + t % 2; };
+        auto scale_of = [&](int t) { return *reinterpret_cast<const float*>(scales + token_of(t) * VEC_BYTES); };
+        if (!ROWS_M_WHOLE || valid < kPageTokens) {  // (unused cache rows may hold NaN scales)
 #pragma unroll
-        for (int t = 0; t < kTokens; ++t) {
-            const int tok = 8 * (t / 2) + 2 * c + t % 2;
-            ks[t] = tok < valid ? *reinterpret_cast<const float*>(scales + tok * VEC_BYTES) : 0.f;
+            for (int t = 0; t < kTokens; ++t) ks[t] = token_of(t) < valid ? scale_of(t) : 0.f;
+        } else {
+#pragma unroll
+            for (int t = 0; t < kTokens; ++t) ks[t] = scale_of(t);
         }
         // The thread's two rows go side by side, so that their dependency chains (shuffles,
         // divisions) interleave: the softmax is latency-bound (too few warps per scheduler).
@@ -867,16 +900,22 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             act[h] = bmax[h] > -INFINITY;
             mnew[h] = act[h] ? fmaxf(st[h].x, bmax[h] * rc[h].x) : st[h].x;
         }
+        // x turns into e * s_k, e = exp2(y l - m_new); `guarded`: a literal at both call sites, so
+        // that a whole page's pass carries no per-logit test (ROWS_M_WHOLE)
+        auto exp_pass = [&](const bool guarded) {
 #pragma unroll
-        for (int t = 0; t < kTokens; ++t)  // x turns into e * s_k, e = exp2(y l - m_new)
+            for (int t = 0; t < kTokens; ++t)
 #pragma unroll
-            for (int h = 0; h < kRowsPerThread; ++h) {
-                float& x = logit(h, t);
-                const float e = whole || (act[h] && x > -INFINITY) ? fast_exp2(fmaf(x, rc[h].x, -mnew[h])) : 0.f;
-                esum[h] += e;
-                x = e * ks[t];
-                etmax[h] = fmaxf(etmax[h], x);
-            }
+                for (int h = 0; h < kRowsPerThread; ++h) {
+                    float& x = logit(h, t);
+                    const float e = !guarded || (act[h] && x > -INFINITY) ? fast_exp2(fmaf(x, rc[h].x, -mnew[h])) : 0.f;
+                    esum[h] += e;
+                    x = e * ks[t];
+                    etmax[h] = fmaxf(etmax[h], x);
+                }
+        };
+        if (ROWS_M_WHOLE && whole) exp_pass(false);
+        else exp_pass(!whole);
         quad_max2(etmax[0], etmax[1]);
         trace(it, kSoftmaxPoint0 + 1);
         // The divisions by 448 and by sigma are multiplications by reciprocals here (each within
@@ -914,6 +953,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
                 *reinterpret_cast<unsigned*>(p_s + swz64(row_of[h], 16 * q + 4 * c)) = packed;
             }
         trace(it, kSoftmaxPoint0 + 3);
+        // publish_p's proxy fence and barriers order these stores before both warpgroups' PV of
+        // the page and before the stage's next TMA write
+        if (kTailZero && valid < kPageTokens) zero_tail_rows(page_of(it), valid, wtid);
         publish_p();
     };
     // Softmax of block it (SPEC 5): logits, masks, block statistics, P^T into shared memory.
@@ -1268,9 +1310,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             for (int i = 0; i < kSAcc; ++i) s_cur[i] = s_next[i];
         }
     };
-    // (the second copy of the PV code costs the 64-row layouts a spill: they always mask)
+    // (the second copy of the PV code costs the 64-row layouts a spill: they mask every page,
+    // except rows = M, whose partial pages' tails are zeros: kTailZero)
     auto pv_step = [&](int it, bool seen = false) {
-        if (kRows == 64 || valid_of(it) < kPageTokens) pv_page(it, true, seen);
+        if (!kTailZero && (kRows == 64 || valid_of(it) < kPageTokens)) pv_page(it, true, seen);
         else pv_page(it, false, seen);
     };
     // kPvPairs, a turn's two PVs: the other warpgroup's page it - 1 and this warpgroup's page

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|ring|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|ring|tail|race|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -39,6 +39,16 @@ ncu_decode() {
   local heads="$1" mtp="$2"; shift 2
   ncu --clock-control none -k regex:snapmla_decode_fp8_wgmma --launch-skip 1 -c 1 "$@" \
       python3 scripts/profile_decode.py --heads "$heads" --mtp "$mtp" --ctx 16384
+}
+# compute-sanitizer racecheck on the default paths with each hazard's threads and addresses, one run per
+# seed (scripts/sanitize_decode.py prints each case after its kernels: a report belongs to the case below
+# it); the whole report lands in $OUT/race.log, its summary lines print
+race_default() {
+  for seed in "$@"; do
+    echo "-- racecheck default seed $seed"
+    compute-sanitizer --tool racecheck --racecheck-report hazard python3 scripts/sanitize_decode.py default "$seed" \
+      2>&1 | tee -a "$OUT/race.log" | grep -E "rel_l2|SUMMARY" | cut -c1-160
+  done
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 for step in $steps; do
@@ -79,6 +89,15 @@ for step in $steps; do
             { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "rr or ring or v3-alt" 2>&1 | tail -3
               python3 scripts/ab_configs.py --b rope_ring=0 --b stages=5,rope_ring=2 --shapes 32:1,16:2 \
                 --ctx 16384,32768,131072 --rounds 3; } 2>&1 | tee "$OUT/ring.log" | grep -v '^$' ;;
+    tail)   # rows = M with a partial page's tail zeroed in shared memory (TAIL_ZERO, no V^T byte masks in PV) and
+            # a whole page's softmax without per-token tests (ROWS_M_WHOLE): their GPU tests, racecheck on the default
+            # paths (`race`), then the shipped build against each switch off at 64-256 rows, b 64 (scripts/ab_defines.py)
+            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "whole_page or rows-m" 2>&1 | tail -3
+              race_default 503 504
+              python3 scripts/ab_defines.py --b TAIL_ZERO=0 --b ROWS_M_WHOLE=0 --b TAIL_ZERO=0,ROWS_M_WHOLE=0 \
+                --shapes 64:1,32:2,128:1,128:2 --formats fp8 --ctx 16384,131072 --rounds 3; } 2>&1 \
+              | tee "$OUT/tail.log" | grep -v '^$' ;;
+    race)   race_default 503 504 ;;
     memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB
             # read-only stream (a float32 sum); the details pages land in $OUT
             for shape in "16 1" "32 1"; do set -- $shape

@@ -1,5 +1,6 @@
 """A small decode sweep for compute-sanitizer (memcheck / racecheck / synccheck):
-``compute-sanitizer --tool racecheck python3 scripts/sanitize_decode.py [default,v3-rows,... [SEED]]``.
+``compute-sanitizer --tool racecheck python3 scripts/sanitize_decode.py [default,v3-rows,... [SEED [NAME=V,...]]]``
+(the last: kernel switches laid over the FP8 builds, e.g. ``TAIL_ZERO=0``, as scripts/ab_defines.py).
 Every kernel configuration the heuristic uses (16, 32, 64+ rows), both formats, odd lengths,
 empty requests; the FP8 kernels are named as in ``snapmla verify --fp8-kernel``.
 
@@ -15,8 +16,10 @@ from __future__ import annotations
 import sys
 
 import torch
+from ab_defines import parse_defines  # this folder is sys.path[0]
 
 from snapmla_cli.analysis.verify import fp8_kernel_implementation, run_bf16_kernel
+from snapmla_cli.bench.decode_case import extra_defines
 from snapmla_cli.cache.layout import dequantize_cache
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.metrics import compare
@@ -31,9 +34,16 @@ FP8_VALUE_GATE, BF16_VALUE_GATE = 3e-2, 1e-2
 
 
 def main() -> None:
-    device = torch.device("cuda")
     fp8_impls = [fp8_kernel_implementation(spec) for spec in (sys.argv[1] if len(sys.argv) > 1 else "default").split(",")]
     seed = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    with extra_defines(parse_defines(sys.argv[3] if len(sys.argv) > 3 else "")):
+        all_ok = run_cases(fp8_impls, seed)
+    sys.exit(0 if all_ok else 1)
+
+
+def run_cases(fp8_impls, seed: int) -> bool:
+    """Every case once through each FP8 kernel and the BF16 one; whether all values were right."""
+    device = torch.device("cuda")
     all_ok = True
     for seqlens, s_q, h_q, causal in CASES:
         prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=seed).to(device)
@@ -48,7 +58,7 @@ def main() -> None:
         all_ok &= ok
         print(f"{seqlens} s_q={s_q} h_q={h_q}: rel_l2 " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items())
               + ("" if ok else "  VALUES OFF"), flush=True)
-    sys.exit(0 if all_ok else 1)
+    return all_ok
 
 
 if __name__ == "__main__":

@@ -505,6 +505,16 @@ SWITCH_LAYOUTS = [
     ("PV_FRAG_AHEAD", 0, [(32, {"wg_mode": 3}), (16, {"wg_mode": 3, "stages": 4, "min_ctas_per_sm": 1})],
      [(64, {"wg_mode": 4, "row_groups": 4}), (16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2}),
       (32, {"wg_mode": 3, "rope_ring": 0, "split": SplitPolicy(balanced=True)})]),
+    # a partial page's tail zeroed in shared memory instead of V^T byte masks: rows = M only (one
+    # item per CTA and balanced columns); the swapped layouts and WG_MODE 6 keep their code
+    ("TAIL_ZERO", 0, [(64, {"wg_mode": 4, "row_groups": 4}),
+                      (64, {"wg_mode": 4, "row_groups": 4, "split": SplitPolicy(balanced=True)})],
+     [(32, {"wg_mode": 3}), (64, {"wg_mode": 3, "row_groups": 4, "stages": 3}),
+      (64, {"wg_mode": 6, "row_groups": 4}), (16, {"wg_mode": 0, "stages": 2, "min_ctas_per_sm": 2})]),
+    # a whole page's scale loads and exponentials without per-token tests: the rows = M softmax
+    # (modes 4 and 6); the swapped softmax has its own whole-page path
+    ("ROWS_M_WHOLE", 0, [(64, {"wg_mode": 4, "row_groups": 4}), (64, {"wg_mode": 6, "row_groups": 4})],
+     [(32, {"wg_mode": 3})]),
 ]
 
 

@@ -172,6 +172,31 @@ def test_fp8_rope_ring_keeps_every_bit(s_q, h_q, rope_ring, stages):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("switch", ["TAIL_ZERO", "ROWS_M_WHOLE"])
+@pytest.mark.parametrize("s_q,h_q,balanced", [(1, 64, False), (2, 64, False), (2, 64, True), (1, 40, False)])
+def test_fp8_rows_m_whole_page_paths_keep_every_bit(s_q, h_q, balanced, switch):
+    """Rows = M with a partial page's tail zeroed in shared memory (TAIL_ZERO, no byte masks in
+    PV) and a whole page's softmax without per-token tests (ROWS_M_WHOLE) computes what the
+    masked, tested code does: the same output and lse bits, NaN-poisoned unused cache rows,
+    empty, one-token and 63/65-token requests, the causal mask and balanced columns included."""
+    from snapmla_cli.bench.decode_case import extra_defines
+
+    device = torch.device("cuda")
+    prob = random_problem(COLUMN_LENS if balanced else [9000, 70, 0, 4097, 129, 63, 1, 65], s_q, h_q,
+                          causal=True, seed=17)
+    cfg = _config(s_q * h_q, 3, device, wg_mode=4, row_groups=4)
+    if balanced:
+        from snapmla_cli.ops.decode_config import runs_columns
+
+        cfg = _balanced(cfg)
+        assert runs_columns(cfg, True)
+    new = _run_fp8(prob, device, cfg)
+    with extra_defines({switch: 0}):
+        old = _run_fp8(prob, device, cfg)
+    assert new[0].isfinite().all()
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+
+
 @pytest.mark.parametrize("s_q,h_q", [(1, 16), (1, 64), (2, 64), (1, 48)])
 def test_bf16_handover_first_keeps_every_bit(s_q, h_q):
     """The BF16 wgmma kernel's turn that takes the hand-over and issues PV(it - 1) before QK(it)
