@@ -143,6 +143,13 @@
 #ifndef ROWS_M_WHOLE
 #define ROWS_M_WHOLE 1
 #endif
+// 1: rows = M (one item per CTA) addresses each V^T fragment of a page from one lane offset
+// taken at the page's PV (an XOR and constants per m-tile and k-step) instead of deriving the
+// swizzled address per m-tile; 0 derives it (an A/B switch, not a DecodeConfig field; the same
+// bytes)
+#ifndef V_OFFSETS
+#define V_OFFSETS 1
+#endif
 #ifndef TRACE_PHASES
 #define TRACE_PHASES 0
 #endif
@@ -202,6 +209,9 @@ constexpr bool kAltPages = WG_MODE == 3 || kRowsM;
 // derives the lane offsets again per page; the one-item build keeps both (its SASS unchanged).
 constexpr bool kRowsMColumns = kRowsM && COLUMN_ITEMS;
 constexpr bool kTailZero = TAIL_ZERO && WG_MODE == 4;
+// rows = M, one item per CTA: the V^T fragments' shared-memory addresses from one offset per page
+// (the column build keeps its per-page lane derivation, see kRowsMColumns)
+constexpr bool kVOffsets = V_OFFSETS && WG_MODE == 4 && !COLUMN_ITEMS;
 constexpr int kGammaEarly = 4;
 constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;
@@ -394,6 +404,19 @@ __device__ __forceinline__ void v_fragment(const unsigned char* page, int dim, i
     const int ld_token = 8 * (lane / 8) + (lane % 8);  // ldmatrix row address of this lane
     unsigned r[4];
     ldmatrix_x4_trans(r, page + (dim / kBox) * kTileBytes + swz128(kFp8KStep * ks + ld_token, dim % kBox));
+    v_fragment_permute(r, frag);
+}
+// The same fragment from a lane's row offset computed once for all m-tiles and k-steps of a page
+// (V_OFFSETS): v_fragment's address is page + v_fragment_offset(dim0 + 16 w, lane), then
+// + (dim - dim0) / 128 tiles and + 32 ks token rows, XOR 64 where dim % 128 >= 64 (dim0 % 128 ==
+// 0, w < 4): the k-step moves whole swizzle atoms, and bit 6 is the 16-byte chunk's bit 2.
+__device__ __forceinline__ int v_fragment_offset(int dim, int lane) {
+    const int ld_token = 8 * (lane / 8) + (lane % 8);
+    return (dim / kBox) * kTileBytes + swz128(ld_token, dim % kBox);
+}
+__device__ __forceinline__ void v_fragment_at(const unsigned char* at, unsigned (&frag)[4]) {
+    unsigned r[4];
+    ldmatrix_x4_trans(r, at);
     v_fragment_permute(r, frag);
 }
 // The bytes of V^T fragment registers 2h, 2h + 1 (k-step ks) whose tokens are below `valid`.
@@ -1219,8 +1242,16 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         const unsigned long long p_desc = make_smem_desc(p_s + pv_row0 * kPRowBytes, kSwizzle64B, kSwizzleAtom64);
         // V^T A fragment of this warp's 16 dims of m-tile mt, tokens [32 ks, 32 ks + 32)
         const int v_lane = kRowsMColumns ? lane + loop_zero() : lane;
+        // (kVOffsets) this thread's ldmatrix offset in m-tile 0 at k-step 0; m-tile mt's is it
+        // XOR 64 for odd mt, plus mt / 2 content tiles, plus 32 token rows per k-step
+        const int v_off = kVOffsets ? v_fragment_offset(pv_dim0 + 16 * w, lane) : 0;
         auto v_fragment_of = [&](int mt, int ks, unsigned (&frag)[4]) {
-            v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, v_lane, frag);
+            constexpr int kMTileByte = 64;  // an m-tile's dims start at byte 64 (odd mt) or 0 of a box
+            if constexpr (kVOffsets)
+                v_fragment_at(page + (mt * kMTileByte / kBox) * kTileBytes + kFp8KStep * ks * kBox +
+                                  (v_off ^ (mt * kMTileByte % kBox)), frag);
+            else
+                v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, v_lane, frag);
             if (masked) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];

@@ -89,13 +89,15 @@ for step in $steps; do
             { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "rr or ring or v3-alt" 2>&1 | tail -3
               python3 scripts/ab_configs.py --b rope_ring=0 --b stages=5,rope_ring=2 --shapes 32:1,16:2 \
                 --ctx 16384,32768,131072 --rounds 3; } 2>&1 | tee "$OUT/ring.log" | grep -v '^$' ;;
-    tail)   # rows = M with a partial page's tail zeroed in shared memory (TAIL_ZERO, no V^T byte masks in PV) and
-            # a whole page's softmax without per-token tests (ROWS_M_WHOLE): their GPU tests, racecheck on the default
+    tail)   # rows = M with a partial page's tail zeroed in shared memory (TAIL_ZERO, no V^T byte masks in PV),
+            # a whole page's softmax without per-token tests (ROWS_M_WHOLE) and the V^T fragments addressed from
+            # one offset a page (V_OFFSETS): their GPU tests, racecheck on the default
             # paths (`race`), then the shipped build against each switch off at 64-256 rows, b 64 (scripts/ab_defines.py)
             { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "whole_page or rows-m" 2>&1 | tail -3
               race_default 503 504
-              python3 scripts/ab_defines.py --b TAIL_ZERO=0 --b ROWS_M_WHOLE=0 --b TAIL_ZERO=0,ROWS_M_WHOLE=0 \
-                --shapes 64:1,32:2,128:1,128:2 --formats fp8 --ctx 16384,131072 --rounds 3; } 2>&1 \
+              python3 scripts/ab_defines.py --b TAIL_ZERO=0 --b ROWS_M_WHOLE=0 --b V_OFFSETS=0 \
+                --b TAIL_ZERO=0,ROWS_M_WHOLE=0,V_OFFSETS=0 --shapes 64:1,128:1,128:2 --formats fp8 \
+                --ctx 16384,131072 --rounds 3; } 2>&1 \
               | tee "$OUT/tail.log" | grep -v '^$' ;;
     race)   race_default 503 504 ;;
     memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB

@@ -172,12 +172,12 @@ def test_fp8_rope_ring_keeps_every_bit(s_q, h_q, rope_ring, stages):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-@pytest.mark.parametrize("switch", ["TAIL_ZERO", "ROWS_M_WHOLE"])
+@pytest.mark.parametrize("switch", ["TAIL_ZERO", "ROWS_M_WHOLE", "V_OFFSETS"])
 @pytest.mark.parametrize("s_q,h_q,balanced", [(1, 64, False), (2, 64, False), (2, 64, True), (1, 40, False)])
 def test_fp8_rows_m_whole_page_paths_keep_every_bit(s_q, h_q, balanced, switch):
     """Rows = M with a partial page's tail zeroed in shared memory (TAIL_ZERO, no byte masks in
-    PV) and a whole page's softmax without per-token tests (ROWS_M_WHOLE) computes what the
-    masked, tested code does: the same output and lse bits, NaN-poisoned unused cache rows,
+    PV), a whole page's softmax without per-token tests (ROWS_M_WHOLE) and the V^T fragments
+    addressed from one offset per page (V_OFFSETS) computes what the masked, tested code does: the same output and lse bits, NaN-poisoned unused cache rows,
     empty, one-token and 63/65-token requests, the causal mask and balanced columns included."""
     from snapmla_cli.bench.decode_case import extra_defines
 
