@@ -432,11 +432,11 @@ __device__ __forceinline__ unsigned v_token_mask(int ks, int h, int c, int valid
 // past the end are the tile's last (64 - valid) x 128 bytes.
 __device__ __forceinline__ void zero_tail_rows(unsigned char* page, int valid, int wtid) {
     constexpr int kChunk = 16;  // bytes per store
-    const int chunks_per_tile = (kPageTokens - valid) * kBox / kChunk;
-    for (int i = wtid; i < kContentTiles * chunks_per_tile; i += kWgThreads) {
-        const int tile = i / chunks_per_tile, chunk = i % chunks_per_tile;
-        *reinterpret_cast<uint4*>(page + tile * kTileBytes + valid * kBox + chunk * kChunk) = make_uint4(0, 0, 0, 0);
-    }
+    const int tail_bytes = (kPageTokens - valid) * kBox;
+#pragma unroll
+    for (int tile = 0; tile < kContentTiles; ++tile)
+        for (int b = kChunk * wtid; b < tail_bytes; b += kChunk * kWgThreads)
+            *reinterpret_cast<uint4*>(page + tile * kTileBytes + valid * kBox + b) = make_uint4(0, 0, 0, 0);
 }
 
 // WG_MODE 6: where the V^T of content tile t lives after the transposition: in tile t - 1's
