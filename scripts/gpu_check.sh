@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ab|ab-small|ab-pipe|ring|tail|race|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -74,6 +74,10 @@ for step in $steps; do
               --budget 8s --force ;;
     ship32) tune_db tune_ship32_h16 16 --heads 16 --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force
             tune_db tune_ship32_h32 10 --heads 32 --mtp 1 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force ;;
+    ship64-b1) # re-tune the FP8 b 1 16k entries of 64+ rows (after a rows = M kernel change: four of them held
+            # alternate pages, WG_MODE 3), replacing the stored ones
+            tune_db tune_ship64_b1 14 --heads 64,128 --mtp 1,2 --batch 1 --ctx 16k --format fp8 --budget 6s --force
+            tune_db tune_ship64_b1_h32 6 --heads 32 --mtp 2 --batch 1 --ctx 16k --format fp8 --budget 6s --force ;;
     ab)     for fmt in fp8 bf16; do python3 scripts/ab_tuning.py --format "$fmt" --rounds 3; done 2>&1 \
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
