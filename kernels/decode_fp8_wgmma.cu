@@ -143,10 +143,10 @@
 #ifndef ROWS_M_WHOLE
 #define ROWS_M_WHOLE 1
 #endif
-// 1: rows = M (one item per CTA) addresses each V^T fragment of a page from one lane offset
-// taken at the page's PV (an XOR and constants per m-tile and k-step) instead of deriving the
-// swizzled address per m-tile; 0 derives it (an A/B switch, not a DecodeConfig field; the same
-// bytes)
+// 1: alternate pages (WG_MODE 3, 4; one item per CTA) addresses each V^T fragment of a page from
+// one lane offset taken at the page's PV (an XOR and constants per m-tile and k-step) instead of
+// deriving the swizzled address per m-tile; 0 derives it (an A/B switch, not a DecodeConfig field;
+// the same bytes)
 #ifndef V_OFFSETS
 #define V_OFFSETS 1
 #endif
@@ -209,9 +209,10 @@ constexpr bool kAltPages = WG_MODE == 3 || kRowsM;
 // derives the lane offsets again per page; the one-item build keeps both (its SASS unchanged).
 constexpr bool kRowsMColumns = kRowsM && COLUMN_ITEMS;
 constexpr bool kTailZero = TAIL_ZERO && WG_MODE == 4;
-// rows = M, one item per CTA: the V^T fragments' shared-memory addresses from one offset per page
-// (the column build keeps its per-page lane derivation, see kRowsMColumns)
-constexpr bool kVOffsets = V_OFFSETS && WG_MODE == 4 && !COLUMN_ITEMS;
+// alternate pages, one item per CTA: the V^T fragments' shared-memory addresses from one offset per
+// page (the column builds keep their code: rows = M's derives the lane again per page, see
+// kRowsMColumns; WG_MODE 6 builds no fragments)
+constexpr bool kVOffsets = V_OFFSETS && (WG_MODE == 3 || WG_MODE == 4) && !COLUMN_ITEMS;
 constexpr int kGammaEarly = 4;
 constexpr int kRows = 16 * ROW_GROUPS;
 constexpr int kRowsPerWg = kRows / 2;
@@ -414,9 +415,13 @@ __device__ __forceinline__ int v_fragment_offset(int dim, int lane) {
     const int ld_token = 8 * (lane / 8) + (lane % 8);
     return (dim / kBox) * kTileBytes + swz128(ld_token, dim % kBox);
 }
-__device__ __forceinline__ void v_fragment_at(const unsigned char* at, unsigned (&frag)[4]) {
+// m-tile mt (64 dims), k-step ks of `page` from the lane's offset of m-tile 0, k-step 0
+__device__ __forceinline__ void v_fragment_from(const unsigned char* page, int v_off, int mt, int ks,
+                                                unsigned (&frag)[4]) {
+    constexpr int kMTileBytes = 64;  // an m-tile's dims start at byte 0 (even mt) or 64 (odd) of a box
     unsigned r[4];
-    ldmatrix_x4_trans(r, at);
+    ldmatrix_x4_trans(r, page + (mt * kMTileBytes / kBox) * kTileBytes + kFp8KStep * ks * kBox +
+                             (v_off ^ (mt * kMTileBytes % kBox)));
     v_fragment_permute(r, frag);
 }
 // The bytes of V^T fragment registers 2h, 2h + 1 (k-step ks) whose tokens are below `valid`.
@@ -1246,12 +1251,8 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         // XOR 64 for odd mt, plus mt / 2 content tiles, plus 32 token rows per k-step
         const int v_off = kVOffsets ? v_fragment_offset(pv_dim0 + 16 * w, lane) : 0;
         auto v_fragment_of = [&](int mt, int ks, unsigned (&frag)[4]) {
-            constexpr int kMTileByte = 64;  // an m-tile's dims start at byte 64 (odd mt) or 0 of a box
-            if constexpr (kVOffsets)
-                v_fragment_at(page + (mt * kMTileByte / kBox) * kTileBytes + kFp8KStep * ks * kBox +
-                                  (v_off ^ (mt * kMTileByte % kBox)), frag);
-            else
-                v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, v_lane, frag);
+            if constexpr (kVOffsets) v_fragment_from(page, v_off, mt, ks, frag);
+            else v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, v_lane, frag);
             if (masked) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];
@@ -1371,9 +1372,11 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
 #pragma unroll
             for (int h = 0; h < 2; ++h) vmask[ks][h] = !masked ? ~0u : v_token_mask(ks, h, c, valid_of(it));
         float t[2][2][kOAcc];  // [m-tile in turn][page]
+        const int v_off = kVOffsets ? v_fragment_offset(pv_dim0 + 16 * w, lane) : 0;  // (see pv_page)
         // V^T fragment (page k, k-step ks) of m-tile mt, page it's bytes masked
         auto fragment = [&](int mt, int k, int ks, unsigned (&a)[4]) {
-            v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
+            if constexpr (kVOffsets) v_fragment_from(pages[k], v_off, mt, ks, a);
+            else v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
             if (masked && k == 1) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) a[i] &= vmask[ks][i / 2];

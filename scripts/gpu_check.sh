@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -104,6 +104,11 @@ for step in $steps; do
                 --ctx 16384,131072 --rounds 3; } 2>&1 \
               | tee "$OUT/tail.log" | grep -v '^$' ;;
     race)   race_default 503 504 ;;
+    voff)   # V_OFFSETS at 16-32 rows (the alternate pages' paired and single PVs): its GPU tests, then the shipped
+            # build against it off, b 64 (scripts/ab_defines.py)
+            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "v_offsets or whole_page" 2>&1 | tail -3
+              python3 scripts/ab_defines.py --b V_OFFSETS=0 --shapes 16:1,32:1,16:2 --formats fp8 \
+                --ctx 16384,131072 --rounds 3; } 2>&1 | tee "$OUT/voff.log" | grep -v '^$' ;;
     memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB
             # read-only stream (a float32 sum); the details pages land in $OUT
             for shape in "16 1" "32 1"; do set -- $shape

@@ -515,9 +515,10 @@ SWITCH_LAYOUTS = [
     # (modes 4 and 6); the swapped softmax has its own whole-page path
     ("ROWS_M_WHOLE", 0, [(64, {"wg_mode": 4, "row_groups": 4}), (64, {"wg_mode": 6, "row_groups": 4})],
      [(32, {"wg_mode": 3})]),
-    # the V^T fragments' addresses from one offset per page: rows = M, one item per CTA
-    ("V_OFFSETS", 0, [(64, {"wg_mode": 4, "row_groups": 4})],
-     [(64, {"wg_mode": 4, "row_groups": 4, "split": SplitPolicy(balanced=True)}), (32, {"wg_mode": 3})]),
+    # the V^T fragments' addresses from one offset per page: alternate pages, one item per CTA
+    ("V_OFFSETS", 0, [(64, {"wg_mode": 4, "row_groups": 4}), (32, {"wg_mode": 3})],
+     [(64, {"wg_mode": 4, "row_groups": 4, "split": SplitPolicy(balanced=True)}),
+      (16, {"wg_mode": 0, "stages": 2, "min_ctas_per_sm": 2})]),
 ]
 
 

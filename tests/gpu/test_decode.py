@@ -197,6 +197,24 @@ def test_fp8_rows_m_whole_page_paths_keep_every_bit(s_q, h_q, balanced, switch):
     assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
 
 
+@pytest.mark.parametrize("s_q,h_q,kernel", [(1, 16, {}), (1, 32, {}), (2, 16, {"stages": 4, "rope_ring": 0}),
+                                            (1, 24, {}), (1, 16, {"stages": 2, "min_ctas_per_sm": 2})])
+def test_fp8_v_offsets_keep_every_bit(s_q, h_q, kernel):
+    """The alternate-pages PVs (paired and single) with the V^T fragments addressed from one
+    offset per page (V_OFFSETS) read the same bytes: the same output and lse bits at 16-32 rows,
+    with and without the RoPE ring, partial pages, empty and one-token requests, causal."""
+    from snapmla_cli.bench.decode_case import extra_defines
+
+    device = torch.device("cuda")
+    prob = random_problem([9000, 70, 0, 4097, 129, 63, 1, 65], s_q, h_q, causal=True, seed=19)
+    cfg = _config(s_q * h_q, 3, device, wg_mode=3, **kernel)
+    new = _run_fp8(prob, device, cfg)
+    with extra_defines({"V_OFFSETS": 0}):
+        old = _run_fp8(prob, device, cfg)
+    assert new[0].isfinite().all()
+    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
+
+
 @pytest.mark.parametrize("s_q,h_q", [(1, 16), (1, 64), (2, 64), (1, 48)])
 def test_bf16_handover_first_keeps_every_bit(s_q, h_q):
     """The BF16 wgmma kernel's turn that takes the hand-over and issues PV(it - 1) before QK(it)
