@@ -18,7 +18,9 @@
 # step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
 # CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT); `stalls`: Nsight Compute's warp-state
 # sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT);
-# `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream.
+# `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
+# `tail`, `voff`: the rows = M and V^T-offset build switches' GPU tests and A/Bs; `race`: racecheck with
+# each hazard named; `ship64-b1`: re-tune the FP8 b 1 16k entries of 64+ rows.
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
