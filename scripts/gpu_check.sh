@@ -99,7 +99,7 @@ for step in $steps; do
             # a whole page's softmax without per-token tests (ROWS_M_WHOLE) and the V^T fragments addressed from
             # one offset a page (V_OFFSETS): their GPU tests, racecheck on the default
             # paths (`race`), then the shipped build against each switch off at 64-256 rows, b 64 (scripts/ab_defines.py)
-            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "whole_page or rows-m" 2>&1 | tail -3
+            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "TAIL_ZERO or ROWS_M_WHOLE or V_OFFSETS or rows_m_switches or rows-m" 2>&1 | tail -3
               race_default 503 504
               python3 scripts/ab_defines.py --b TAIL_ZERO=0 --b ROWS_M_WHOLE=0 --b V_OFFSETS=0 \
                 --b TAIL_ZERO=0,ROWS_M_WHOLE=0,V_OFFSETS=0 --shapes 64:1,128:1,128:2 --formats fp8 \
@@ -108,7 +108,7 @@ for step in $steps; do
     race)   race_default 503 504 ;;
     voff)   # V_OFFSETS at 16-32 rows (the alternate pages' paired and single PVs): its GPU tests, then the shipped
             # build against it off, b 64 (scripts/ab_defines.py)
-            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "v_offsets or whole_page" 2>&1 | tail -3
+            { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "V_OFFSETS or rows_m_switches" 2>&1 | tail -3
               python3 scripts/ab_defines.py --b V_OFFSETS=0 --shapes 16:1,32:1,16:2 --formats fp8 \
                 --ctx 16384,131072 --rounds 3; } 2>&1 | tee "$OUT/voff.log" | grep -v '^$' ;;
     memory) # Nsight Compute's memory workload (DRAM, L2) of one 16k call at 16 and 32 rows and of a 2 GiB

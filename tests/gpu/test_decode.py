@@ -117,6 +117,8 @@ def test_fp8_decode_matches_emulation_and_float64(seqlens, s_q, h_q, causal, ver
 # benchmarks, not DecodeConfig fields): define -> (the value other than the kernel's default: the
 # code it replaced, or the one on trial; [(s_q, h_q, configuration)])
 ALT_1CTA = {"wg_mode": 3, "min_ctas_per_sm": 1}
+ROWS_M = {"wg_mode": 4, "row_groups": 4}
+ROWS_M_SWITCH_CASES = [(1, 64, ROWS_M), (2, 64, ROWS_M), (1, 40, ROWS_M)]
 EXACT_SWITCH_CASES = {
     # a turn's two PVs as one pair (alternate pages, up to 32 rows, one CTA per SM)
     "PV_PAIRS": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
@@ -135,6 +137,15 @@ EXACT_SWITCH_CASES = {
     # the paired PVs' V^T fragments built two m-tiles ahead
     "PV_FRAG_AHEAD": (0, [(2, 16, {**ALT_1CTA, "stages": 4}), (1, 24, {**ALT_1CTA, "stages": 4}),
                           (1, 16, {**ALT_1CTA, "stages": 4})]),
+    # rows = M: a partial page's tail zeroed in shared memory instead of PV's byte masks
+    "TAIL_ZERO": (0, ROWS_M_SWITCH_CASES),
+    # rows = M: a whole page's scale loads and exponentials without per-token tests
+    "ROWS_M_WHOLE": (0, ROWS_M_SWITCH_CASES),
+    # the V^T fragments addressed from one offset per page (alternate pages' single and paired
+    # PVs, with and without the RoPE ring, one and two CTAs per SM)
+    "V_OFFSETS": (0, [*ROWS_M_SWITCH_CASES, (1, 16, {**ALT_1CTA, "stages": 4}), (1, 32, {"wg_mode": 3}),
+                      (2, 16, {**ALT_1CTA, "stages": 4, "rope_ring": 0}), (1, 24, {"wg_mode": 3}),
+                      (1, 16, {"wg_mode": 3, "stages": 2, "min_ctas_per_sm": 2})]),
 }
 EXACT_SWITCHES = [(define, old, s_q, h_q, kernel)
                   for define, (old, cases) in EXACT_SWITCH_CASES.items() for s_q, h_q, kernel in cases]
@@ -173,43 +184,18 @@ def test_fp8_rope_ring_keeps_every_bit(s_q, h_q, rope_ring, stages):
 
 
 @pytest.mark.parametrize("switch", ["TAIL_ZERO", "ROWS_M_WHOLE", "V_OFFSETS"])
-@pytest.mark.parametrize("s_q,h_q,balanced", [(1, 64, False), (2, 64, False), (2, 64, True), (1, 40, False)])
-def test_fp8_rows_m_whole_page_paths_keep_every_bit(s_q, h_q, balanced, switch):
-    """Rows = M with a partial page's tail zeroed in shared memory (TAIL_ZERO, no byte masks in
-    PV), a whole page's softmax without per-token tests (ROWS_M_WHOLE) and the V^T fragments
-    addressed from one offset per page (V_OFFSETS) computes what the masked, tested code does: the same output and lse bits, NaN-poisoned unused cache rows,
-    empty, one-token and 63/65-token requests, the causal mask and balanced columns included."""
+def test_fp8_rows_m_switches_keep_every_bit_in_balanced_columns(switch):
+    """The rows = M switches of EXACT_SWITCH_CASES in the column build (balanced columns: several
+    requests' pieces per CTA, NaN-poisoned unused cache rows, empty and one-token requests)."""
     from snapmla_cli.bench.decode_case import extra_defines
+    from snapmla_cli.ops.decode_config import runs_columns
 
     device = torch.device("cuda")
-    prob = random_problem(COLUMN_LENS if balanced else [9000, 70, 0, 4097, 129, 63, 1, 65], s_q, h_q,
-                          causal=True, seed=17)
-    cfg = _config(s_q * h_q, 3, device, wg_mode=4, row_groups=4)
-    if balanced:
-        from snapmla_cli.ops.decode_config import runs_columns
-
-        cfg = _balanced(cfg)
-        assert runs_columns(cfg, True)
+    prob = random_problem(COLUMN_LENS, 2, 64, causal=True, seed=17)
+    cfg = _balanced(_config(128, 3, device, **ROWS_M))
+    assert runs_columns(cfg, True)
     new = _run_fp8(prob, device, cfg)
     with extra_defines({switch: 0}):
-        old = _run_fp8(prob, device, cfg)
-    assert new[0].isfinite().all()
-    assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
-
-
-@pytest.mark.parametrize("s_q,h_q,kernel", [(1, 16, {}), (1, 32, {}), (2, 16, {"stages": 4, "rope_ring": 0}),
-                                            (1, 24, {}), (1, 16, {"stages": 2, "min_ctas_per_sm": 2})])
-def test_fp8_v_offsets_keep_every_bit(s_q, h_q, kernel):
-    """The alternate-pages PVs (paired and single) with the V^T fragments addressed from one
-    offset per page (V_OFFSETS) read the same bytes: the same output and lse bits at 16-32 rows,
-    with and without the RoPE ring, partial pages, empty and one-token requests, causal."""
-    from snapmla_cli.bench.decode_case import extra_defines
-
-    device = torch.device("cuda")
-    prob = random_problem([9000, 70, 0, 4097, 129, 63, 1, 65], s_q, h_q, causal=True, seed=19)
-    cfg = _config(s_q * h_q, 3, device, wg_mode=3, **kernel)
-    new = _run_fp8(prob, device, cfg)
-    with extra_defines({"V_OFFSETS": 0}):
         old = _run_fp8(prob, device, cfg)
     assert new[0].isfinite().all()
     assert torch.equal(new[0], old[0]) and torch.equal(new[1], old[1])
