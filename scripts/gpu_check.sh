@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64|ship64-rest|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -20,7 +20,8 @@
 # sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT);
 # `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
 # `tail`, `voff`: the rows = M and V^T-offset build switches' GPU tests and A/Bs; `race`: racecheck with
-# each hazard named; `ship64`, `ship64-b1`: re-tune the FP8 b 64 entries / b 1 16k entries of 64+ rows.
+# each hazard named; `ship64`, `ship64-rest`, `ship64-b1`: re-tune the FP8 entries of 64+ rows at b 64 / the other
+# batches / b 1 16k.
 # Full logs land in $OUT; a short summary prints last.
 set -uo pipefail
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -80,6 +81,12 @@ for step in $steps; do
             # stored ones
             tune_db tune_ship64 20 --heads 64,128 --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force
             tune_db tune_ship64_h32 8 --heads 32 --mtp 2 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force ;;
+    ship64-rest) # the other FP8 entries of 64+ rows (b 1, 4, 8, 16 at 16k / 128k, b 128 at 32k / 128k), replacing the
+            # stored ones (after a rows = M kernel change)
+            tune_db tune_ship64_small 44 --heads 64,128 --mtp 1,2 --batch 1,4,8,16 --ctx 16k,128k --format fp8 --budget 4s --force
+            tune_db tune_ship64_small_h32 12 --heads 32 --mtp 2 --batch 1,4,8,16 --ctx 16k,128k --format fp8 --budget 4s --force
+            tune_db tune_ship64_b128 14 --heads 32,64,128 --mtp 2 --batch 128 --ctx 32k,128k --format fp8 --budget 4s --force
+            tune_db tune_ship64_b128_s1 10 --heads 64,128 --mtp 1 --batch 128 --ctx 32k,128k --format fp8 --budget 4s --force ;;
     ship64-b1) # re-tune the FP8 b 1 16k entries of 64+ rows (after a rows = M kernel change: four of them held
             # alternate pages, WG_MODE 3), replacing the stored ones
             tune_db tune_ship64_b1 14 --heads 64,128 --mtp 1,2 --batch 1 --ctx 16k --format fp8 --budget 6s --force
