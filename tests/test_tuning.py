@@ -328,6 +328,33 @@ def test_an_entry_timed_against_another_default_is_not_current_and_gives_way(iso
     assert o.action == "kept_old"
 
 
+def test_merge_notes_name_a_faster_entry_kept_or_forced_out(isolated_db):
+    """The tune log says when the database kept a faster stored entry, and when --force put a
+    clearly slower one in its place (a small --budget that timed fewer candidates); a forced
+    replacement within the timing spread, or of an entry timed against another default, is
+    not worth a note."""
+    from snapmla_cli.cli.tune import FORCED_SLOWER_MARGIN, merge_note
+
+    user, _ = isolated_db
+    _, [o] = save_entries(user, GPU, [entry(t=100.0)])
+    assert merge_note(o, entry(t=100.0)) is None  # added
+    slower = entry(t=110.0)
+    _, [o] = save_entries(user, GPU, [slower])
+    assert o.action == "kept_old" and "kept the stored entry (100.0 us)" in merge_note(o, slower)
+    _, [o] = save_entries(user, GPU, [slower], force=True)
+    note = merge_note(o, slower)
+    assert o.action == "replaced" and note is not None
+    assert "--force replaced a faster stored entry (100.0 us, 7 candidates, 2026-12-01)" in note
+    assert "110.0 us" in note
+    within = entry(t=110.0 * (1 + FORCED_SLOWER_MARGIN / 2))
+    _, [o] = save_entries(user, GPU, [within], force=True)
+    assert o.action == "replaced" and merge_note(o, within) is None
+    stale = replace(entry(t=50.0), default_config=alt_config())  # timed against another default
+    save_entries(user, GPU, [stale], force=True)
+    _, [o] = save_entries(user, GPU, [entry(t=100.0)], force=True)
+    assert o.action == "replaced" and merge_note(o, entry(t=100.0)) is None
+
+
 def test_db_round_trip(isolated_db):
     user, _ = isolated_db
     entries = [entry(), entry(context=(65536, 65536), t=250.5, cfg=alt_config()),

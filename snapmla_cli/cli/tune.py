@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -16,6 +16,9 @@ from rich.table import Table
 from ..errors import SnapmlaError
 from ..sizes import format_size
 from .common import console, progress
+
+if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays quick)
+    from ..tuning.db import Entry, MergeOutcome
 
 HELP_BUDGET = ("Per bucket: seconds of tuning ('120s', '2m') or a number of candidates besides "
                "the default ('40').")
@@ -197,9 +200,10 @@ def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) 
             bar.update(task, completed=offset)
             if result.entry is not None:
                 _, outcomes = save_entries(folder, gpu, [result.entry], force)
+                note = merge_note(outcomes[0], result.entry)
+                if note:
+                    result.notes.append(note)
                 if outcomes[0].action == "kept_old":
-                    result.notes.append(f"kept the stored entry ({outcomes[0].previous.time_us:.1f}"
-                                        " us), faster than this run's; --force to replace it")
                     result.entry = outcomes[0].previous
             partial.finish(space.bucket.id)
             results.append(result)
@@ -209,6 +213,27 @@ def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) 
     order = {b: i for i, b in enumerate(buckets)}
     results.sort(key=lambda r: order[r.bucket])
     _render(out, results, gpu, folder, time.monotonic() - t0)
+
+
+# A stored entry faster than this by more than the run-to-run spread of a timing is worth a note
+# when --force replaces it (the same configuration re-timed differs by about 1-2%).
+FORCED_SLOWER_MARGIN = 0.02
+
+
+def merge_note(outcome: MergeOutcome, new: Entry) -> str | None:
+    """What the database merge did that the user should hear about: the stored entry kept
+    because it was faster, or (--force) a clearly faster stored entry replaced by this run's,
+    which happens when a small --budget times fewer candidates than the run that stored it
+    (docs/PERF.md, twenty-eighth session: b 1 16k, 25.2 us stored over 22.2)."""
+    old = outcome.previous
+    if old is None:
+        return None
+    if outcome.action == "kept_old":
+        return f"kept the stored entry ({old.time_us:.1f} us), faster than this run's; --force to replace it"
+    if old.time_us * (1 + FORCED_SLOWER_MARGIN) < new.time_us and old.default_config == new.default_config:
+        return (f"--force replaced a faster stored entry ({old.time_us:.1f} us, {old.candidates} candidates, "
+                f"{old.date}) with this run's {new.time_us:.1f} us ({new.candidates} candidates)")
+    return None
 
 
 def _line(r) -> str:
