@@ -424,6 +424,16 @@ __device__ __forceinline__ void v_fragment_from(const unsigned char* page, int v
                              (v_off ^ (mt * kMTileBytes % kBox)));
     v_fragment_permute(r, frag);
 }
+// V_OFFSETS' lane offset of a PV's page for this warp's dims from `dim0` (the PV's first dim + 16 w);
+// 0 (unused) without it
+__device__ __forceinline__ int page_v_offset(int dim0, int lane) { return kVOffsets ? v_fragment_offset(dim0, lane) : 0; }
+// The V^T fragment of m-tile mt, k-step ks for this warp's dims from `dim0`: from the page's lane
+// offset `v_off` (kVOffsets), else with the swizzled address derived for lane `lane`
+__device__ __forceinline__ void v_fragment_at(const unsigned char* page, int v_off, int dim0, int mt, int ks, int lane,
+                                              unsigned (&frag)[4]) {
+    if constexpr (kVOffsets) v_fragment_from(page, v_off, mt, ks, frag);
+    else v_fragment(page, dim0 + mt * 64, ks, lane, frag);
+}
 // The bytes of V^T fragment registers 2h, 2h + 1 (k-step ks) whose tokens are below `valid`.
 __device__ __forceinline__ unsigned v_token_mask(int ks, int h, int c, int valid) {
     const int left = valid - (kFp8KStep * ks + 16 * h + 2 * c);  // tokens from the first one on
@@ -1249,10 +1259,9 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
         const int v_lane = kRowsMColumns ? lane + loop_zero() : lane;
         // (kVOffsets) this thread's ldmatrix offset in m-tile 0 at k-step 0; m-tile mt's is it
         // XOR 64 for odd mt, plus mt / 2 content tiles, plus 32 token rows per k-step
-        const int v_off = kVOffsets ? v_fragment_offset(pv_dim0 + 16 * w, lane) : 0;
+        const int v_off = page_v_offset(pv_dim0 + 16 * w, lane);
         auto v_fragment_of = [&](int mt, int ks, unsigned (&frag)[4]) {
-            if constexpr (kVOffsets) v_fragment_from(page, v_off, mt, ks, frag);
-            else v_fragment(page, pv_dim0 + mt * 64 + 16 * w, ks, v_lane, frag);
+            v_fragment_at(page, v_off, pv_dim0 + 16 * w, mt, ks, v_lane, frag);
             if (masked) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) frag[i] &= vmask[ks][i / 2];
@@ -1372,11 +1381,10 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
 #pragma unroll
             for (int h = 0; h < 2; ++h) vmask[ks][h] = !masked ? ~0u : v_token_mask(ks, h, c, valid_of(it));
         float t[2][2][kOAcc];  // [m-tile in turn][page]
-        const int v_off = kVOffsets ? v_fragment_offset(pv_dim0 + 16 * w, lane) : 0;  // (see pv_page)
+        const int v_off = page_v_offset(pv_dim0 + 16 * w, lane);  // (see pv_page)
         // V^T fragment (page k, k-step ks) of m-tile mt, page it's bytes masked
         auto fragment = [&](int mt, int k, int ks, unsigned (&a)[4]) {
-            if constexpr (kVOffsets) v_fragment_from(pages[k], v_off, mt, ks, a);
-            else v_fragment(pages[k], pv_dim0 + mt * 64 + 16 * w, ks, lane, a);
+            v_fragment_at(pages[k], v_off, pv_dim0 + 16 * w, mt, ks, lane, a);
             if (masked && k == 1) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) a[i] &= vmask[ks][i / 2];

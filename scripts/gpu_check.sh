@@ -86,8 +86,8 @@ for step in $steps; do
             # alternate-pages tiles that 4 s did not)
             tune_db tune_ship64_small 40 --heads 64,128 --mtp 1,2 --batch 4,8,16 --ctx 16k,128k --format fp8 --budget 4s --force
             tune_db tune_ship64_small_h32 10 --heads 32 --mtp 2 --batch 4,8,16 --ctx 16k,128k --format fp8 --budget 4s --force
-            tune_db tune_ship64_b1 12 --heads 32,64,128 --mtp 2 --batch 1 --ctx 128k --format fp8 --budget 4s --force
-            tune_db tune_ship64_b1_s1 8 --heads 64,128 --mtp 1 --batch 1 --ctx 128k --format fp8 --budget 4s --force
+            tune_db tune_ship64_b1_128k 12 --heads 32,64,128 --mtp 2 --batch 1 --ctx 128k --format fp8 --budget 4s --force
+            tune_db tune_ship64_b1_128k_s1 8 --heads 64,128 --mtp 1 --batch 1 --ctx 128k --format fp8 --budget 4s --force
             tune_db tune_ship64_b128 14 --heads 32,64,128 --mtp 2 --batch 128 --ctx 32k,128k --format fp8 --budget 4s --force
             tune_db tune_ship64_b128_s1 10 --heads 64,128 --mtp 1 --batch 128 --ctx 32k,128k --format fp8 --budget 4s --force ;;
     ship64-b1) # re-tune the FP8 b 1 16k entries of 64+ rows (after a rows = M kernel change: four of them held
