@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64|ship64-rest|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
-# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64|ship64-rest|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
 # the shipped 1, 8 and 64; `ship16-small`: the same for BF16; `ship16-hN`:
@@ -19,6 +19,7 @@
 # CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT); `stalls`: Nsight Compute's warp-state
 # sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT);
 # `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
+# `clocks`: the SM clock of the 64-row tiles at burst clocks (phase traces of h64 s1, h128 s1 / s2, 128k);
 # `tail`, `voff`: the rows = M and V^T-offset build switches' GPU tests and A/Bs; `race`: racecheck with
 # each hazard named; `ship64`, `ship64-rest`, `ship64-b1`: re-tune the FP8 entries of 64+ rows at b 64 / the other
 # batches / b 1 16k.
@@ -120,6 +121,12 @@ for step in $steps; do
                 --ctx 16384,131072 --rounds 3; } 2>&1 \
               | tee "$OUT/tail.log" | grep -v '^$' ;;
     race)   race_default 503 504 ;;
+    clocks) # the SM clock at burst clocks of a 64-row tile that streams every page from HBM (h64 s1) against
+            # tiles that share their pages through L2 (h128 s1 / s2), 128k: the phase trace after the
+            # benchmarks' idle pause and warm-up (the 8% of docs/DESIGN.md, twenty-ninth session)
+            for shape in "64 1" "128 1" "128 2"; do set -- $shape
+              echo "-- h$1 s$2"; python3 scripts/trace_decode.py --heads "$1" --mtp "$2" --ctx 131072 --clocks burst | tail -2
+            done 2>&1 | tee "$OUT/clocks.log" ;;
     voff)   # V_OFFSETS at 16-32 rows (the alternate pages' paired and single PVs): its GPU tests, then the shipped
             # build against it off, b 64 (scripts/ab_defines.py)
             { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "V_OFFSETS or rows_m_switches" 2>&1 | tail -3

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -24,18 +26,19 @@ def add_shape_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--config", help="FP8 kernel configuration (config_from_spec format) instead of the default path")
 
 
-def run_decode(args: argparse.Namespace, bf16: bool = False) -> None:
-    """Two decode calls on the shape of ``args`` (the first compiles and warms up)."""
+def run_decode(args: argparse.Namespace, bf16: bool = False) -> Callable[[], object]:
+    """Two decode calls on the shape of ``args`` (the first compiles and warms up); returns the
+    call, so that a caller can run it again (trace_decode.py's burst clocks)."""
     device = torch.device("cuda")
     layout = random_paged_layout([args.ctx] * args.batch, generator=torch.Generator().manual_seed(0), spare_blocks=0)
     table, lens = layout.block_table.to(device), layout.cache_seqlens.to(device)
     q = (torch.randn(args.batch, args.mtp, args.heads, D_QK, device=device) * 0.5).to(torch.bfloat16)
     kv = torch.randn(layout.num_blocks * 64, D_QK, device=device).to(torch.bfloat16)
     rows = args.mtp * args.heads
+    step: Callable[[], object]
     if bf16:
         meta, splits = get_mla_metadata(lens, rows, 1, fp8=False)
-        for _ in range(2):
-            decode_bf16(q, kv.view(-1, 64, 1, D_QK), table, lens, meta, splits, None, True)
+        step = partial(decode_bf16, q, kv.view(-1, 64, 1, D_QK), table, lens, meta, splits, None, True)
     else:
         cache = torch.empty(layout.num_blocks, 64, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
         append_kv(kv, torch.arange(kv.shape[0], device=device, dtype=torch.int32), cache)
@@ -43,10 +46,11 @@ def run_decode(args: argparse.Namespace, bf16: bool = False) -> None:
         if args.config:
             cfg = config_from_spec(args.config).with_sms(torch.cuda.get_device_properties(device).multi_processor_count)
         meta, splits = get_mla_metadata(lens, rows, 1, fp8=True, config=cfg)
-        qq = quantize_q(q)
-        for _ in range(2):
-            decode_fp8(qq, cache, table, lens, meta, splits, None, True, config=cfg)
+        step = partial(decode_fp8, quantize_q(q), cache, table, lens, meta, splits, None, True, config=cfg)
+    for _ in range(2):
+        step()
     torch.cuda.synchronize()
+    return step
 
 
 def main() -> None:
