@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -31,7 +30,7 @@ from ab_defines import parse_defines  # this folder is sys.path[0]
 from profile_decode import add_shape_args, run_decode
 
 from snapmla_cli.bench.decode_case import extra_defines
-from snapmla_cli.bench.timing import BURST, warm_up
+from snapmla_cli.bench.timing import BURST, settle
 from snapmla_cli.runtime import launch
 
 TRACE_SYMBOL = "snapmla_phase_trace"
@@ -81,8 +80,7 @@ def main() -> None:
         if args.clocks == "burst":
             import torch
 
-            time.sleep(BURST.cooldown_s)
-            warm_up(step, 1, BURST.warmup_s)
+            settle(step, 1, BURST)
             step()
             torch.cuda.synchronize()
     trace = read_global(TRACE_SYMBOL, (2, TURNS, POINTS))  # [warpgroup, turn, point] cycles

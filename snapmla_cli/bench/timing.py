@@ -58,15 +58,23 @@ def warm_up(fn: Callable[[], object], calls: int, seconds: float) -> float | Non
     return spent / done if done else None
 
 
-def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
-              clocks: Clocks | None = None) -> float:
-    """Median seconds per call; ``clocks`` None: ``warmup`` calls only, no idle (the tuner's
-    single cut-off replay; its real timings pass ``tuning.measure.TUNE_CLOCKS``)."""
+def settle(fn: Callable[[], object], warmup: int, clocks: Clocks | None) -> float | None:
+    """Bring the GPU to the clock state ``clocks`` describes before the calls that count: its
+    idle pause, then at least ``warmup`` calls and its warm-up time of ``fn`` (``clocks`` None:
+    the calls only). The mean seconds per warm-up call (None when nothing ran)."""
     if clocks is not None and clocks.cooldown_s > 0:
         torch.cuda.synchronize()
         time.sleep(clocks.cooldown_s)
     per_call = warm_up(fn, warmup, clocks.warmup_s if clocks is not None else 0.0)
     torch.cuda.synchronize()
+    return per_call
+
+
+def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
+              clocks: Clocks | None = None) -> float:
+    """Median seconds per call; ``clocks`` None: ``warmup`` calls only, no idle (the tuner's
+    single cut-off replay; its real timings pass ``tuning.measure.TUNE_CLOCKS``)."""
+    per_call = settle(fn, warmup, clocks)
     per_round = max(1, reps // rounds)
     if clocks is not None and clocks.measure_s is not None and per_call:
         per_round = max(1, min(per_round, int(clocks.measure_s / rounds / per_call)))
