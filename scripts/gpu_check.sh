@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship64|ship64-rest|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -9,7 +9,8 @@
 # 33-36 s each on a warm machine; `ship16-retune`: re-tune the BF16 entries of h_q 64 / 128 that
 # were timed against another default (--resume skips the current ones); `ship16`:
 # add the BF16 entries of the same buckets; `ship32`: re-tune the FP8 b 64 entries of 16 and 32 rows (h16 s1 / s2,
-# h32 s1) after a change of those kernels, replacing the stored ones; the new file lands in $OUT).
+# h32 s1) after a change of those kernels, replacing the stored ones; `ship32-rest`: the same at the other batches;
+# the new file lands in $OUT).
 # `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
 # `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `ab-pipe`: the QK_DEPTH and
 # PV_FRAG_AHEAD switches against the build before them at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
@@ -19,7 +20,8 @@
 # CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT); `stalls`: Nsight Compute's warp-state
 # sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT);
 # `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
-# `clocks`: the SM clock of the 64-row tiles at burst clocks (phase traces of h64 s1, h128 s1 / s2, 128k);
+# `clocks`: the SM clock of the 64-row tiles at burst clocks (phase traces of h64 s1, h128 s1 / s2, 128k;
+# then NVML's clock, power and clock-event reasons during 3 s of replays, scripts/clock_reasons.py);
 # `tail`, `voff`: the rows = M and V^T-offset build switches' GPU tests and A/Bs; `race`: racecheck with
 # each hazard named; `ship64`, `ship64-rest`, `ship64-b1`: re-tune the FP8 entries of 64+ rows at b 64 / the other
 # batches / b 1 16k.
@@ -78,6 +80,12 @@ for step in $steps; do
               --budget 8s --force ;;
     ship32) tune_db tune_ship32_h16 16 --heads 16 --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force
             tune_db tune_ship32_h32 10 --heads 32 --mtp 1 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force ;;
+    ship32-rest) # the FP8 entries of 16-32 rows outside b 64 (b 1, 4, 8, 16 at 16k / 128k, b 128 at 32k / 128k),
+            # replacing the stored ones, which were timed on the kernels before the paired PVs, the RoPE ring and V_OFFSETS
+            tune_db tune_ship32_small_h16 34 --heads 16 --mtp 1,2 --batch 1,4,8,16 --ctx 16k,128k --format fp8 --budget 4s --force
+            tune_db tune_ship32_small_h32 18 --heads 32 --mtp 1 --batch 1,4,8,16 --ctx 16k,128k --format fp8 --budget 4s --force
+            tune_db tune_ship32_b128 14 --heads 16 --mtp 1,2 --batch 128 --ctx 32k,128k --format fp8 --budget 4s --force
+            tune_db tune_ship32_b128_h32 10 --heads 32 --mtp 1 --batch 128 --ctx 32k,128k --format fp8 --budget 4s --force ;;
     ship64) # re-tune the FP8 b 64 entries of 64+ rows (h32 s2, h64, h128) after a rows = M kernel change, replacing the
             # stored ones
             tune_db tune_ship64 20 --heads 64,128 --mtp 1,2 --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 6s --force
@@ -126,7 +134,9 @@ for step in $steps; do
             # benchmarks' idle pause and warm-up (the 8% of docs/DESIGN.md, twenty-ninth session)
             for shape in "64 1" "128 1" "128 2"; do set -- $shape
               echo "-- h$1 s$2"; python3 scripts/trace_decode.py --heads "$1" --mtp "$2" --ctx 131072 --clocks burst | tail -2
-            done 2>&1 | tee "$OUT/clocks.log" ;;
+            done 2>&1 | tee "$OUT/clocks.log"
+            # NVML's SM clock, power and clock-event reasons while each shape replays for 3 s
+            python3 scripts/clock_reasons.py 2>&1 | tee "$OUT/clock_reasons.log" ;;
     voff)   # V_OFFSETS at 16-32 rows (the alternate pages' paired and single PVs): its GPU tests, then the shipped
             # build against it off, b 64 (scripts/ab_defines.py)
             { python3 -m pytest -q -m gpu tests/gpu/test_decode.py -k "V_OFFSETS or rows_m_switches" 2>&1 | tail -3
