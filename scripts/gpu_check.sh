@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|ab-pipe|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|ab32-rest|ab-pipe|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -12,7 +12,7 @@
 # h32 s1) after a change of those kernels, replacing the stored ones; `ship32-rest`: the same at the other batches;
 # the new file lands in $OUT).
 # `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
-# `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `ab-pipe`: the QK_DEPTH and
+# `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `ab32-rest`: ship32-rest's buckets; `ab-pipe`: the QK_DEPTH and
 # PV_FRAG_AHEAD switches against the build before them at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
 # decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
@@ -107,6 +107,13 @@ for step in $steps; do
               | tee "$OUT/ab_tuning.log" | grep -v '^$' ;;
     ab-small) for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
               2>&1 | tee "$OUT/ab_tuning_small.log" | grep -v '^$' ;;
+    ab32-rest) # ship32-rest's entries against the heuristic (the buckets whose entry differs from it)
+            { for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --heads 16,32 --mtp 1 --batch "$b" \
+                --ctx 16384,131072 --rounds 3; python3 scripts/ab_tuning.py --format fp8 --heads 16 --mtp 2 --batch "$b" \
+                --ctx 16384,131072 --rounds 3; done
+              python3 scripts/ab_tuning.py --format fp8 --heads 16,32 --mtp 1 --batch 128 --ctx 32768,131072 --rounds 3
+              python3 scripts/ab_tuning.py --format fp8 --heads 16 --mtp 2 --batch 128 --ctx 32768,131072 --rounds 3
+            } 2>&1 | tee "$OUT/ab_tuning_32_rest.log" | grep -v '^$' ;;
     ab-pipe) { python3 scripts/ab_defines.py --a QK_DEPTH=2,PV_FRAG_AHEAD=0 --b QK_DEPTH=3,PV_FRAG_AHEAD=0 \
                   --b QK_DEPTH=2,PV_FRAG_AHEAD=1 --b QK_DEPTH=3,PV_FRAG_AHEAD=1 \
                   --formats fp8 --shapes 16:1,32:1,16:2 --ctx 16384,65536 --rounds 3
