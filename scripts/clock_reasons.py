@@ -3,11 +3,13 @@ sampled while a shape's CUDA graph replays without pause, next to the replays' o
 
 The 64-row tiles that stream every page from HBM (h64 s1) take about 8% longer a page than the
 same tiles sharing their pages through L2 (h128 s1 / s2) in about the same cycles a turn
-(docs/DESIGN.md, twenty-ninth session): the question is whether the power cap (reason 0x4) sets
-the difference. Each shape idles ``--idle`` seconds, then replays for ``--seconds``; a thread
-samples NVML every ``--period`` seconds. Per time window from the first replay: the replays'
-mean time (CUDA events), the median SM clock and power, and the share of samples with each
-clock-event reason set.
+(docs/DESIGN.md, twenty-ninth session): the question was whether the power cap (reason 0x4) sets
+the difference (it does under sustained load: docs/PERF.md, thirty-first session). Each shape
+idles ``--idle`` seconds, then replays for ``--seconds`` (after two untimed replays that size
+the run); a thread samples NVML every ``--period`` seconds. Per time window from the first
+timed replay: the replays' mean time (CUDA events), the median SM clock and power, and the share
+of samples with each clock-event reason set. NVML's power and clock readings trail the work by
+about 100-300 ms; the reason bits are the part to read in the first windows.
 
     python3 scripts/clock_reasons.py --shapes 64:1:131072:fp8,128:1:131072:fp8
 """
@@ -45,6 +47,20 @@ def _event_reasons(handle: object) -> int:
     query = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) \
         or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons
     return int(query(handle))
+
+
+def nvml_handle(device: torch.device) -> object:
+    """NVML's handle of the GPU torch calls ``device``, found by PCI address (NVML counts every
+    GPU of the host, torch only those CUDA_VISIBLE_DEVICES lets it see), else by index."""
+    props = torch.cuda.get_device_properties(device)
+    bus = getattr(props, "pci_bus_id", None)
+    if bus is not None:
+        address = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
+        try:
+            return pynvml.nvmlDeviceGetHandleByPciBusId(address)
+        except pynvml.NVMLError:
+            pass
+    return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 
 
 def sample_nvml(handle: object, period_s: float, stop: threading.Event, out: list[Sample]) -> None:
@@ -109,11 +125,11 @@ def main() -> None:
     ap.add_argument("--period", type=float, default=0.002, help="seconds between NVML samples")
     args = ap.parse_args()
     pynvml.nvmlInit()
-    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device())
+    handle = nvml_handle(device)
     limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1e3
     print(f"{pynvml.nvmlDeviceGetName(handle)}: enforced power limit {limit_w:.0f} W, max SM clock "
           f"{pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM)} MHz", flush=True)
-    device = torch.device("cuda")
     for spec in args.shapes.split(","):
         h, s, ctx, fmt = spec.split(":")
         case = DecodeCase.build([int(ctx)] * args.batch, int(s), int(h), device)
