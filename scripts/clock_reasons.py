@@ -27,6 +27,7 @@ import torch
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import capture_graph
+from snapmla_cli.runtime.gpu_facts import nvml_uuid
 
 SHAPES = "64:1:131072:fp8,128:1:131072:fp8,128:2:131072:fp8,16:1:131072:fp8,64:1:131072:bf16"
 WINDOWS_MS = ((0, 25), (25, 100), (100, 300), (300, 1000), (1000, 3000))
@@ -50,16 +51,11 @@ def _event_reasons(handle: object) -> int:
 
 
 def nvml_handle(device: torch.device) -> object:
-    """NVML's handle of the GPU torch calls ``device``, found by PCI address (NVML counts every
-    GPU of the host, torch only those CUDA_VISIBLE_DEVICES lets it see), else by index."""
-    props = torch.cuda.get_device_properties(device)
-    bus = getattr(props, "pci_bus_id", None)
-    if bus is not None:
-        address = f"{getattr(props, 'pci_domain_id', 0):08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
-        try:
-            return pynvml.nvmlDeviceGetHandleByPciBusId(address)
-        except pynvml.NVMLError:
-            pass
+    """NVML's handle of the GPU torch calls ``device``, matched by UUID as the tuning lookup
+    matches it (NVML counts every GPU of the host, torch only the visible ones), else by index."""
+    uuid = nvml_uuid(torch.cuda.get_device_properties(device))
+    if uuid is not None:
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid)
     return pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
 
 

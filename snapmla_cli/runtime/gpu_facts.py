@@ -43,6 +43,14 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def nvml_uuid(props: object) -> str | None:
+    """NVML's UUID (``GPU-...``) of the GPU whose torch device properties are ``props``, or None
+    when this torch does not report one: how torch's devices (those CUDA_VISIBLE_DEVICES lets it
+    see, renumbered) are matched with NVML's (every GPU of the host)."""
+    uuid = getattr(props, "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else None
+
+
 def _sm_counts() -> dict[str, int]:
     """SM count per GPU UUID (``GPU-...``), from torch when it can use CUDA."""
     try:
@@ -53,9 +61,7 @@ def _sm_counts() -> dict[str, int]:
         counts = {}
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            uuid = getattr(props, "uuid", None)
-            key = f"GPU-{uuid}" if uuid is not None else f"index-{i}"
-            counts[key] = props.multi_processor_count
+            counts[nvml_uuid(props) or f"index-{i}"] = props.multi_processor_count
         return counts
     except Exception:  # noqa: BLE001 - a broken CUDA setup only means "n/a" here
         return {}

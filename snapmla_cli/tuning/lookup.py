@@ -149,15 +149,15 @@ def device_gpu_key(index: int) -> GpuKey:
 
     props = torch.cuda.get_device_properties(index)
     name, driver = str(props.name), None
-    uuid = getattr(props, "uuid", None)
-    from ..runtime.gpu_facts import list_gpus
+    from ..runtime.gpu_facts import list_gpus, nvml_uuid
 
+    uuid = nvml_uuid(props)
     try:
         listing = list_gpus().gpus
     except Exception:  # noqa: BLE001 - NVML trouble only loses the driver preference
         listing = []
     for facts in listing:
-        if uuid is not None and facts.uuid == f"GPU-{uuid}":
+        if uuid is not None and facts.uuid == uuid:
             name, driver = facts.name, facts.cuda_driver_major
             break
     if driver is None:
