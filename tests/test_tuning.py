@@ -151,6 +151,26 @@ def test_search_space_pruned_by_shared_memory(fmt, rows):
     assert all(config_problem(c, fmt) is None for c in space.candidates[1:])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_pruned_variants_count_by_rule(fmt):
+    """`tune --dry-run` counts the pruned variants by the rule they break: one wording per rule
+    (with its limit, not the variant's numbers), while each problem's text keeps the variant's
+    own numbers for a single configuration's error message."""
+    _, pruned = kernel_variants(128, fmt)
+    rules = {why.rule for _, why in pruned}
+    assert 1 < len(rules) <= 7, rules
+    per_cta = f"shared memory > {dc.MAX_SMEM_PER_CTA} B per CTA"
+    assert per_cta in rules
+    over = [(cfg, why) for cfg, why in pruned if why.rule == per_cta]
+    assert len(over) > 1 and len({str(why) for _, why in over}) > 1
+    for cfg, why in over:
+        assert str(why) == f"shared memory {smem_bytes(cfg, fmt)} B > {dc.MAX_SMEM_PER_CTA} B per CTA"
+    per_sm = [(cfg, why) for cfg, why in pruned if str(SMEM_PER_SM) in why.rule]
+    assert per_sm and {why.rule for _, why in per_sm} == {
+        f"CTAs x (shared memory + {SMEM_RESERVED_PER_CTA} B) > {SMEM_PER_SM} B per SM"}
+    assert all(str(why).startswith(f"{cfg.min_ctas_per_sm} CTAs x {smem_bytes(cfg, fmt)} B") for cfg, why in per_sm)
+
+
 def test_kernel_versions_and_wgmma_switches():
     """The FP8 space covers both kernel versions, the wgmma kernel always with float32
     promotion (unpromoted fails verify); the switches exist only on the wgmma kernel, appear in

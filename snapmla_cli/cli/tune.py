@@ -3,7 +3,6 @@ the winners in the tuning database (SPEC section 9; docs/DESIGN.md, "Tuning").""
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
 from dataclasses import replace
@@ -126,7 +125,7 @@ def _dry_run(buckets, limit, folder: Path) -> None:
                           str(k.min_ctas_per_sm), str(smem_bytes(k, b.format)),
                           str(len(split_policies(k, space.default.split, b.fp8))))
         out.print(table)
-        reasons = Counter(re.sub(r"\d+", "N", why) for _, why in space.pruned)
+        reasons = Counter(why.rule for _, why in space.pruned)
         if space.pruned:
             out.print(f"pruned {len(space.pruned)} variants: "
                       + "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items())))

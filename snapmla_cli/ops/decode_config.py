@@ -82,8 +82,8 @@ BF16_WGMMA_ROW_BYTES = 576 * 2
 BF16_WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS * 2  # P[row][64 tokens] bf16, one 128-byte tile row
 BF16_WGMMA_ROW_STATE_BYTES = 8  # per row: m, gamma of the last block
 BF16_WGMMA_PAGE_PARTS = 3  # RoPE tile, each warpgroup's V dims: a full and an empty barrier each
-SMEM_PER_SM = 233472  # 228 KB per SM on sm_90
-SMEM_RESERVED_PER_CTA = 1024
+SMEM_PER_SM = 233472  # 228 KB of shared memory per SM on sm_90
+SMEM_RESERVED_PER_CTA = 1024  # the driver reserves 1 KB per resident CTA
 
 
 @dataclass(frozen=True)

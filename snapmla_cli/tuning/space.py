@@ -20,7 +20,7 @@ from itertools import product
 
 from ..errors import SnapmlaError
 from ..ops import decode_config as dc
-from ..ops.decode_config import DecodeConfig, heuristic_config
+from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_config
 from ..ops.schedule import SplitPolicy, work_columns
 from ..sizes import format_size, parse_size
 
@@ -54,8 +54,6 @@ SPLIT_CTAS = (1, 2)
 SPLIT_WAVES = (1, 2)
 MIN_BLOCKS_PER_SPLIT = (2, 4, 8, 16)
 
-SMEM_PER_SM = 233472  # 228 KB of shared memory per SM on sm_90
-SMEM_RESERVED_PER_CTA = 1024  # the driver reserves 1 KB per resident CTA
 DEFAULT_NUM_SMS = SplitPolicy().num_sms  # used by --dry-run on a machine without a GPU
 
 
@@ -240,25 +238,44 @@ def smem_bytes(cfg: DecodeConfig, fmt: str) -> int:
     return dc.fp8_smem_bytes(cfg) if fmt == "fp8" else dc.bf16_smem_bytes(cfg)
 
 
-def config_problem(cfg: DecodeConfig, fmt: str, rows: int | None = None) -> str | None:
+@dataclass(frozen=True)
+class ConfigProblem:
+    """Why a kernel would refuse a configuration. ``rule`` is the constraint broken, worded the
+    same for every configuration that breaks it, so that a search space's pruned variants can be
+    counted by rule; ``detail`` is the rule with this configuration's numbers (``str()``)."""
+
+    rule: str
+    detail: str
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def config_problem(cfg: DecodeConfig, fmt: str, rows: int | None = None) -> ConfigProblem | None:
     """Why the kernel would refuse ``cfg`` (None: it compiles and launches)."""
     if cfg.row_groups not in ROW_GROUPS:
-        return f"row_groups {cfg.row_groups} not in {ROW_GROUPS}"
+        return ConfigProblem(f"row_groups not in {ROW_GROUPS}", f"row_groups {cfg.row_groups} not in {ROW_GROUPS}")
     if rows is not None and cfg.row_groups > max_row_groups(rows):
-        return f"row_groups {cfg.row_groups} x 16 rows > {rows} rows"
+        return ConfigProblem("row_groups x 16 rows beyond the bucket's rows",
+                             f"row_groups {cfg.row_groups} x 16 rows > {rows} rows")
     if cfg.min_ctas_per_sm < 1 or cfg.stages < 2:
-        return "min_ctas_per_sm >= 1 and stages >= 2 required"
+        rule = "min_ctas_per_sm >= 1 and stages >= 2 required"
+        return ConfigProblem(rule, rule)
     if fmt == "bf16" and not cfg.wgmma and (cfg.block_n % 16 or 64 % cfg.block_n or cfg.block_n < 16):
-        return f"block_n {cfg.block_n} must be 16, 32 or 64"
+        return ConfigProblem("block_n must be 16, 32 or 64", f"block_n {cfg.block_n} must be 16, 32 or 64")
     smem = smem_bytes(cfg, fmt)
     if smem > dc.MAX_SMEM_PER_CTA:
-        return f"shared memory {smem} B > {dc.MAX_SMEM_PER_CTA} B per CTA"
+        return ConfigProblem(f"shared memory > {dc.MAX_SMEM_PER_CTA} B per CTA",
+                             f"shared memory {smem} B > {dc.MAX_SMEM_PER_CTA} B per CTA")
     if cfg.min_ctas_per_sm * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
-        return f"{cfg.min_ctas_per_sm} CTAs x {smem} B do not fit {SMEM_PER_SM} B per SM"
+        return ConfigProblem(f"CTAs x (shared memory + {SMEM_RESERVED_PER_CTA} B) > {SMEM_PER_SM} B per SM",
+                             f"{cfg.min_ctas_per_sm} CTAs x {smem} B do not fit {SMEM_PER_SM} B per SM")
     if fmt == "fp8" and not dc.fp8_config_valid(cfg):
-        return "kernel constraint (fp8_config_valid: warps per SM, token-group scratch)"
+        rule = "kernel constraint (fp8_config_valid: warps per SM, token-group scratch)"
+        return ConfigProblem(rule, rule)
     if fmt == "bf16" and not dc.bf16_config_valid(cfg):
-        return "kernel constraint (bf16_config_valid: the wgmma kernel's 64-row tile, one CTA per SM)"
+        rule = "kernel constraint (bf16_config_valid: the wgmma kernel's 64-row tile, one CTA per SM)"
+        return ConfigProblem(rule, rule)
     return None
 
 
@@ -299,7 +316,7 @@ def default_config(bucket: Bucket, num_sms: int) -> DecodeConfig:
 
 
 def kernel_variants(rows: int, fmt: str
-                    ) -> tuple[list[DecodeConfig], list[tuple[DecodeConfig, str]]]:
+                    ) -> tuple[list[DecodeConfig], list[tuple[DecodeConfig, ConfigProblem]]]:
     """Every kernel-parameter combination of the axes: (valid, [(pruned, reason)]). The split
     policy of each is left at the dataclass default. FP8 covers both kernels: the wgmma one
     (no token groups) and the mma.sync one (token groups ``kv_split``)."""
@@ -320,7 +337,7 @@ def kernel_variants(rows: int, fmt: str
             for values in product(*axes.values(), block_ns):
                 combos.append({**dict(zip([*axes, "block_n"], values)), "kernel_version": version})
     valid: list[DecodeConfig] = []
-    pruned: list[tuple[DecodeConfig, str]] = []
+    pruned: list[tuple[DecodeConfig, ConfigProblem]] = []
     for combo in combos:
         cfg = DecodeConfig(**combo)
         why = config_problem(cfg, fmt, rows)
@@ -365,7 +382,7 @@ class SearchSpace:
     default: DecodeConfig
     candidates: list[DecodeConfig]
     kernels: list[DecodeConfig]  # distinct kernel variants among the candidates, default's first
-    pruned: list[tuple[DecodeConfig, str]]  # kernel variants the kernels would refuse
+    pruned: list[tuple[DecodeConfig, ConfigProblem]]  # kernel variants the kernels would refuse
     aliases: int  # candidates dropped: same work list as an earlier one at the timed shape
 
     def ids(self) -> list[str]:
