@@ -67,8 +67,10 @@ def dump_command(
         bool, typer.Option("--force", help="Overwrite an existing output file.")
     ] = False,
 ) -> None:
-    """Capture real MLA KV caches (normalised c_kv + RoPE-rotated k_pe per layer) from a
-    Hugging Face DeepSeek-V2/V3-style model, loaded from local files only, into a KV dump."""
+    """Capture real MLA KV caches from a local Hugging Face model into a KV dump.
+
+    Per layer the dump holds the normalised c_kv and the RoPE-rotated k_pe of a
+    DeepSeek-V2/V3-style model, which is loaded from local files only."""
     out = Console()
     err = Console(stderr=True)
     try:
