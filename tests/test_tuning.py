@@ -164,11 +164,13 @@ def test_pruned_variants_count_by_rule(fmt):
     over = [(cfg, why) for cfg, why in pruned if why.rule == per_cta]
     assert len(over) > 1 and len({str(why) for _, why in over}) > 1
     for cfg, why in over:
-        assert str(why) == f"shared memory {smem_bytes(cfg, fmt)} B > {dc.MAX_SMEM_PER_CTA} B per CTA"
+        smem = smem_bytes(cfg, fmt)
+        assert str(why) == f"shared memory {smem} B > {dc.MAX_SMEM_PER_CTA} B per CTA"
     per_sm = [(cfg, why) for cfg, why in pruned if str(SMEM_PER_SM) in why.rule]
     assert per_sm and {why.rule for _, why in per_sm} == {
         f"CTAs x (shared memory + {SMEM_RESERVED_PER_CTA} B) > {SMEM_PER_SM} B per SM"}
-    assert all(str(why).startswith(f"{cfg.min_ctas_per_sm} CTAs x {smem_bytes(cfg, fmt)} B") for cfg, why in per_sm)
+    assert all(str(why).startswith(f"{cfg.min_ctas_per_sm} CTAs x {smem_bytes(cfg, fmt)} B")
+               for cfg, why in per_sm)
 
 
 def test_kernel_versions_and_wgmma_switches():

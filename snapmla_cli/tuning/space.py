@@ -251,10 +251,12 @@ class ConfigProblem:
         return self.detail
 
 
-def config_problem(cfg: DecodeConfig, fmt: str, rows: int | None = None) -> ConfigProblem | None:
+def config_problem(cfg: DecodeConfig, fmt: str,
+                   rows: int | None = None) -> ConfigProblem | None:
     """Why the kernel would refuse ``cfg`` (None: it compiles and launches)."""
     if cfg.row_groups not in ROW_GROUPS:
-        return ConfigProblem(f"row_groups not in {ROW_GROUPS}", f"row_groups {cfg.row_groups} not in {ROW_GROUPS}")
+        return ConfigProblem(f"row_groups not in {ROW_GROUPS}",
+                             f"row_groups {cfg.row_groups} not in {ROW_GROUPS}")
     if rows is not None and cfg.row_groups > max_row_groups(rows):
         return ConfigProblem("row_groups x 16 rows beyond the bucket's rows",
                              f"row_groups {cfg.row_groups} x 16 rows > {rows} rows")
@@ -262,19 +264,22 @@ def config_problem(cfg: DecodeConfig, fmt: str, rows: int | None = None) -> Conf
         rule = "min_ctas_per_sm >= 1 and stages >= 2 required"
         return ConfigProblem(rule, rule)
     if fmt == "bf16" and not cfg.wgmma and (cfg.block_n % 16 or 64 % cfg.block_n or cfg.block_n < 16):
-        return ConfigProblem("block_n must be 16, 32 or 64", f"block_n {cfg.block_n} must be 16, 32 or 64")
+        return ConfigProblem("block_n must be 16, 32 or 64",
+                             f"block_n {cfg.block_n} must be 16, 32 or 64")
     smem = smem_bytes(cfg, fmt)
     if smem > dc.MAX_SMEM_PER_CTA:
         return ConfigProblem(f"shared memory > {dc.MAX_SMEM_PER_CTA} B per CTA",
                              f"shared memory {smem} B > {dc.MAX_SMEM_PER_CTA} B per CTA")
     if cfg.min_ctas_per_sm * (smem + SMEM_RESERVED_PER_CTA) > SMEM_PER_SM:
-        return ConfigProblem(f"CTAs x (shared memory + {SMEM_RESERVED_PER_CTA} B) > {SMEM_PER_SM} B per SM",
-                             f"{cfg.min_ctas_per_sm} CTAs x {smem} B do not fit {SMEM_PER_SM} B per SM")
+        rule = f"CTAs x (shared memory + {SMEM_RESERVED_PER_CTA} B) > {SMEM_PER_SM} B per SM"
+        return ConfigProblem(rule, f"{cfg.min_ctas_per_sm} CTAs x {smem} B do not fit "
+                                   f"{SMEM_PER_SM} B per SM")
     if fmt == "fp8" and not dc.fp8_config_valid(cfg):
         rule = "kernel constraint (fp8_config_valid: warps per SM, token-group scratch)"
         return ConfigProblem(rule, rule)
     if fmt == "bf16" and not dc.bf16_config_valid(cfg):
-        rule = "kernel constraint (bf16_config_valid: the wgmma kernel's 64-row tile, one CTA per SM)"
+        rule = ("kernel constraint (bf16_config_valid: the wgmma kernel's 64-row tile, "
+                "one CTA per SM)")
         return ConfigProblem(rule, rule)
     return None
 
