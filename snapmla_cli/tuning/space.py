@@ -242,13 +242,14 @@ def smem_bytes(cfg: DecodeConfig, fmt: str) -> int:
 class ConfigProblem:
     """Why a kernel would refuse a configuration. ``rule`` is the constraint broken, worded the
     same for every configuration that breaks it, so that a search space's pruned variants can be
-    counted by rule; ``detail`` is the rule with this configuration's numbers (``str()``)."""
+    counted by rule; ``detail`` is the rule with this configuration's numbers (``str()``), where
+    the rule has any."""
 
     rule: str
-    detail: str
+    detail: str | None = None
 
     def __str__(self) -> str:
-        return self.detail
+        return self.detail or self.rule
 
 
 def config_problem(cfg: DecodeConfig, fmt: str,
@@ -261,8 +262,7 @@ def config_problem(cfg: DecodeConfig, fmt: str,
         return ConfigProblem("row_groups x 16 rows beyond the bucket's rows",
                              f"row_groups {cfg.row_groups} x 16 rows > {rows} rows")
     if cfg.min_ctas_per_sm < 1 or cfg.stages < 2:
-        rule = "min_ctas_per_sm >= 1 and stages >= 2 required"
-        return ConfigProblem(rule, rule)
+        return ConfigProblem("min_ctas_per_sm >= 1 and stages >= 2 required")
     if fmt == "bf16" and not cfg.wgmma and (cfg.block_n % 16 or 64 % cfg.block_n or cfg.block_n < 16):
         return ConfigProblem("block_n must be 16, 32 or 64",
                              f"block_n {cfg.block_n} must be 16, 32 or 64")
@@ -275,12 +275,10 @@ def config_problem(cfg: DecodeConfig, fmt: str,
         return ConfigProblem(rule, f"{cfg.min_ctas_per_sm} CTAs x {smem} B do not fit "
                                    f"{SMEM_PER_SM} B per SM")
     if fmt == "fp8" and not dc.fp8_config_valid(cfg):
-        rule = "kernel constraint (fp8_config_valid: warps per SM, token-group scratch)"
-        return ConfigProblem(rule, rule)
+        return ConfigProblem("kernel constraint (fp8_config_valid: warps per SM, token-group scratch)")
     if fmt == "bf16" and not dc.bf16_config_valid(cfg):
-        rule = ("kernel constraint (bf16_config_valid: the wgmma kernel's 64-row tile, "
-                "one CTA per SM)")
-        return ConfigProblem(rule, rule)
+        return ConfigProblem("kernel constraint (bf16_config_valid: the wgmma kernel's 64-row tile, "
+                             "one CTA per SM)")
     return None
 
 
