@@ -18,6 +18,12 @@ constexpr int kRowsPerGroup = 16;      // MMA M: query rows per row group
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// A compile-time int as a type (a generic lambda's template argument).
+template <int kValue>
+struct IntConstant {
+    static constexpr int value = kValue;
+};
+
 // One piece of work: request, its KV blocks [block_begin, block_end) and the partial slot (-1:
 // the request has a single split, write the final output directly). The work list is
 // [columns x items_per_column], a column's items first to last; an unused place holds an empty
@@ -124,71 +130,96 @@ struct MergeTarget {
     int count;
 };
 
-// Merges rows [row0, row0 + n_rows) of a request (out 0, lse +inf when no split saw a key) with
-// kThreads threads (this one `tid`): the splits' lse in parallel into `weights` (shared memory,
-// kWeightStride floats per row), each row's merged lse by one thread into `totals` (n_rows floats),
-// the weights in parallel, then kPassRows rows at a time, kThreads / kPassRows threads per row,
-// kSplitsAtOnce splits' loads in flight. `sync` is a barrier over the kThreads threads; the
-// shared memory is free again after the call.
-template <int kThreads, int kPassRows, int kSplitsAtOnce, int kWeightStride, class Sync>
-__device__ __forceinline__ void merge_split_rows(const MergeTarget& t, int row0, int n_rows, int tid, float* weights,
-                                                 float* totals, Sync sync) {
+// The output rows of a merge: the request's bf16 rows and lse.
+struct MergeOut {
+    __nv_bfloat16* out;
+    float* lse;
+    DecodeShape shape;
+    int req;
+};
+
+// Merges float4 columns [vec0, vec0 + kRowVecs) of rows [row0, row0 + n_rows) of a request (out 0,
+// lse +inf when no split saw a key) over its `count` splits with kThreads threads (this one `tid`):
+// the splits' lse (`split_lse(s, r)`, r = row - row0) in parallel into `weights` (shared memory,
+// kWeightStride floats per row), each row's merged lse by one thread into `totals` (n_rows floats;
+// written to `o.lse` when `store_lse`), the weights in parallel, then kPassRows rows at a time,
+// kThreads / kPassRows threads per row, kSplitsAtOnce splits' loads (`split_vec(s, r, j)`: float4
+// vec0 + j of the split's row) in flight. `sync` is a barrier over the kThreads threads; the
+// shared memory is free again after the call. Where the partials come from is the caller's: the
+// global partial buffers (merge_split_rows) or the cluster's shared memory (cluster_fold); the
+// operations are the same, so are the bits.
+template <int kThreads, int kPassRows, int kSplitsAtOnce, int kWeightStride, int kRowVecs, class SplitLse,
+          class SplitVec, class Sync>
+__device__ __forceinline__ void merge_rows(const MergeOut& o, int count, int row0, int n_rows, int vec0,
+                                           bool store_lse, int tid, float* weights, float* totals,
+                                           SplitLse split_lse, SplitVec split_vec, Sync sync) {
     constexpr int kThreadsPerRow = kThreads / kPassRows;
-    static_assert(kThreads % kPassRows == 0 && (kDimV / 4) % kThreadsPerRow == 0, "a pass's rows split evenly");
-    constexpr int kVecs = kDimV / 4 / kThreadsPerRow;  // float4 per thread and row
-    const int rows = t.shape.h_q * t.shape.s_q;
-    // L2 reads (__ldcg): another CTA wrote the partials, an L1 line could be stale
-    for (int i = tid; i < n_rows * t.count; i += kThreads) {
-        const int r = i / t.count, s = i - r * t.count;
-        weights[r * kWeightStride + s] = __ldcg(t.partial_lse + static_cast<long>(t.begin + s) * rows + row0 + r);
+    static_assert(kThreads % kPassRows == 0 && kRowVecs % kThreadsPerRow == 0, "a pass's rows split evenly");
+    constexpr int kVecs = kRowVecs / kThreadsPerRow;  // float4 per thread and row
+    const int rows = o.shape.h_q * o.shape.s_q;
+    for (int i = tid; i < n_rows * count; i += kThreads) {
+        const int r = i / count, s = i - r * count;
+        weights[r * kWeightStride + s] = split_lse(s, r);
     }
     sync();
     if (tid < n_rows) {
         const float* w = weights + tid * kWeightStride;
-        totals[tid] = merged_lse(t.count, [&](int s) { return w[s]; });
-        t.lse[lse_index(t.req, row0 + tid, t.shape)] = totals[tid];
+        totals[tid] = merged_lse(count, [&](int s) { return w[s]; });
+        if (store_lse) o.lse[lse_index(o.req, row0 + tid, o.shape)] = totals[tid];
     }
     sync();
-    for (int i = tid; i < n_rows * t.count; i += kThreads) {
-        const int r = i / t.count, s = i - r * t.count;
+    for (int i = tid; i < n_rows * count; i += kThreads) {
+        const int r = i / count, s = i - r * count;
         weights[r * kWeightStride + s] = split_weight(weights[r * kWeightStride + s], totals[r]);
     }
     sync();
-    const int q = tid % kThreadsPerRow;  // float4 columns q + kThreadsPerRow v of its row
+    const int q = tid % kThreadsPerRow;  // float4 columns vec0 + q + kThreadsPerRow v of its row
 #pragma unroll 1
     for (int r = tid / kThreadsPerRow; r < n_rows; r += kPassRows) {
-        const int row = row0 + r;
         const float* w = weights + r * kWeightStride;
         float4 acc[kVecs];
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
-        for (int s0 = 0; s0 < t.count; s0 += kSplitsAtOnce) {
+        for (int s0 = 0; s0 < count; s0 += kSplitsAtOnce) {
             float4 x[kSplitsAtOnce][kVecs];
 #pragma unroll
             for (int k = 0; k < kSplitsAtOnce; ++k) {
-                const int s = min(s0 + k, t.count - 1);  // (a repeated load past the last split)
-                const float4* src = reinterpret_cast<const float4*>(
-                    t.partial_out + (static_cast<long>(t.begin + s) * rows + row) * kDimV);
+                const int s = min(s0 + k, count - 1);  // (a repeated load past the last split)
 #pragma unroll
-                for (int v = 0; v < kVecs; ++v) x[k][v] = __ldcg(src + q + kThreadsPerRow * v);
+                for (int v = 0; v < kVecs; ++v) x[k][v] = split_vec(s, r, q + kThreadsPerRow * v);
             }
 #pragma unroll
             for (int k = 0; k < kSplitsAtOnce; ++k) {
-                const float wk = s0 + k < t.count ? w[s0 + k] : -1.f;
+                const float wk = s0 + k < count ? w[s0 + k] : -1.f;
                 if (wk < 0.f) continue;
 #pragma unroll
                 for (int v = 0; v < kVecs; ++v) fma4(acc[v], wk, x[k][v]);
             }
         }
-        const long base = (static_cast<long>(t.req) * rows + row) * kDimV;
+        const long base = (static_cast<long>(o.req) * rows + row0 + r) * kDimV + 4 * vec0;
 #pragma unroll
         for (int v = 0; v < kVecs; ++v) {
             const long at = base + 4 * (q + kThreadsPerRow * v);
-            store_out4(t.out, nullptr, at, false, acc[v].x, acc[v].y, acc[v].z, acc[v].w);
+            store_out4(o.out, nullptr, at, false, acc[v].x, acc[v].y, acc[v].z, acc[v].w);
         }
     }
     sync();  // the weights are read before the caller reuses the shared memory
+}
+
+// merge_rows over whole rows, the partials read from the global partial buffers of MergeTarget.
+template <int kThreads, int kPassRows, int kSplitsAtOnce, int kWeightStride, class Sync>
+__device__ __forceinline__ void merge_split_rows(const MergeTarget& t, int row0, int n_rows, int tid, float* weights,
+                                                 float* totals, Sync sync) {
+    const long rows = t.shape.h_q * t.shape.s_q;
+    // L2 reads (__ldcg): another CTA wrote the partials, an L1 line could be stale
+    auto split_lse = [&](int s, int r) { return __ldcg(t.partial_lse + (t.begin + s) * rows + row0 + r); };
+    auto split_vec = [&](int s, int r, int j) {
+        return __ldcg(reinterpret_cast<const float4*>(t.partial_out + ((t.begin + s) * rows + row0 + r) * kDimV) + j);
+    };
+    merge_rows<kThreads, kPassRows, kSplitsAtOnce, kWeightStride, kDimV / 4>(
+        MergeOut{t.out, t.lse, t.shape, t.req}, t.count, row0, n_rows, 0, true, tid, weights, totals, split_lse,
+        split_vec, sync);
 }
 
 // The folded merge's shared-memory weights: a row tile's splits, so at most this many splits
@@ -240,6 +271,56 @@ __device__ __forceinline__ void fold_split(const SplitFold& fold, int req, int r
     merge_split_rows<kThreadsN, kFoldPassRows, kFoldSplitsAtOnce, kMaxFoldedSplits>(
         target, row0, min(kTileRows, rows - row0), tid, scratch, totals,
         [&]() { named_barrier_sync(barrier, kThreadsN); });
+}
+
+// ---- The split merge of a cluster: a request's splits launched as one thread-block cluster ----
+// (ops/cluster_fold.py). Each split keeps its partial rows in its own shared memory (the stages are
+// free after the page loop) instead of the global partial buffers, the cluster syncs once, and
+// CTA `rank` of `n` merges float4 columns [rank, rank + 1) x 128 / n of every row of the tile,
+// reading the n splits' rows from their CTAs' shared memory (split s is rank s). No partial goes
+// through L2, no CTA waits for an arrival counter, and the merge is spread over the n CTAs
+// instead of done by the last one. A second sync keeps every CTA's shared memory alive until the
+// others have read it.
+// A partial row's stride in floats: the epilogue's O^T stores put rows 2c (c = 0..3, a lane's
+// quad index) 2 x 520 floats apart, 16 banks, so a warp's 8-byte stores take the two wavefronts
+// they need (with 512 the four row pairs would share 16 banks: four).
+constexpr int kClusterRowStride = kDimV + 8;
+constexpr int kMaxClusterSplits = 8;  // the portable cluster size
+__host__ __device__ constexpr int cluster_partial_bytes(int rows) { return rows * (kClusterRowStride + 1) * 4; }
+
+// Called by all kThreadsN consumer threads (thread `tid`, barrier `barrier`) after they stored
+// their split's rows [row0, row0 + kTileRows) at `partial` (shared memory: rows of
+// kClusterRowStride floats, then the rows' lse). `scratch`: shared memory for
+// fold_scratch_floats(kTileRows) floats. Every CTA of the cluster must call it.
+template <int kThreadsN, int kTileRows>
+__device__ __forceinline__ void cluster_fold(const float* partial, int n, int rank, int req, int row0, int rows,
+                                            __nv_bfloat16* out, float* lse, DecodeShape shape, int tid, int barrier,
+                                            float* scratch) {
+    float* totals = scratch + kTileRows * kMaxFoldedSplits;
+    const unsigned part_addr = smem_addr(partial);
+    const unsigned lse_addr = part_addr + kTileRows * kClusterRowStride * 4;
+    __syncwarp();
+    cluster_sync();  // every split's rows are in its shared memory
+    const MergeOut target{out, lse, shape, req};
+    const int n_rows = min(kTileRows, rows - row0);
+    auto split_lse = [&](int s, int r) { return ld_shared_cluster_f32(map_shared_rank(lse_addr + 4 * r, s)); };
+    auto sync = [&]() { named_barrier_sync(barrier, kThreadsN); };
+    auto merge = [&](auto row_vecs) {
+        constexpr int kRowVecs = decltype(row_vecs)::value;
+        const int vec0 = rank * kRowVecs;
+        auto split_vec = [&](int s, int r, int j) {
+            return ld_shared_cluster_v4(map_shared_rank(part_addr + 4 * (r * kClusterRowStride + 4 * (vec0 + j)), s));
+        };
+        merge_rows<kThreadsN, kFoldPassRows, kFoldSplitsAtOnce, kMaxFoldedSplits, kRowVecs>(
+            target, n, row0, n_rows, vec0, rank == 0, tid, scratch, totals, split_lse, split_vec, sync);
+    };
+    constexpr int kVecsPerRow = kDimV / 4;
+    if (n == 2) merge(IntConstant<kVecsPerRow / 2>{});
+    else if (n == 4) merge(IntConstant<kVecsPerRow / 4>{});
+    else if (n == kMaxClusterSplits) merge(IntConstant<kVecsPerRow / kMaxClusterSplits>{});
+    else __trap();  // a launch without a cluster of 2, 4 or 8 (the host never makes one)
+    __syncwarp();
+    cluster_sync();  // the others have read this CTA's rows
 }
 
 }  // namespace snapmla

@@ -150,6 +150,12 @@
 #ifndef V_OFFSETS
 #define V_OFFSETS 1
 #endif
+#ifndef CLUSTER_FOLD
+// 1: the host launches a request's splits as one thread-block cluster (ops/cluster_fold.py) and
+// they merge through each other's shared memory (decode_common.cuh cluster_fold); 0: through
+// the global partial buffers (the fold or the combine)
+#define CLUSTER_FOLD 0
+#endif
 #ifndef TRACE_PHASES
 #define TRACE_PHASES 0
 #endif
@@ -212,6 +218,8 @@ constexpr bool kTailZero = TAIL_ZERO && WG_MODE == 4;
 // alternate pages, one item per CTA: the V^T fragments' shared-memory addresses from one offset per
 // page (the column builds keep their code: rows = M's derives the lane again per page, see
 // kRowsMColumns; WG_MODE 6 builds no fragments)
+constexpr bool kClusterFold = CLUSTER_FOLD != 0;
+static_assert(!CLUSTER_FOLD || !COLUMN_ITEMS, "a cluster holds one request's splits, one item per CTA");
 constexpr bool kVOffsets = V_OFFSETS && (WG_MODE == 3 || WG_MODE == 4) && !COLUMN_ITEMS;
 constexpr int kGammaEarly = 4;
 constexpr int kRows = 16 * ROW_GROUPS;
@@ -358,6 +366,7 @@ static_assert(kOffP % kSwizzleAtom64 == 0 && kPBytes % kSwizzleAtom64 == 0, "P^T
 static_assert(kRowsPerWg % 8 == 0, "wgmma N is a multiple of 8");
 static_assert(kQkRows <= kWgThreads, "one thread per row keeps the row's running state");
 static_assert(fold_scratch_floats(kRows) * 4 <= kQBytes, "the folded merge's weights fit in Q's tiles");
+static_assert(!kClusterFold || cluster_partial_bytes(kRows) <= STAGES * kStageBytes, "a cluster split's rows fit in the stages");
 #ifdef SNAPMLA_EXPECT_SMEM  // the host's launch size (ops/decode_config.py wgmma_smem_bytes)
 static_assert(kSmemBytes + kSmemAlign == SNAPMLA_EXPECT_SMEM, "host shared-memory formula is out of date");
 #endif
@@ -1593,6 +1602,12 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
     // (one item per CTA: its list row is blockIdx.y, which ptxas can read again here)
     const int partial = __ldg(&p.work[kColumnItems ? item : static_cast<int>(blockIdx.y)].partial);
     const bool to_partial = partial >= 0;
+    // CLUSTER_FOLD: launched in clusters of a request's splits (ops/cluster_fold.py), a split's
+    // rows go to its own shared memory (the stages: every consumer passed the barrier after the
+    // page loop, and no load is in flight), merged across the cluster below
+    const bool to_cluster = kClusterFold && to_partial;
+    float* cluster_rows = reinterpret_cast<float*>(smem + kOffStages);
+    float* const partial_out = kClusterFold ? cluster_rows : p.partial_out;
     const long part_rows = static_cast<long>(partial) * rows;
     // out = O / L: rows 16w + g + 8h; column 8j + 2c + e of a 64-dim chunk is dim 4c + 2e of its
     // 16 (j even) or the next dim (j odd): V^T holds each 16 dims even ones first
@@ -1604,14 +1619,15 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             if (row >= rows) continue;
             const float total = row_l_total(n);
             const float rcp_row = total > 0.f ? 1.f / total : 0.f;
-            const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
+            const long base = to_partial ? (kClusterFold ? n * kClusterRowStride : (part_rows + row) * kDimV)
+                                          : (row_base + row) * kDimV;
 #pragma unroll
             for (int nc = 0; nc < kMTiles; ++nc)
 #pragma unroll
                 for (int q = 0; q < kOAcc / 8; ++q)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        store_out2(p.out, p.partial_out, base + pv_dim0 + 64 * nc + 16 * q + 4 * c + 2 * e,
+                        store_out2(p.out, partial_out, base + pv_dim0 + 64 * nc + 16 * q + 4 * c + 2 * e,
                                    to_partial, o_acc[nc][8 * q + 2 * h + e] * rcp_row,
                                    o_acc[nc][8 * q + 4 + 2 * h + e] * rcp_row);
         }
@@ -1621,12 +1637,13 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             const int n = pv_row0 + 8 * (a / 2) + 2 * c + (a % 2);
             const int row = row0 + n;
             if (row >= rows) continue;
-            const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
+            const long base = to_partial ? (kClusterFold ? n * kClusterRowStride : (part_rows + row) * kDimV)
+                                          : (row_base + row) * kDimV;
             const int j = a / 2, e = a % 2;
 #pragma unroll
             for (int mt = 0; mt < kMTiles; ++mt) {
                 const int dim = pv_dim0 + mt * 64 + 16 * w + 2 * g;
-                store_out2(p.out, p.partial_out, base + dim, to_partial, o_acc[mt][4 * j + e] * rcp[a],
+                store_out2(p.out, partial_out, base + dim, to_partial, o_acc[mt][4 * j + e] * rcp[a],
                            o_acc[mt][4 * j + 2 + e] * rcp[a]);
             }
         }
@@ -1643,13 +1660,18 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, co
             const float total = row_l_total(n);
             const float value = row_m > -INFINITY ? row_m * kLn2 + logf(row_sig * total)
                                                   : (to_partial ? -INFINITY : INFINITY);
-            if (to_partial) p.partial_lse[part_rows + row] = value;
+            if (to_cluster) cluster_rows[kRows * kClusterRowStride + n] = value;
+            else if (to_partial) p.partial_lse[part_rows + row] = value;
             else p.lse[lse_index(req, row, p.shape)] = value;
         }
     }
     mark_cta_time(kTimeStored, timed);
-    // the last split of the request to get here merges them all (Q's tiles are free now)
-    if (to_partial && num_blocks > 0 && p.fold.arrivals != nullptr)
+    // the cluster merges its splits together; otherwise the last split of the request to get
+    // here merges them all (Q's tiles are free now)
+    if (to_cluster) {
+        cluster_fold<kConsumerThreads, kRows>(cluster_rows, cluster_size(), cluster_rank(), req, row0, rows, p.out, p.lse,
+                                              p.shape, tid, kBarConsumers, reinterpret_cast<float*>(smem + kOffQ));
+    } else if (to_partial && num_blocks > 0 && p.fold.arrivals != nullptr)
         fold_split<kConsumerThreads, kRows>(p.fold, req, row0, rows, p.partial_out, p.partial_lse, p.out, p.lse,
                                             p.shape, tid, kBarConsumers, reinterpret_cast<float*>(smem + kOffQ));
     mark_cta_time(kTimeEnd, timed);

@@ -441,6 +441,59 @@ __device__ __forceinline__ void wait_for_predecessor() {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// ---- thread block clusters (sm_90; ops/cluster_fold.py launches a request's splits as one) ----
+// CTAs in this CTA's cluster (1 when the launch had no cluster dimension) and this CTA's rank.
+__device__ __forceinline__ int cluster_size() {
+#if __CUDA_ARCH__ >= 900
+    unsigned n;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return static_cast<int>(n);
+#else
+    return 1;
+#endif
+}
+__device__ __forceinline__ int cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return static_cast<int>(r);
+#else
+    return 0;
+#endif
+}
+// Every non-exited thread of the cluster (exited ones count as arrived): this thread's earlier
+// shared-memory writes are visible to the cluster's reads after it (release / acquire). All
+// threads of the calling warp must call it together (.aligned).
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+#endif
+}
+// The address in the shared memory of the cluster's CTA `rank` that corresponds to this CTA's
+// shared-memory address `addr` (for ld.shared::cluster).
+__device__ __forceinline__ unsigned map_shared_rank(unsigned addr, int rank) {
+    unsigned remote = addr;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+#endif
+    return remote;
+}
+__device__ __forceinline__ float ld_shared_cluster_f32(unsigned addr) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
+#endif
+    return v;
+}
+__device__ __forceinline__ float4 ld_shared_cluster_v4(unsigned addr) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
+#endif
+    return v;
+}
+
 // %globaltimer (ns) and the SM this thread runs on, for the kernels' timing diagnostics
 __device__ __forceinline__ long long globaltimer_ns() {
     long long ns;

@@ -30,6 +30,8 @@ from ..numerics.formats import (
     default_softmax_scale,
 )
 from ..numerics.quant import QuantizedRows
+from ..runtime.cluster_launch import ClusterLaunch
+from .cluster_fold import holds_a_wave, planned_cluster
 from .config_choice import (
     MetadataPlan,
     choose_config,
@@ -43,6 +45,7 @@ from .decode_config import (
     bf16_defines,
     bf16_kernel,
     bf16_smem_bytes,
+    cluster_capable,
     fp8_defines,
     fp8_kernel,
     fp8_smem_bytes,
@@ -106,7 +109,7 @@ def get_mla_metadata(
     cfg = settle_balance(requested, seqlens, num_heads_per_head_k, fp8)
     work = build_work_list(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split, seqlens,
                            runs_columns(cfg, fp8), target)
-    fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, target)
+    fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, target, work.cluster)
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold))
     return work.metadata, work.num_splits
 
@@ -261,15 +264,27 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
     fold = _split_fold(tile_scheduler_metadata, rows)
     arrivals = kernel_arrivals(fold, cfg.wgmma)  # the wgmma kernels merge split requests themselves
     rt = _runtime()
-    kernel = None
-    if num_work > 0:
-        if fp8:
-            kernel = rt.get_kernel(*fp8_kernel(cfg), fp8_defines(cfg))
-        else:
-            kernel = rt.get_kernel(*bf16_kernel(cfg), bf16_defines(cfg))
     # a kernel that runs columns takes one per CTA row; the others one place (item) each
     ctas = columns if runs_columns(cfg, fp8) else num_work
-    run = combine_after(fold, arrivals)
+    grid = (math.ceil(rows / cfg.block_m), ctas, 1)
+    block = (cfg.threads(fp8), 1, 1)
+    shared_mem = fp8_smem_bytes(cfg) if fp8 else bf16_smem_bytes(cfg)
+    kernel = None
+    cluster = 0
+    if num_work > 0:
+        if fp8:
+            cluster = planned_cluster(0 if fold is None else fold.cluster, cluster_capable(cfg, fp8))
+            if cluster:
+                kernel = rt.get_kernel(*fp8_kernel(cfg), {**fp8_defines(cfg), "CLUSTER_FOLD": 1},
+                                       dynamic_smem=shared_mem)
+                if not holds_a_wave(kernel.function.ptr, cluster, grid, block, shared_mem,
+                                    cfg.split.num_sms * cfg.split.ctas_per_sm):
+                    cluster = 0
+            if not cluster:
+                kernel = rt.get_kernel(*fp8_kernel(cfg), fp8_defines(cfg))
+        else:
+            kernel = rt.get_kernel(*bf16_kernel(cfg), bf16_defines(cfg))
+    run = combine_after(fold, arrivals, cluster)
     rows_per_cta = combine_rows_per_cta(b * rows)
     combine = None if run is None else rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta})
     combine_grid = (b, math.ceil(rows / rows_per_cta), 1)
@@ -282,9 +297,11 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
         partial_out_shape=(max(num_work, 1), rows, D_V),
         partial_lse_shape=(max(num_work, 1), rows),
         decode=kernel,
-        grid=(math.ceil(rows / cfg.block_m), ctas, 1),
-        block=(cfg.threads(fp8), 1, 1),
-        shared_mem=fp8_smem_bytes(cfg) if fp8 else bf16_smem_bytes(cfg),
+        grid=grid,
+        block=block,
+        shared_mem=shared_mem,
+        cluster_launch=None if not cluster else ClusterLaunch(kernel.function.ptr, grid, block, shared_mem,
+                                                              (1, cluster, 1)),
         cache_ptr=cache.data_ptr(),
         items_per_column=np.int32(items_per_column),
         scalars=(np.int32(table_stride), np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q),

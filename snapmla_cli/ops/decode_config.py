@@ -160,6 +160,25 @@ def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
             + (2 * cfg.stages + cfg.rope_ring) * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
 
+# decode_common.cuh kClusterRowStride: a split's partial row in shared memory for the cluster
+# merge (ops/cluster_fold.py), 512 floats and 8 of padding, then one lse per row
+CLUSTER_ROW_STRIDE = 512 + 8
+
+
+def cluster_rows_fit(cfg: DecodeConfig) -> bool:
+    """Whether a row tile's partial rows fit in the wgmma kernel's stages, where its cluster
+    build keeps them (decode_fp8_wgmma.cu's static_assert on cluster_partial_bytes)."""
+    stage_bytes = WGMMA_CONTENT_BYTES if cfg.rope_ring else WGMMA_STAGE_BYTES
+    return cfg.block_m * (CLUSTER_ROW_STRIDE + 1) * 4 <= cfg.stages * stage_bytes
+
+
+def cluster_capable(cfg: DecodeConfig, fp8: bool) -> bool:
+    """Whether the kernel of ``cfg`` can merge a request's splits as one cluster
+    (ops/cluster_fold.py): the FP8 wgmma kernel with one item per CTA and room for the rows.
+    The other kernels' epilogues merge through the global partials only."""
+    return fp8 and cfg.wgmma and not runs_columns(cfg, fp8) and cluster_rows_fit(cfg)
+
+
 def fp8_smem_bytes(cfg: DecodeConfig) -> int:
     if cfg.wgmma:
         return wgmma_smem_bytes(cfg)

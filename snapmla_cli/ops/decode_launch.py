@@ -23,8 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..runtime.cluster_launch import ClusterLaunch
 from ..runtime.launch import (
     Kernel,
+    current_raw_stream,
     launch_prepared,
     launch_raw,
     on_kernels_cleared,
@@ -56,6 +58,7 @@ class DecodePlan:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int
+    cluster_launch: ClusterLaunch | None  # a request's splits in one cluster (ops/cluster_fold.py)
     cache_ptr: int  # the cache, or the device buffer of its TMA maps
     items_per_column: np.int32
     scalars: tuple[object, ...]  # block-table stride, scale * log2(e), h_q, s_q, causal
@@ -88,7 +91,10 @@ class DecodePlan:
                                   partial_out.data_ptr(), partial_lse.data_ptr(), *self.scalars]
             if self.fold is not None:
                 args += [num_splits.data_ptr(), *self.fold]
-            launch_raw(self.decode, self.grid, self.block, args, self.shared_mem)
+            if self.cluster_launch is not None:
+                self.cluster_launch(current_raw_stream(self.decode.device_index), args)
+            else:
+                launch_raw(self.decode, self.grid, self.block, args, self.shared_mem)
         if self.combine is not None:
             # programmatic: launched while the decode grid drains, it waits for it in the kernel
             launch_prepared(self.combine, self.combine_launch, self.combine_grid, COMBINE_BLOCK,

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import SnapmlaError
 from ..numerics.formats import D_V, FP8_TOKEN_BYTES, PAGE_SIZE
+from .cluster_fold import uniform_split_count, work_list_cluster
 
 WORK_FIELDS = 4  # request, block_begin, block_end, partial slot
 # kernels/combine.cu kMaxSplits: the combine keeps a request's split weights in shared memory,
@@ -308,7 +309,9 @@ def _split_plan_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy
     """The split plan (:func:`plan_splits`: request ``i``'s split ``s`` of ``p`` covers blocks
     ``round(s nb / p)`` to ``round((s + 1) nb / p)``) as columns of one item each, longest
     first: the GPU starts CTAs in grid order as SMs free up, so this is the
-    longest-processing-time-first schedule."""
+    longest-processing-time-first schedule. Where every request has the same number of splits
+    and it is a cluster size (:mod:`.cluster_fold`), a request's splits stay side by side in
+    split order, the requests longest piece first."""
     nb = np.asarray(blocks, dtype=np.int64)
     if int(nb.sum()) == 0:
         return ColumnPieces(np.zeros((0, 3), dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -320,6 +323,11 @@ def _split_plan_columns(blocks: tuple[int, ...], rows: int, block_m: int, policy
     begin = np.rint(split * size / parts).astype(np.int64)
     end = np.rint((split + 1) * size / parts).astype(np.int64)
     order = np.argsort(begin - end, kind="stable")  # longest first; ties keep request order
+    n = uniform_split_count(counts)
+    if n:  # a request's splits side by side in split order: one thread-block cluster
+        starts = (np.cumsum(counts) - counts)[counts > 0]
+        longest = np.maximum.reduceat(end - begin, starts)
+        order = (starts[np.argsort(-longest, kind="stable")][:, None] + np.arange(n)).ravel()
     return ColumnPieces(np.stack([request, begin, end], axis=1)[order], np.ones(len(request), dtype=np.int64))
 
 
@@ -383,6 +391,7 @@ class WorkList(NamedTuple):
     metadata: torch.Tensor
     num_splits: torch.Tensor
     splits_per_request: tuple[int, ...]
+    cluster: int = 0  # the thread-block cluster it can run with (ops/cluster_fold.py), 0: none
 
 
 def build_metadata(
@@ -410,7 +419,7 @@ def build_work_list(
         seqlens = host_seqlens(cache_seqlens)
     work, cumulative, splits = _work_tables(_blocks_per_request(seqlens), rows, block_m, policy, runs_columns)
     device = cache_seqlens.device if device is None else device
-    return WorkList(_upload(work, device), _upload(cumulative, device), splits)
+    return WorkList(_upload(work, device), _upload(cumulative, device), splits, work_list_cluster(work, cumulative))
 
 
 def _upload(table: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -60,6 +60,8 @@ class SplitFold:
     arrivals: torch.Tensor | None  # int32 [b x row tiles], zero; None: no request is folded
     max_splits: int  # the kernel merges requests of 2 .. max_splits splits
     combine_left: bool  # a request is empty or has more splits: the combine runs after the fold
+    cluster: int = 0  # every split request's splits can run as one cluster of this size (0: no)
+    empty_requests: bool = False  # a request has no keys (the combine writes its rows)
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,15 @@ class CombineRun:
     folded_up_to: int  # it leaves requests of 2 .. folded_up_to splits alone (0: merges all)
 
 
-def plan_fold(splits_per_request: Sequence[int], rows: int, tile_rows: int, device: torch.device) -> SplitFold:
-    """The fold of one work list: zeroed counters where a request is folded (on ``device``)."""
+def plan_fold(splits_per_request: Sequence[int], rows: int, tile_rows: int, device: torch.device,
+              cluster: int = 0) -> SplitFold:
+    """The fold of one work list: zeroed counters where a request is folded (on ``device``);
+    ``cluster``: the work list's cluster size (:func:`.cluster_fold.work_list_cluster`)."""
     limit = fold_limit(min(tile_rows, rows))
     folded, left = _fold_facts(tuple(splits_per_request), limit)
-    return SplitFold(_counters(len(splits_per_request), rows, device) if folded else None, limit, left)
+    empty = 0 in splits_per_request
+    return SplitFold(_counters(len(splits_per_request), rows, device) if folded else None, limit, left, cluster,
+                     empty)
 
 
 def fixed_fold(batch: int, rows: int, tile_rows: int, device: torch.device) -> SplitFold:
@@ -109,8 +115,11 @@ def kernel_arrivals(fold: SplitFold | None, kernel_folds: bool) -> torch.Tensor 
     return fold.arrivals
 
 
-def combine_after(fold: SplitFold | None, arrivals: torch.Tensor | None) -> CombineRun | None:
-    """The combine's launch once the decode kernel ran with ``arrivals``; None: no combine."""
+def combine_after(fold: SplitFold | None, arrivals: torch.Tensor | None, cluster: int = 0) -> CombineRun | None:
+    """The combine's launch once the decode kernel ran with ``arrivals``, or launched in
+    clusters of ``cluster`` splits (every split request merged there); None: no combine."""
+    if fold is not None and cluster:  # only requests without keys are left
+        return CombineRun(cluster) if fold.empty_requests else None
     if fold is None:  # a work list built elsewhere: nothing known on the host, merge them all
         return CombineRun(0)
     if arrivals is None:  # the kernel folded nothing: merge whatever is split or empty

@@ -110,14 +110,15 @@ def _programmatic_config(grid: tuple[int, ...], block: tuple[int, ...], shared_m
     return config, attr
 
 
-def _check_status(status: int, config: LaunchConfig) -> None:
+def check_status(status: int, config: LaunchConfig) -> None:
+    """A one-line error naming the launch when ``cuLaunchKernelEx`` did not return success."""
     if status != _CUDA_SUCCESS:
         raise SnapmlaError(f"cuLaunchKernelEx failed with CUresult {status} (grid "
                            f"{(config.grid_x, config.grid_y, config.grid_z)}, block "
                            f"{(config.block_x, config.block_y, config.block_z)}, {config.shared_mem} B shared memory)")
 
 
-def _require_launch_kernel_ex():
+def require_launch_kernel_ex():
     fn = _launch_kernel_ex()
     if fn is None:
         raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")
@@ -127,10 +128,10 @@ def _require_launch_kernel_ex():
 def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
                         stream_ptr: int, args: Sequence[object]) -> None:
     """Launch with programmatic stream serialization allowed (see the module docstring)."""
-    fn = _require_launch_kernel_ex()
+    fn = require_launch_kernel_ex()
     config, _attr = _programmatic_config(grid, block, shared_mem, stream_ptr)
     pointers, _values = pack_args(args)
-    _check_status(fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), pointers, None), config)
+    check_status(fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), pointers, None), config)
 
 
 class ProgrammaticLaunch:
@@ -153,9 +154,9 @@ class ProgrammaticLaunch:
     def __call__(self, stream_ptr: int, args: Sequence[object]) -> None:
         """Launch on ``stream_ptr`` with ``args`` (ints for pointers, NumPy scalars or ints for
         values), one per argument type given at construction."""
-        fn = _require_launch_kernel_ex()
+        fn = require_launch_kernel_ex()
         with self._lock:
             self._config.stream = stream_ptr
             for value, arg in zip(self._values, args, strict=True):
                 value.value = arg
-            _check_status(fn(ctypes.byref(self._config), self._function, self._pointers, None), self._config)
+            check_status(fn(ctypes.byref(self._config), self._function, self._pointers, None), self._config)

@@ -80,6 +80,9 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         configs = [heuristic_config(r, True, version) for r in rows]
         source, name = fp8_kernel(configs[0])
         variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
+    # the cluster-merge builds of the defaults (ops/cluster_fold.py: b 64 runs them)
+    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c), CLUSTER_FOLD=1)
+                                             for c in (heuristic_config(r, True, FP8_WGMMA) for r in rows))
     wgmma_fp8: list = []  # every FP8 wgmma layout registered below
     # the wgmma kernel's other warpgroup modes: selectable (verify --fp8-kernel v3-rows /
     # v3-pingpong / v3-alt / v3-rows-m), so CI compiles them too, as the verifier builds them

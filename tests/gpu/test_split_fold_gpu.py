@@ -4,7 +4,9 @@ The fold must give the separate combine's bits: the same decode on the same work
 ``get_mla_metadata`` returned it (its plan carries the arrival counters: the kernel merges) and
 once as a copy (no plan: the combine merges). Outputs are NaN-poisoned, lengths mix empty
 requests, partial pages and long ones cut into many splits; the counters must be back at zero
-after every call, also when the step is replayed from a CUDA graph.
+after every call, also when the step is replayed from a CUDA graph. Where every split request
+has the same 2, 4 or 8 splits the FP8 wgmma kernel runs them as thread-block clusters that merge
+through each other's shared memory (ops/cluster_fold.py): the same bits again.
 """
 
 from __future__ import annotations
@@ -48,12 +50,12 @@ def _columns(cfg):
 class _Step:
     """One decode step of a random problem in one format and configuration."""
 
-    def __init__(self, fp8: bool, cfg, s_q: int, h_q: int, seed: int):
+    def __init__(self, fp8: bool, cfg, s_q: int, h_q: int, seed: int, lens: list[int] = LENS):
         from snapmla_cli.ops.decode import get_mla_metadata
 
         self.device = torch.device("cuda")
-        self.fp8, self.cfg = fp8, cfg
-        self.prob = random_problem(LENS, s_q, h_q, causal=True, seed=seed)
+        self.fp8, self.cfg, self.lens_host = fp8, cfg, lens
+        self.prob = random_problem(lens, s_q, h_q, causal=True, seed=seed)
         self.table = self.prob.layout.block_table.to(self.device)
         self.lens = self.prob.layout.cache_seqlens.to(self.device)
         if fp8:
@@ -65,7 +67,7 @@ class _Step:
     def run(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from snapmla_cli.ops.decode import decode_bf16, decode_fp8
 
-        b, s_q, h_q = len(LENS), self.prob.q.shape[1], self.prob.q.shape[2]
+        b, s_q, h_q = len(self.lens_host), self.prob.q.shape[1], self.prob.q.shape[2]
         out = torch.full((b, s_q, h_q, 512), float("nan"), dtype=torch.bfloat16, device=self.device)
         lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=self.device)
         decode = decode_fp8 if self.fp8 else decode_bf16
@@ -174,3 +176,80 @@ def test_hundreds_of_splits_merge_like_one(h_q):
     assert torch.equal(finite, ~torch.isinf(lse_s))
     torch.testing.assert_close(lse_s[finite], lse_w[finite], rtol=0, atol=2e-5)
     torch.testing.assert_close(out_s.float(), out_w.float(), rtol=2e-2, atol=2e-3)
+
+
+# every request with keys has at least 8 pages: with one block per split at least, a policy
+# capped at n splits a request gives each exactly n (and the empty one none)
+CLUSTER_LENS = [513, 0, 4097, 9000, 700, 2500, 1000, 4600]
+CLUSTER_STEPS = [  # (rows per tile, kernel switches, s_q, h_q, splits per request)
+    (16, {"wg_mode": 3, "row_groups": 1}, 1, 16, 2),
+    (16, {"wg_mode": 3, "row_groups": 1}, 1, 16, 8),
+    (32, {"wg_mode": 3, "row_groups": 2, "stages": 5, "rope_ring": 3}, 2, 16, 2),
+    (20, {"wg_mode": 3, "row_groups": 2}, 1, 20, 4),  # a tile with padding rows
+    (64, {"wg_mode": 4, "row_groups": 4}, 1, 64, 2),
+    (64, {"wg_mode": 4, "row_groups": 4}, 2, 32, 4),
+    (128, {"wg_mode": 4, "row_groups": 4}, 2, 64, 4),  # two row tiles
+]
+CLUSTER_IDS = ["alt16-n2", "alt16-n8", "ring32-n2", "alt20-n4", "rows-m64-n2", "rows-m64-n4", "rows-m128-n4"]
+
+
+def _cluster_step(rows: int, switches: dict, s_q: int, h_q: int, n: int) -> _Step:
+    cfg = _fp8_config(rows, torch.device("cuda"), **switches)
+    cfg = replace(cfg, split=replace(cfg.split, max_splits_per_request=n))
+    return _Step(True, cfg, s_q, h_q, seed=7 * n + h_q, lens=CLUSTER_LENS)
+
+
+def _plan_cluster(meta: torch.Tensor) -> int:
+    """The cluster size the decode plan of ``meta`` launched with (0: none)."""
+    from snapmla_cli.ops import decode_launch
+
+    plans = [p for p in decode_launch._PLANS.values() if p.metadata() is meta]
+    assert len(plans) == 1
+    launch = plans[0].cluster_launch
+    return 0 if launch is None else launch.dims[1]
+
+
+@pytest.mark.parametrize("rows,switches,s_q,h_q,n", CLUSTER_STEPS, ids=CLUSTER_IDS)
+def test_cluster_merge_gives_the_fold_and_combine_bits(rows, switches, s_q, h_q, n, monkeypatch):
+    from snapmla_cli.ops.decode import metadata_plan
+    from snapmla_cli.ops.decode_launch import clear_plans
+
+    step = _cluster_step(rows, switches, s_q, h_q, n)
+    counts = (step.splits[1:] - step.splits[:-1]).tolist()
+    assert sorted(set(counts)) == [0, n]
+    plan = metadata_plan(step.meta)
+    assert plan is not None and plan.fold is not None and plan.fold.cluster == n
+    clear_plans()
+    clustered = step.run(step.meta)
+    assert _plan_cluster(step.meta) == n
+    again = step.run(step.meta)
+    combined = step.run(step.meta.clone())  # no plan: the combine merges
+    monkeypatch.setenv("SNAPMLA_CLUSTER_FOLD", "0")
+    clear_plans()
+    folded = step.run(step.meta)  # the arrival counters (or the combine beyond the fold's limit)
+    assert _plan_cluster(step.meta) == 0
+    torch.cuda.synchronize()
+    assert clustered[0].isfinite().all() and clustered[1][~torch.isinf(clustered[1])].isfinite().all()
+    for other in (again, combined, folded):
+        assert torch.equal(clustered[0], other[0]) and torch.equal(clustered[1], other[1])
+    empty = [i for i, length in enumerate(CLUSTER_LENS) if length == 0]
+    assert torch.all(clustered[0][empty] == 0) and torch.all(clustered[1][empty] == float("inf"))
+
+
+def test_cluster_merge_replays_from_a_cuda_graph():
+    from snapmla_cli.ops.decode_launch import clear_plans
+
+    step = _cluster_step(64, {"wg_mode": 4, "row_groups": 4}, 1, 64, 2)
+    reference = step.run(step.meta.clone())
+    clear_plans()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step.run(step.meta)
+    assert _plan_cluster(step.meta) == 2
+    for _ in range(3):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, reference[0]) and torch.equal(lse, reference[1])
