@@ -18,11 +18,6 @@ constexpr int kRowsPerGroup = 16;      // MMA M: query rows per row group
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// A compile-time int as a type (a generic lambda's template argument).
-template <int kValue>
-struct IntConstant {
-    static constexpr int value = kValue;
-};
 
 // One piece of work: request, its KV blocks [block_begin, block_end) and the partial slot (-1:
 // the request has a single split, write the final output directly). The work list is
@@ -288,6 +283,22 @@ constexpr int kClusterRowStride = kDimV + 8;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 __host__ __device__ constexpr int cluster_partial_bytes(int rows) { return rows * (kClusterRowStride + 1) * 4; }
 
+// Merges float4 columns [rank, rank + 1) x kRowVecs of the tile's rows from the cluster's
+// splits (split s in CTA rank s), the partial rows at shared-memory address `part_addr` in each.
+template <int kThreadsN, int kTileRows, int kRowVecs, class Sync>
+__device__ __forceinline__ void merge_cluster_slice(unsigned part_addr, int n, int rank, const MergeOut& target,
+                                                    int row0, int n_rows, int tid, float* scratch, Sync sync) {
+    const unsigned lse_addr = part_addr + kTileRows * kClusterRowStride * 4;
+    const int vec0 = rank * kRowVecs;
+    auto split_lse = [&](int s, int r) { return ld_shared_cluster_f32(map_shared_rank(lse_addr + 4 * r, s)); };
+    auto split_vec = [&](int s, int r, int j) {
+        return ld_shared_cluster_v4(map_shared_rank(part_addr + 4 * (r * kClusterRowStride + 4 * (vec0 + j)), s));
+    };
+    merge_rows<kThreadsN, kFoldPassRows, kFoldSplitsAtOnce, kMaxFoldedSplits, kRowVecs>(
+        target, n, row0, n_rows, vec0, rank == 0, tid, scratch, scratch + kTileRows * kMaxFoldedSplits, split_lse,
+        split_vec, sync);
+}
+
 // Called by all kThreadsN consumer threads (thread `tid`, barrier `barrier`) after they stored
 // their split's rows [row0, row0 + kTileRows) at `partial` (shared memory: rows of
 // kClusterRowStride floats, then the rows' lse). `scratch`: shared memory for
@@ -296,29 +307,24 @@ template <int kThreadsN, int kTileRows>
 __device__ __forceinline__ void cluster_fold(const float* partial, int n, int rank, int req, int row0, int rows,
                                             __nv_bfloat16* out, float* lse, DecodeShape shape, int tid, int barrier,
                                             float* scratch) {
-    float* totals = scratch + kTileRows * kMaxFoldedSplits;
+    constexpr int kVecsPerRow = kDimV / 4;
     const unsigned part_addr = smem_addr(partial);
-    const unsigned lse_addr = part_addr + kTileRows * kClusterRowStride * 4;
-    __syncwarp();
-    cluster_sync();  // every split's rows are in its shared memory
     const MergeOut target{out, lse, shape, req};
     const int n_rows = min(kTileRows, rows - row0);
-    auto split_lse = [&](int s, int r) { return ld_shared_cluster_f32(map_shared_rank(lse_addr + 4 * r, s)); };
     auto sync = [&]() { named_barrier_sync(barrier, kThreadsN); };
-    auto merge = [&](auto row_vecs) {
-        constexpr int kRowVecs = decltype(row_vecs)::value;
-        const int vec0 = rank * kRowVecs;
-        auto split_vec = [&](int s, int r, int j) {
-            return ld_shared_cluster_v4(map_shared_rank(part_addr + 4 * (r * kClusterRowStride + 4 * (vec0 + j)), s));
-        };
-        merge_rows<kThreadsN, kFoldPassRows, kFoldSplitsAtOnce, kMaxFoldedSplits, kRowVecs>(
-            target, n, row0, n_rows, vec0, rank == 0, tid, scratch, totals, split_lse, split_vec, sync);
-    };
-    constexpr int kVecsPerRow = kDimV / 4;
-    if (n == 2) merge(IntConstant<kVecsPerRow / 2>{});
-    else if (n == 4) merge(IntConstant<kVecsPerRow / 4>{});
-    else if (n == kMaxClusterSplits) merge(IntConstant<kVecsPerRow / kMaxClusterSplits>{});
-    else __trap();  // a launch without a cluster of 2, 4 or 8 (the host never makes one)
+    __syncwarp();
+    cluster_sync();  // every split's rows are in its shared memory
+    if (n == 2)
+        merge_cluster_slice<kThreadsN, kTileRows, kVecsPerRow / 2>(part_addr, n, rank, target, row0, n_rows, tid,
+                                                                   scratch, sync);
+    else if (n == 4)
+        merge_cluster_slice<kThreadsN, kTileRows, kVecsPerRow / 4>(part_addr, n, rank, target, row0, n_rows, tid,
+                                                                   scratch, sync);
+    else if (n == kMaxClusterSplits)
+        merge_cluster_slice<kThreadsN, kTileRows, kVecsPerRow / kMaxClusterSplits>(part_addr, n, rank, target, row0,
+                                                                                   n_rows, tid, scratch, sync);
+    else
+        __trap();  // a launch without a cluster of 2, 4 or 8 (the host never makes one)
     __syncwarp();
     cluster_sync();  // the others have read this CTA's rows
 }
