@@ -27,7 +27,9 @@ from snapmla_cli.numerics.problem import random_problem
 from snapmla_cli.numerics.quant import quantize_rows
 
 CASES = [([0, 1, 65, 300], 1, 16, False), ([70, 129], 2, 16, True), ([200, 0, 64], 1, 64, True),
-         ([130], 3, 20, True), ([333, 64], 2, 64, True)]
+         ([130], 3, 20, True), ([333, 64], 2, 64, True),
+         # equal requests: their splits run as thread-block clusters (ops/cluster_fold.py), 4 and 2
+         ([1000, 1000], 1, 64, True), ([600, 0, 600], 2, 16, True)]
 # far looser than the kernels' gates (FP8 P rounding gives ~3e-3): only a value read before it
 # was written (an L partial or a P tile of another page) lands above these
 FP8_VALUE_GATE, BF16_VALUE_GATE = 3e-2, 1e-2
