@@ -12,6 +12,11 @@ took 93 us with the fold against 24 with the combine) is left to the combine ker
 spreads it over a CTA per row: the fold takes requests of at most ``fold_limit(tile rows)``
 splits.
 
+Where every split request has the same number of splits (2, 4 or 8), the FP8 wgmma kernel
+runs each request's splits as one thread-block cluster instead, merging through their shared
+memory (:mod:`.cluster_fold`); ``SplitFold.cluster`` carries that size, and the combine is then
+left the requests without keys only.
+
 The counters are made here, per work list, by ``get_mla_metadata`` (one small zeroed buffer a
 decode step, shared by its layers, which run in turn): a work list that is copied, e.g. into an
 engine's static buffer for CUDA graphs, has no plan recorded and runs the combine, as does a
