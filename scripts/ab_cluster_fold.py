@@ -16,7 +16,7 @@ import os
 import statistics
 
 import torch
-from ab_split_fold import SHAPES  # this folder is sys.path[0]; the same shapes as the fold's A/B
+from ab_split_fold import add_sweep_arguments, sweep  # this folder is sys.path[0]
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import BURST, time_graph
@@ -32,31 +32,26 @@ def planned_clusters() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ctx", default="16384,131072")
-    ap.add_argument("--shapes", default=SHAPES, help="h_q:s_q pairs")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    add_sweep_arguments(ap, "16384,131072")
     args = ap.parse_args()
     device = torch.device("cuda")
-    for shape in args.shapes.split(","):
-        h_q, s_q = (int(x) for x in shape.split(":"))
-        for ctx in (int(c) for c in args.ctx.split(",")):
-            case = DecodeCase.build([ctx] * args.batch, s_q, h_q, device)
-            call = case.fp8()
-            times: dict[str, list[float]] = {"A": [], "B": []}
-            cluster = 0
-            for _ in range(args.rounds):
-                for side, value in (("A", "1"), ("B", "0")):
-                    os.environ["SNAPMLA_CLUSTER_FOLD"] = value
-                    decode_launch.clear_plans()  # planned again under this side's switch
-                    times[side].append(time_graph(call, clocks=BURST) * 1e6)
-                    if side == "A":
-                        cluster = planned_clusters()
-            os.environ.pop("SNAPMLA_CLUSTER_FOLD", None)
-            a, b = statistics.median_high(times["A"]), statistics.median_high(times["B"])
-            print(f"fp8 b{args.batch} h{h_q} s{s_q} {ctx // 1024}k: cluster {cluster}: A {a:.1f} us, "
-                  f"B {b:.1f} us, A/B {a / b:.4f}", flush=True)
-            del case
+    for h_q, s_q, ctx in sweep(args):
+        case = DecodeCase.build([ctx] * args.batch, s_q, h_q, device)
+        call = case.fp8()
+        times: dict[str, list[float]] = {"A": [], "B": []}
+        cluster = 0
+        for _ in range(args.rounds):
+            for side, value in (("A", "1"), ("B", "0")):
+                os.environ["SNAPMLA_CLUSTER_FOLD"] = value
+                decode_launch.clear_plans()  # planned again under this side's switch
+                times[side].append(time_graph(call, clocks=BURST) * 1e6)
+                if side == "A":
+                    cluster = planned_clusters()
+        os.environ.pop("SNAPMLA_CLUSTER_FOLD", None)
+        a, b = statistics.median_high(times["A"]), statistics.median_high(times["B"])
+        print(f"fp8 b{args.batch} h{h_q} s{s_q} {ctx // 1024}k: cluster {cluster}: A {a:.1f} us, "
+              f"B {b:.1f} us, A/B {a / b:.4f}", flush=True)
+        del case
 
 
 if __name__ == "__main__":

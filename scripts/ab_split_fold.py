@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from collections.abc import Iterator
 
 import torch
 
@@ -25,6 +26,22 @@ from snapmla_cli.ops import split_fold
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata, metadata_plan
 
 SHAPES = "16:1,16:2,32:1,32:2,64:1,128:1,128:2"
+
+
+def add_sweep_arguments(ap: argparse.ArgumentParser, ctx: str, shapes: str = SHAPES) -> None:
+    """The A/B scripts' sweep: contexts, h_q:s_q pairs, batch, rounds of alternation."""
+    ap.add_argument("--ctx", default=ctx)
+    ap.add_argument("--shapes", default=shapes, help="h_q:s_q pairs")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+
+
+def sweep(args: argparse.Namespace) -> Iterator[tuple[int, int, int]]:
+    """(h_q, s_q, context) of every shape and context of :func:`add_sweep_arguments`."""
+    for shape in args.shapes.split(","):
+        h_q, s_q = (int(x) for x in shape.split(":"))
+        for ctx in (int(c) for c in args.ctx.split(",")):
+            yield h_q, s_q, ctx
 
 
 def step(case: DecodeCase, fp8: bool, meta: torch.Tensor, splits: torch.Tensor, cfg):

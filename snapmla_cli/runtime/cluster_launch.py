@@ -31,26 +31,10 @@ def cluster_attribute(dims: tuple[int, int, int]) -> pdl.LaunchAttribute:
     return attr
 
 
-def _config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_ptr: int,
-            attr: pdl.LaunchAttribute) -> pdl.LaunchConfig:
-    g = (*grid, 1, 1)[:3]
-    b = (*block, 1, 1)[:3]
-    return pdl.LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, ctypes.c_void_p(stream_ptr),
-                            ctypes.pointer(attr), 1)
-
-
 @lru_cache(maxsize=1)
 def _occupancy_fn():
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    fn = getattr(libcuda, "cuOccupancyMaxActiveClusters", None)
-    if fn is None:  # a driver older than CUDA 11.8
-        return None
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(pdl.LaunchConfig)]
-    return fn
+    return pdl.driver_function("cuOccupancyMaxActiveClusters",
+                               [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(pdl.LaunchConfig)])
 
 
 def max_active_clusters(function_ptr: int, dims: tuple[int, int, int], block: tuple[int, ...],
@@ -62,7 +46,7 @@ def max_active_clusters(function_ptr: int, dims: tuple[int, int, int], block: tu
     if fn is None or not pdl.available():
         return 0
     attr = cluster_attribute(dims)
-    config = _config(dims, block, shared_mem, 0, attr)
+    config = pdl.launch_config(dims, block, shared_mem, 0, attr)
     count = ctypes.c_int(0)
     status = fn(ctypes.byref(count), ctypes.c_void_p(function_ptr), ctypes.byref(config))
     return count.value if status == _CUDA_SUCCESS else 0
@@ -82,7 +66,7 @@ class ClusterLaunch:
             raise SnapmlaError(f"cluster launch: grid {grid} is not a multiple of the cluster {dims}")
         self.dims = dims
         self._attr = cluster_attribute(dims)
-        self._config = _config(grid, block, shared_mem, 0, self._attr)
+        self._config = pdl.launch_config(grid, block, shared_mem, 0, self._attr)
         self._function = ctypes.c_void_p(function_ptr)
         self._values: list[object] | None = None
         self._pointers: ctypes.Array | None = None

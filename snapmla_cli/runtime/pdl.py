@@ -61,18 +61,29 @@ def enabled() -> bool:
 
 
 @lru_cache(maxsize=1)
-def _launch_kernel_ex():
+def _libcuda() -> ctypes.CDLL | None:
     try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
+        return ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    fn = getattr(libcuda, "cuLaunchKernelEx", None)
-    if fn is None:  # a driver older than CUDA 12.0
+
+
+def driver_function(name: str, argtypes: Sequence[object]):
+    """``libcuda``'s ``name`` returning a ``CUresult``, or None without a driver or where the
+    driver is too old to have it."""
+    libcuda = _libcuda()
+    fn = None if libcuda is None else getattr(libcuda, name, None)
+    if fn is None:
         return None
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
-                   ctypes.POINTER(ctypes.c_void_p)]
+    fn.argtypes = list(argtypes)
     return fn
+
+
+@lru_cache(maxsize=1)
+def _launch_kernel_ex():
+    return driver_function("cuLaunchKernelEx", [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
+                                                ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)])
 
 
 def available() -> bool:
@@ -100,14 +111,19 @@ def _programmatic_config(grid: tuple[int, ...], block: tuple[int, ...], shared_m
                          stream_ptr: int) -> tuple[LaunchConfig, LaunchAttribute]:
     """The launch configuration with the programmatic-serialization attribute (the attribute is
     returned too: the configuration points into it)."""
-    g = (*grid, 1, 1)[:3]
-    b = (*block, 1, 1)[:3]
     attr = LaunchAttribute()
     attr.id = LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
     ctypes.c_int.from_buffer(attr.value).value = 1  # programmaticStreamSerializationAllowed
-    config = LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, ctypes.c_void_p(stream_ptr),
-                          ctypes.pointer(attr), 1)
-    return config, attr
+    return launch_config(grid, block, shared_mem, stream_ptr, attr), attr
+
+
+def launch_config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_ptr: int,
+                  attr: LaunchAttribute) -> LaunchConfig:
+    """A ``CUlaunchConfig`` with one attribute (which the caller keeps alive with it)."""
+    g = (*grid, 1, 1)[:3]
+    b = (*block, 1, 1)[:3]
+    return LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, ctypes.c_void_p(stream_ptr),
+                        ctypes.pointer(attr), 1)
 
 
 def check_status(status: int, config: LaunchConfig) -> None:
