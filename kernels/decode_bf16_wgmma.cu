@@ -44,6 +44,9 @@
 #ifndef COLUMN_ITEMS
 #define COLUMN_ITEMS 0  // 1: a CTA runs the column of work items its list row starts (see WorkItem)
 #endif
+#ifndef CLUSTER_FOLD
+#define CLUSTER_FOLD 0  // 1: a request's splits run as one cluster and merge through shared memory
+#endif
 #ifndef MIN_CTAS_PER_SM
 #define MIN_CTAS_PER_SM 1
 #endif
@@ -58,6 +61,7 @@ namespace snapmla {
 namespace bf16wg {
 
 constexpr bool kColumnItems = COLUMN_ITEMS;
+constexpr bool kClusterFold = CLUSTER_FOLD != 0;
 constexpr int kRows = 16 * ROW_GROUPS;
 // CTA roles and the register split: common/warp_roles.cuh
 using roles::kConsumerThreads;
@@ -105,6 +109,8 @@ constexpr int kSmemAlign = 1024;
 constexpr int kMaxSmemPerCta = 232448;
 
 static_assert(kRows == 64, "the rows are wgmma's M = 64: ROW_GROUPS is 4");
+static_assert(!CLUSTER_FOLD || !COLUMN_ITEMS, "a cluster holds one request's splits, one item per CTA");
+static_assert(!kClusterFold || cluster_partial_bytes(kRows) <= STAGES * kPageBytes, "a cluster split's rows fit in the stages");
 static_assert(kQTileBytes == kTileBytes, "Q and K tiles share k-step offsets");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(kSmemBytes + kSmemAlign <= kMaxSmemPerCta, "STAGES pages of 72 KB exceed shared memory");
@@ -420,26 +426,37 @@ __device__ __forceinline__ void consume(const Params& p, unsigned char* smem, un
     const int partial = __ldg(&p.work[kColumnItems ? item : static_cast<int>(blockIdx.y)].partial);
     const bool to_partial = partial >= 0;
     const long part_rows = static_cast<long>(partial) * rows;
+    // CLUSTER_FOLD: a split's rows go to its own stages (free: both warpgroups passed the barrier
+    // after the page loop), merged across the cluster below (decode_fp8_wgmma.cu does the same)
+    const bool to_cluster = kClusterFold && to_partial;
+    float* cluster_rows = reinterpret_cast<float*>(smem + kOffStages);
+    float* const partial_out = kClusterFold ? cluster_rows : p.partial_out;
 #pragma unroll
     for (int h = 0; h < kRowsPerThread; ++h) {
         const int row = row0 + row_of[h];
         if (row >= rows) continue;
-        const long base = to_partial ? (part_rows + row) * kDimV : (row_base + row) * kDimV;
+        const long base = to_partial ? (kClusterFold ? row_of[h] * kClusterRowStride : (part_rows + row) * kDimV)
+                                     : (row_base + row) * kDimV;
 #pragma unroll
         for (int j = 0; j < kOAcc / 4; ++j) {
             const int dim = wg * kWgDims + 8 * j + 2 * c;
-            store_out2(p.out, p.partial_out, base + dim, to_partial, o[4 * j + 2 * h] * rcp[h],
+            store_out2(p.out, partial_out, base + dim, to_partial, o[4 * j + 2 * h] * rcp[h],
                        o[4 * j + 2 * h + 1] * rcp[h]);
         }
         if (wg == 0 && c == 0) {
             const float value = m_run[h] > -INFINITY ? m_run[h] * kLn2 + logf(total[h])
                                                      : (to_partial ? -INFINITY : INFINITY);
-            if (to_partial) p.partial_lse[part_rows + row] = value;
+            if (to_cluster) cluster_rows[kRows * kClusterRowStride + row_of[h]] = value;
+            else if (to_partial) p.partial_lse[part_rows + row] = value;
             else p.lse[lse_index(req, row, p.shape)] = value;
         }
     }
-    // the last split of the request to get here merges them all (Q's tiles are free now)
-    if (to_partial && num_blocks > 0 && p.fold.arrivals != nullptr)
+    // the cluster merges its splits together; otherwise the last split of the request to get
+    // here merges them all (Q's tiles are free now)
+    if (to_cluster)
+        cluster_fold<kConsumerThreads, kRows>(cluster_rows, cluster_size(), cluster_rank(), req, row0, rows, p.out, p.lse,
+                                              p.shape, tid, kBarConsumers, reinterpret_cast<float*>(smem + kOffQ));
+    else if (to_partial && num_blocks > 0 && p.fold.arrivals != nullptr)
         fold_split<kConsumerThreads, kRows>(p.fold, req, row0, rows, p.partial_out, p.partial_lse, p.out, p.lse,
                                             p.shape, tid, kBarConsumers, reinterpret_cast<float*>(smem + kOffQ));
 }

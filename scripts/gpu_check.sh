@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|ab32-rest|ab-pipe|cluster|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|ab32-rest|ab-pipe|cluster|cluster16|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -22,7 +22,7 @@
 # `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
 # `clocks`: the SM clock of the 64-row tiles at burst clocks (phase traces of h64 s1, h128 s1 / s2, 128k;
 # then NVML's clock, power and clock-event reasons during 3 s of replays, scripts/clock_reasons.py);
-# `cluster`: the cluster merge's GPU tests and its A/B (scripts/ab_cluster_fold.py);
+# `cluster`, `cluster16`: the cluster merge's GPU tests and its A/B, FP8 / BF16 (scripts/ab_cluster_fold.py);
 # `tail`, `voff`: the rows = M and V^T-offset build switches' GPU tests and A/Bs; `race`: racecheck with
 # each hazard named; `ship64`, `ship64-rest`, `ship64-b1`: re-tune the FP8 entries of 64+ rows at b 64 / the other
 # batches / b 1 16k.
@@ -165,6 +165,10 @@ for step in $steps; do
             # merge through the global partials at b 64, every shape, 16k / 32k / 128k
             python3 -m pytest -q -m gpu tests/gpu/test_split_fold_gpu.py 2>&1 | tee "$OUT/cluster_tests.log" | tail -4
             python3 scripts/ab_cluster_fold.py --ctx 16384,32768,131072 2>&1 | tee "$OUT/ab_cluster.log" | tail -24 ;;
+    cluster16) # the BF16 baseline's cluster merge: the split-merge GPU tests, its A/B at 16k
+            python3 -m pytest -q -m gpu tests/gpu/test_split_fold_gpu.py 2>&1 | tee "$OUT/cluster_tests.log" | tail -4
+            python3 scripts/ab_cluster_fold.py --ctx 16384 --shapes 16:1,32:1,32:2,64:1 --formats bf16 2>&1 \
+              | tee "$OUT/ab_cluster16.log" | tail -8 ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
     ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \

@@ -105,11 +105,13 @@ def test_get_mla_metadata_records_the_cluster():
     assert plan is not None and plan.fold is not None and plan.fold.cluster == 2
 
 
-def test_only_the_fp8_wgmma_kernel_with_one_item_per_cta_takes_clusters(monkeypatch):
+def test_only_wgmma_kernels_with_one_item_per_cta_take_clusters(monkeypatch):
     for rows in (16, 32, 64, 128):
         assert cluster_capable(heuristic_config(rows), True)
-        assert not cluster_capable(heuristic_config(rows, False), False)
         assert not cluster_capable(heuristic_config(rows, True, 2), True)  # mma.sync
+        assert not cluster_capable(heuristic_config(rows, False, 2), False)
+    assert cluster_capable(heuristic_config(64, False), False)  # the BF16 wgmma kernel, 2 stages of 72 KB
+    assert not cluster_capable(heuristic_config(128, False), False)  # its 128-row default runs columns
     cfg = heuristic_config(64)
     assert not cluster_capable(balanced(cfg), True)  # its build runs columns
     two_stages = variant_config(64, stages=2)

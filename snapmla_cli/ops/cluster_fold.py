@@ -13,8 +13,8 @@ the combine, so the same bits).
 
 It applies when every request with keys has the same split count ``n`` in
 :data:`CLUSTER_SIZES`, the work list places each request's splits side by side in split order
-at a multiple of ``n`` (``schedule`` orders such plans so), one item per CTA, the FP8 wgmma
-kernel runs, and the GPU can hold every cluster of the grid at once (a cluster's CTAs are
+at a multiple of ``n`` (``schedule`` orders such plans so), one item per CTA, a wgmma kernel
+(FP8 or the BF16 baseline) runs, and the GPU can hold every cluster of the grid at once (a cluster's CTAs are
 placed together on one GPC: where the grid's clusters do not fit in one wave, the plan's one
 wave of CTAs would become two). ``SNAPMLA_CLUSTER_FOLD=0`` turns it off (A/B timing, an escape
 hatch), as ``SNAPMLA_PDL=0`` does for programmatic launches.

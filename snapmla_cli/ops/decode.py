@@ -272,18 +272,16 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
     kernel = None
     cluster = 0
     if num_work > 0:
-        if fp8:
-            cluster = planned_cluster(0 if fold is None else fold.cluster, cluster_capable(cfg, fp8))
-            if cluster:
-                kernel = rt.get_kernel(*fp8_kernel(cfg), {**fp8_defines(cfg), "CLUSTER_FOLD": 1},
-                                       dynamic_smem=shared_mem)
-                if not holds_a_wave(kernel.function.ptr, cluster, grid, block, shared_mem,
-                                    cfg.split.num_sms * cfg.split.ctas_per_sm):
-                    cluster = 0
-            if not cluster:
-                kernel = rt.get_kernel(*fp8_kernel(cfg), fp8_defines(cfg))
-        else:
-            kernel = rt.get_kernel(*bf16_kernel(cfg), bf16_defines(cfg))
+        source_name = fp8_kernel(cfg) if fp8 else bf16_kernel(cfg)
+        defines = fp8_defines(cfg) if fp8 else bf16_defines(cfg)
+        cluster = planned_cluster(0 if fold is None else fold.cluster, cluster_capable(cfg, fp8))
+        if cluster:
+            kernel = rt.get_kernel(*source_name, {**defines, "CLUSTER_FOLD": 1}, dynamic_smem=shared_mem)
+            if not holds_a_wave(kernel.function.ptr, cluster, grid, block, shared_mem,
+                                cfg.split.num_sms * cfg.split.ctas_per_sm):
+                cluster = 0
+        if not cluster:
+            kernel = rt.get_kernel(*source_name, defines)
     run = combine_after(fold, arrivals, cluster)
     rows_per_cta = combine_rows_per_cta(b * rows)
     combine = None if run is None else rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta})

@@ -165,18 +165,21 @@ def wgmma_smem_bytes(cfg: DecodeConfig) -> int:
 CLUSTER_ROW_STRIDE = 512 + 8
 
 
-def cluster_rows_fit(cfg: DecodeConfig) -> bool:
+def cluster_rows_fit(cfg: DecodeConfig, fp8: bool = True) -> bool:
     """Whether a row tile's partial rows fit in the wgmma kernel's stages, where its cluster
-    build keeps them (decode_fp8_wgmma.cu's static_assert on cluster_partial_bytes)."""
-    stage_bytes = WGMMA_CONTENT_BYTES if cfg.rope_ring else WGMMA_STAGE_BYTES
+    build keeps them (the kernels' static_assert on cluster_partial_bytes)."""
+    if fp8:
+        stage_bytes = WGMMA_CONTENT_BYTES if cfg.rope_ring else WGMMA_STAGE_BYTES
+    else:
+        stage_bytes = PAGE_TOKENS * BF16_WGMMA_ROW_BYTES
     return cfg.block_m * (CLUSTER_ROW_STRIDE + 1) * 4 <= cfg.stages * stage_bytes
 
 
 def cluster_capable(cfg: DecodeConfig, fp8: bool) -> bool:
     """Whether the kernel of ``cfg`` can merge a request's splits as one cluster
-    (ops/cluster_fold.py): the FP8 wgmma kernel with one item per CTA and room for the rows.
-    The other kernels' epilogues merge through the global partials only."""
-    return fp8 and cfg.wgmma and not runs_columns(cfg, fp8) and cluster_rows_fit(cfg)
+    (ops/cluster_fold.py): a wgmma kernel (either format) with one item per CTA and room for
+    the rows. The mma.sync kernels merge through the global partials only."""
+    return cfg.wgmma and not runs_columns(cfg, fp8) and cluster_rows_fit(cfg, fp8)
 
 
 def fp8_smem_bytes(cfg: DecodeConfig) -> int:

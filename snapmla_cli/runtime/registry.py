@@ -104,6 +104,8 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
                         for c in list(configs.values()) if column_capable(c, False)})
         source, name = bf16_kernel(next(iter(configs.values())))
         variants[source] = tuple(variant(name, **bf16_defines(c)) for c in configs.values())
+        if version == BF16_WGMMA:  # its cluster-merge build (ops/cluster_fold.py)
+            variants[source] += (variant(name, **bf16_defines(heuristic_config(64, False, version)), CLUSTER_FOLD=1),)
     variants["combine.cu"] = tuple(variant("snapmla_combine", COMBINE_ROWS=r) for r in (1, 4))
     return variants
 

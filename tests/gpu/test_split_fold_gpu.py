@@ -5,7 +5,7 @@ The fold must give the separate combine's bits: the same decode on the same work
 once as a copy (no plan: the combine merges). Outputs are NaN-poisoned, lengths mix empty
 requests, partial pages and long ones cut into many splits; the counters must be back at zero
 after every call, also when the step is replayed from a CUDA graph. Where every split request
-has the same 2, 4 or 8 splits the FP8 wgmma kernel runs them as thread-block clusters that merge
+has the same 2, 4 or 8 splits the wgmma kernels run them as thread-block clusters that merge
 through each other's shared memory (ops/cluster_fold.py): the same bits again.
 """
 
@@ -181,22 +181,25 @@ def test_hundreds_of_splits_merge_like_one(h_q):
 # every request with keys has at least 8 pages: with one block per split at least, a policy
 # capped at n splits a request gives each exactly n (and the empty one none)
 CLUSTER_LENS = [513, 0, 4097, 9000, 700, 2500, 1000, 4600]
-CLUSTER_STEPS = [  # (rows per tile, kernel switches, s_q, h_q, splits per request)
-    (16, {"wg_mode": 3, "row_groups": 1}, 1, 16, 2),
-    (16, {"wg_mode": 3, "row_groups": 1}, 1, 16, 8),
-    (32, {"wg_mode": 3, "row_groups": 2, "stages": 5, "rope_ring": 3}, 2, 16, 2),
-    (20, {"wg_mode": 3, "row_groups": 2}, 1, 20, 4),  # a tile with padding rows
-    (64, {"wg_mode": 4, "row_groups": 4}, 1, 64, 2),
-    (64, {"wg_mode": 4, "row_groups": 4}, 2, 32, 4),
-    (128, {"wg_mode": 4, "row_groups": 4}, 2, 64, 4),  # two row tiles
+CLUSTER_STEPS = [  # (fp8, rows per tile, kernel switches, s_q, h_q, splits per request)
+    (True, 16, {"wg_mode": 3, "row_groups": 1}, 1, 16, 2),
+    (True, 16, {"wg_mode": 3, "row_groups": 1}, 1, 16, 8),
+    (True, 32, {"wg_mode": 3, "row_groups": 2, "stages": 5, "rope_ring": 3}, 2, 16, 2),
+    (True, 20, {"wg_mode": 3, "row_groups": 2}, 1, 20, 4),  # a tile with padding rows
+    (True, 64, {"wg_mode": 4, "row_groups": 4}, 1, 64, 2),
+    (True, 64, {"wg_mode": 4, "row_groups": 4}, 2, 32, 4),
+    (True, 128, {"wg_mode": 4, "row_groups": 4}, 2, 64, 4),  # two row tiles
+    (False, 64, {}, 1, 64, 2),  # the BF16 baseline's wgmma kernel
+    (False, 32, {}, 2, 16, 4),
 ]
-CLUSTER_IDS = ["alt16-n2", "alt16-n8", "ring32-n2", "alt20-n4", "rows-m64-n2", "rows-m64-n4", "rows-m128-n4"]
+CLUSTER_IDS = ["alt16-n2", "alt16-n8", "ring32-n2", "alt20-n4", "rows-m64-n2", "rows-m64-n4", "rows-m128-n4",
+               "bf16-64-n2", "bf16-32-n4"]
 
 
-def _cluster_step(rows: int, switches: dict, s_q: int, h_q: int, n: int) -> _Step:
-    cfg = _fp8_config(rows, torch.device("cuda"), **switches)
+def _cluster_step(fp8: bool, rows: int, switches: dict, s_q: int, h_q: int, n: int) -> _Step:
+    cfg = _fp8_config(rows, torch.device("cuda"), **switches) if fp8 else _bf16_config(rows)
     cfg = replace(cfg, split=replace(cfg.split, max_splits_per_request=n))
-    return _Step(True, cfg, s_q, h_q, seed=7 * n + h_q, lens=CLUSTER_LENS)
+    return _Step(fp8, cfg, s_q, h_q, seed=7 * n + h_q, lens=CLUSTER_LENS)
 
 
 def _plan_cluster(meta: torch.Tensor) -> int:
@@ -209,12 +212,12 @@ def _plan_cluster(meta: torch.Tensor) -> int:
     return 0 if launch is None else launch.dims[1]
 
 
-@pytest.mark.parametrize("rows,switches,s_q,h_q,n", CLUSTER_STEPS, ids=CLUSTER_IDS)
-def test_cluster_merge_gives_the_fold_and_combine_bits(rows, switches, s_q, h_q, n, monkeypatch):
+@pytest.mark.parametrize("fp8,rows,switches,s_q,h_q,n", CLUSTER_STEPS, ids=CLUSTER_IDS)
+def test_cluster_merge_gives_the_fold_and_combine_bits(fp8, rows, switches, s_q, h_q, n, monkeypatch):
     from snapmla_cli.ops.decode import metadata_plan
     from snapmla_cli.ops.decode_launch import clear_plans
 
-    step = _cluster_step(rows, switches, s_q, h_q, n)
+    step = _cluster_step(fp8, rows, switches, s_q, h_q, n)
     counts = (step.splits[1:] - step.splits[:-1]).tolist()
     assert sorted(set(counts)) == [0, n]
     plan = metadata_plan(step.meta)
@@ -239,7 +242,7 @@ def test_cluster_merge_gives_the_fold_and_combine_bits(rows, switches, s_q, h_q,
 def test_cluster_merge_replays_from_a_cuda_graph():
     from snapmla_cli.ops.decode_launch import clear_plans
 
-    step = _cluster_step(64, {"wg_mode": 4, "row_groups": 4}, 1, 64, 2)
+    step = _cluster_step(True, 64, {"wg_mode": 4, "row_groups": 4}, 1, 64, 2)
     reference = step.run(step.meta.clone())
     clear_plans()
     torch.cuda.synchronize()
