@@ -12,8 +12,8 @@ took 93 us with the fold against 24 with the combine) is left to the combine ker
 spreads it over a CTA per row: the fold takes requests of at most ``fold_limit(tile rows)``
 splits.
 
-Where every split request has the same number of splits (2, 4 or 8), the FP8 wgmma kernel
-runs each request's splits as one thread-block cluster instead, merging through their shared
+Where every split request has the same number of splits (2, 4 or 8), the wgmma kernels run
+each request's splits as one thread-block cluster instead, merging through their shared
 memory (:mod:`.cluster_fold`); ``SplitFold.cluster`` carries that size, and the combine is then
 left the requests without keys only.
 
