@@ -276,9 +276,10 @@ __device__ __forceinline__ void fold_split(const SplitFold& fold, int req, int r
 // through L2, no CTA waits for an arrival counter, and the merge is spread over the n CTAs
 // instead of done by the last one. A second sync keeps every CTA's shared memory alive until the
 // others have read it.
-// A partial row's stride in floats: the epilogue's O^T stores put rows 2c (c = 0..3, a lane's
-// quad index) 2 x 520 floats apart, 16 banks, so a warp's 8-byte stores take the two wavefronts
-// they need (with 512 the four row pairs would share 16 banks: four).
+// A partial row's stride in floats: the FP8 epilogue's O^T stores put rows 2c (c = 0..3, a
+// lane's quad index) 2 x 520 floats apart, 16 banks, so a warp's 8-byte stores take the two
+// wavefronts they need (with 512 the four row pairs would share 16 banks: four); the BF16
+// epilogue's rows g (g = 0..7) fall 8 banks apart, two wavefronts as well.
 constexpr int kClusterRowStride = kDimV + 8;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 __host__ __device__ constexpr int cluster_partial_bytes(int rows) { return rows * (kClusterRowStride + 1) * 4; }

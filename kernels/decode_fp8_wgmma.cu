@@ -215,11 +215,11 @@ constexpr bool kAltPages = WG_MODE == 3 || kRowsM;
 // derives the lane offsets again per page; the one-item build keeps both (its SASS unchanged).
 constexpr bool kRowsMColumns = kRowsM && COLUMN_ITEMS;
 constexpr bool kTailZero = TAIL_ZERO && WG_MODE == 4;
+constexpr bool kClusterFold = CLUSTER_FOLD != 0;
+static_assert(!CLUSTER_FOLD || !COLUMN_ITEMS, "a cluster holds one request's splits, one item per CTA");
 // alternate pages, one item per CTA: the V^T fragments' shared-memory addresses from one offset per
 // page (the column builds keep their code: rows = M's derives the lane again per page, see
 // kRowsMColumns; WG_MODE 6 builds no fragments)
-constexpr bool kClusterFold = CLUSTER_FOLD != 0;
-static_assert(!CLUSTER_FOLD || !COLUMN_ITEMS, "a cluster holds one request's splits, one item per CTA");
 constexpr bool kVOffsets = V_OFFSETS && (WG_MODE == 3 || WG_MODE == 4) && !COLUMN_ITEMS;
 constexpr int kGammaEarly = 4;
 constexpr int kRows = 16 * ROW_GROUPS;
