@@ -27,8 +27,7 @@ from snapmla_cli.ops import decode_launch
 def planned_clusters() -> int:
     """The cluster size of the stored decode plans (one shape's: they were cleared before it;
     0: launched without)."""
-    sizes = [p.cluster_launch.dims[1] for p in decode_launch._PLANS.values() if p.cluster_launch is not None]
-    return max(sizes, default=0)
+    return max((p.cluster_size for p in decode_launch.stored_plans()), default=0)
 
 
 def main() -> None:

@@ -71,6 +71,11 @@ class DecodePlan:
     # counters): never a caller's tensor, which a plan must not keep alive
     keep: tuple[object, ...]
 
+    @property
+    def cluster_size(self) -> int:
+        """The thread-block cluster the decode kernel is launched in (0: none)."""
+        return 0 if self.cluster_launch is None else self.cluster_launch.dims[1]
+
     def holds_for(self, metadata: torch.Tensor, config: DecodeConfig | None) -> bool:
         return self.metadata() is metadata and self.config is config
 
@@ -120,6 +125,11 @@ def store_plan(key: tuple[object, ...], plan: DecodePlan) -> None:
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
     _PLANS[key] = plan
+
+
+def stored_plans() -> list[DecodePlan]:
+    """The plans kept now (for diagnostics and A/B scripts: which launch a call replays)."""
+    return list(_PLANS.values())
 
 
 def clear_plans() -> None:

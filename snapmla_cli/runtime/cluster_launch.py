@@ -12,15 +12,12 @@ clusters than SMs / n may fit at once: :func:`max_active_clusters` asks the driv
 from __future__ import annotations
 
 import ctypes
-import threading
-from collections.abc import Sequence
 from functools import lru_cache
 
 from ..errors import SnapmlaError
 from . import pdl
 
 LAUNCH_ATTR_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID (cuda.h)
-_CUDA_SUCCESS = 0
 
 
 def cluster_attribute(dims: tuple[int, int, int]) -> pdl.LaunchAttribute:
@@ -49,37 +46,19 @@ def max_active_clusters(function_ptr: int, dims: tuple[int, int, int], block: tu
     config = pdl.launch_config(dims, block, shared_mem, 0, attr)
     count = ctypes.c_int(0)
     status = fn(ctypes.byref(count), ctypes.c_void_p(function_ptr), ctypes.byref(config))
-    return count.value if status == _CUDA_SUCCESS else 0
+    return count.value if status == pdl.CUDA_SUCCESS else 0
 
 
-class ClusterLaunch:
-    """One kernel's launch in clusters of ``dims``, its configuration built once (the decode
-    call's hot path). The argument buffers take their C types from the first call's arguments
-    (ints: pointers; NumPy scalars: their own type), which a prepared decode plan keeps fixed; a
-    lock keeps two threads from filling them at once."""
+class ClusterLaunch(pdl.PreparedLaunch):
+    """One kernel's launch in clusters of ``dims`` (the decode call's hot path): a
+    :class:`pdl.PreparedLaunch` with the cluster-dimension attribute, its argument types those
+    of the first call (a prepared decode plan keeps them fixed)."""
 
-    __slots__ = ("_attr", "_config", "_function", "_lock", "_pointers", "_values", "dims")
+    __slots__ = ("dims",)
 
     def __init__(self, function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
                  dims: tuple[int, int, int]) -> None:
         if any(g % d for g, d in zip((*grid, 1, 1)[:3], dims, strict=True)):
             raise SnapmlaError(f"cluster launch: grid {grid} is not a multiple of the cluster {dims}")
+        super().__init__(function_ptr, grid, block, shared_mem, cluster_attribute(dims))
         self.dims = dims
-        self._attr = cluster_attribute(dims)
-        self._config = pdl.launch_config(grid, block, shared_mem, 0, self._attr)
-        self._function = ctypes.c_void_p(function_ptr)
-        self._values: list[object] | None = None
-        self._pointers: ctypes.Array | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self, stream_ptr: int, args: Sequence[object]) -> None:
-        """Launch on ``stream_ptr`` with ``args`` (ints for pointers, NumPy scalars)."""
-        fn = pdl.require_launch_kernel_ex()
-        with self._lock:
-            if self._values is None:
-                self._pointers, self._values = pdl.pack_args(args)
-            else:
-                for value, arg in zip(self._values, args, strict=True):
-                    value.value = arg  # type: ignore[attr-defined]
-            self._config.stream = stream_ptr
-            pdl.check_status(fn(ctypes.byref(self._config), self._function, self._pointers, None), self._config)

@@ -28,7 +28,7 @@ from ..errors import SnapmlaError
 
 LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
 LAUNCH_ATTR_VALUE_BYTES = 64  # sizeof(CUlaunchAttributeValue)
-_CUDA_SUCCESS = 0
+CUDA_SUCCESS = 0  # CUresult
 
 _C_TYPES: dict[type, type] = {
     np.int32: ctypes.c_int32,
@@ -107,14 +107,12 @@ def pack_args(args: Sequence[object]) -> tuple[ctypes.Array, list[object]]:
     return pointers, values
 
 
-def _programmatic_config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
-                         stream_ptr: int) -> tuple[LaunchConfig, LaunchAttribute]:
-    """The launch configuration with the programmatic-serialization attribute (the attribute is
-    returned too: the configuration points into it)."""
+def programmatic_attribute() -> LaunchAttribute:
+    """The programmatic-stream-serialization attribute, allowed."""
     attr = LaunchAttribute()
     attr.id = LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION
     ctypes.c_int.from_buffer(attr.value).value = 1  # programmaticStreamSerializationAllowed
-    return launch_config(grid, block, shared_mem, stream_ptr, attr), attr
+    return attr
 
 
 def launch_config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_ptr: int,
@@ -128,7 +126,7 @@ def launch_config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int
 
 def check_status(status: int, config: LaunchConfig) -> None:
     """A one-line error naming the launch when ``cuLaunchKernelEx`` did not return success."""
-    if status != _CUDA_SUCCESS:
+    if status != CUDA_SUCCESS:
         raise SnapmlaError(f"cuLaunchKernelEx failed with CUresult {status} (grid "
                            f"{(config.grid_x, config.grid_y, config.grid_z)}, block "
                            f"{(config.block_x, config.block_y, config.block_z)}, {config.shared_mem} B shared memory)")
@@ -145,34 +143,53 @@ def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[i
                         stream_ptr: int, args: Sequence[object]) -> None:
     """Launch with programmatic stream serialization allowed (see the module docstring)."""
     fn = require_launch_kernel_ex()
-    config, _attr = _programmatic_config(grid, block, shared_mem, stream_ptr)
+    attr = programmatic_attribute()  # (kept alive with the configuration that points into it)
+    config = launch_config(grid, block, shared_mem, stream_ptr, attr)
     pointers, _values = pack_args(args)
     check_status(fn(ctypes.byref(config), ctypes.c_void_p(function_ptr), pointers, None), config)
 
 
-class ProgrammaticLaunch:
-    """One kernel's programmatic launch with its configuration and argument buffers built once
-    (for an op's hot path: :func:`launch_programmatic` builds a dozen ctypes objects a call). A
-    call sets the stream and the argument values, whose C types were fixed at construction; a
+class PreparedLaunch:
+    """One kernel's ``cuLaunchKernelEx`` launch with one attribute, its configuration and
+    argument buffers built once (for an op's hot path: :func:`launch_programmatic` builds a dozen
+    ctypes objects a call). A call sets the stream and the argument values, whose C types are
+    ``arg_types`` or, without them, those of the first call's arguments (:func:`pack_args`); a
     lock keeps two threads from filling the shared buffers at once."""
 
     __slots__ = ("_attr", "_config", "_function", "_lock", "_pointers", "_values")
 
     def __init__(self, function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
-                 arg_types: Sequence[type]) -> None:
-        self._config, self._attr = _programmatic_config(grid, block, shared_mem, 0)
+                 attr: LaunchAttribute, arg_types: Sequence[type] | None = None) -> None:
+        self._attr = attr
+        self._config = launch_config(grid, block, shared_mem, 0, attr)
         self._function = ctypes.c_void_p(function_ptr)
-        self._values = [ctype() for ctype in arg_types]
-        self._pointers = (ctypes.c_void_p * max(len(self._values), 1))(
-            *[ctypes.addressof(v) for v in self._values])
+        self._values: list[object] | None = None
+        self._pointers: ctypes.Array | None = None
+        if arg_types is not None:
+            self._values = [ctype() for ctype in arg_types]
+            self._pointers = (ctypes.c_void_p * max(len(self._values), 1))(
+                *[ctypes.addressof(v) for v in self._values])  # type: ignore[arg-type]
         self._lock = threading.Lock()
 
     def __call__(self, stream_ptr: int, args: Sequence[object]) -> None:
         """Launch on ``stream_ptr`` with ``args`` (ints for pointers, NumPy scalars or ints for
-        values), one per argument type given at construction."""
+        values), one per argument type."""
         fn = require_launch_kernel_ex()
         with self._lock:
+            if self._values is None:
+                self._pointers, self._values = pack_args(args)
+            else:
+                for value, arg in zip(self._values, args, strict=True):
+                    value.value = arg  # type: ignore[attr-defined]
             self._config.stream = stream_ptr
-            for value, arg in zip(self._values, args, strict=True):
-                value.value = arg
             check_status(fn(ctypes.byref(self._config), self._function, self._pointers, None), self._config)
+
+
+class ProgrammaticLaunch(PreparedLaunch):
+    """A :class:`PreparedLaunch` with programmatic stream serialization allowed."""
+
+    __slots__ = ()
+
+    def __init__(self, function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
+                 arg_types: Sequence[type]) -> None:
+        super().__init__(function_ptr, grid, block, shared_mem, programmatic_attribute(), arg_types)

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
+from . import pdl
 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 TENSOR_MAP_ALIGN = 64
@@ -42,7 +43,6 @@ _SWIZZLE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_NONE = 0
-_CUDA_SUCCESS = 0
 
 _maps: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
 
@@ -78,7 +78,7 @@ def encode_byte_map(address: int, rows: int, row_bytes: int, box_bytes: int, box
                              strides, box, elem_strides, _INTERLEAVE_NONE,
                              _SWIZZLE_128B if swizzle_128b else _SWIZZLE_NONE,
                              _L2_PROMOTION_256B, _OOB_FILL_NONE)
-    if status != _CUDA_SUCCESS:
+    if status != pdl.CUDA_SUCCESS:
         raise SnapmlaError(f"k_cache: cuTensorMapEncodeTiled failed with CUresult {status} "
                            f"({rows} rows x {row_bytes} B at 0x{address:x})")
     return bytes(tmap)

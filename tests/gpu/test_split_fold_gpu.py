@@ -206,10 +206,9 @@ def _plan_cluster(meta: torch.Tensor) -> int:
     """The cluster size the decode plan of ``meta`` launched with (0: none)."""
     from snapmla_cli.ops import decode_launch
 
-    plans = [p for p in decode_launch._PLANS.values() if p.metadata() is meta]
+    plans = [p for p in decode_launch.stored_plans() if p.metadata() is meta]
     assert len(plans) == 1
-    launch = plans[0].cluster_launch
-    return 0 if launch is None else launch.dims[1]
+    return plans[0].cluster_size
 
 
 @pytest.mark.parametrize("fp8,rows,switches,s_q,h_q,n", CLUSTER_STEPS, ids=CLUSTER_IDS)
