@@ -55,6 +55,7 @@ GiB = 2**30
 def test_model_presets_match_the_published_configs() -> None:
     assert (PRESETS["deepseek-v3"].heads, PRESETS["deepseek-v3"].layers) == (128, 61)
     assert (PRESETS["longcat-flash"].heads, PRESETS["longcat-flash"].layers) == (64, 56)
+    assert (PRESETS["kimi-k2"].heads, PRESETS["kimi-k2"].layers) == (64, 61)
 
 
 def test_layout_presets_are_the_papers_figure_1() -> None:
@@ -401,6 +402,16 @@ def test_cli_runs_the_fake_workload_and_writes_json_and_plot(tmp_path: Path) -> 
     assert burst.exit_code == 0, burst.output
     assert json.loads(report.read_text())["meta"]["runner"]["clocks"] == "burst"
     assert invoke("--cpu-fake", "--clocks", "turbo").exit_code != 0
+
+
+@pytest.mark.parametrize("model", sorted(PRESETS))
+def test_cli_takes_every_preset(model: str) -> None:
+    """--model's choices are the presets' names (one table); the report names the preset's stack."""
+    preset = PRESETS[model]
+    result = invoke("--cpu-fake", "--quiet", "--model", model, "--layers", preset.layers, "--ctx", "1k",
+                    "--batch", 2, "--steps", 1)
+    assert result.exit_code == 0, result.output
+    assert f"{model}: {preset.heads} heads x {preset.layers} MLA layers" in result.stdout
 
 
 @pytest.mark.parametrize("calls,seconds,per_call,expect_calls", [

@@ -41,12 +41,16 @@ class ModelPreset:
 
 
 # Facts from the models' Hugging Face configs (transformers 5.24 defaults, which follow the
-# released checkpoints): kv_lora_rank 512 and qk_rope_head_dim 64 for both.
+# released checkpoints): kv_lora_rank 512 and qk_rope_head_dim 64 for all of them.
 PRESETS: dict[str, ModelPreset] = {
     "deepseek-v3": ModelPreset(
         "deepseek-v3", heads=128, layers=61,
         source="DeepSeek-V3/V3.1: num_attention_heads 128, num_hidden_layers 61 "
         "(the MTP module's extra layer is not counted)",
+    ),
+    "kimi-k2": ModelPreset(
+        "kimi-k2", heads=64, layers=61,
+        source="Kimi-K2 (DeepseekV3ForCausalLM): num_attention_heads 64, num_hidden_layers 61",
     ),
     "longcat-flash": ModelPreset(
         "longcat-flash", heads=64, layers=56,

@@ -52,6 +52,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # docstrings are wrapped at 100 columns: markdown joins a paragraph's lines, as rich keeps them
+    rich_markup_mode="markdown",
 )
 
 

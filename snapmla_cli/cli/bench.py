@@ -32,10 +32,11 @@ from ..errors import SnapmlaError
 from ..sizes import parse_size_list
 from .common import console, write_json
 
-
-class Model(str, Enum):
-    deepseek_v3 = "deepseek-v3"
-    longcat_flash = "longcat-flash"
+# --model: the names of bench.plan's presets (one table, so the option cannot drift)
+Model = Enum("Model", {name: name for name in PRESETS}, type=str)
+MODEL_HELP = "Model preset: " + ", ".join(
+    f"{name} ({preset.heads} heads, {preset.layers} MLA layers)" for name, preset in PRESETS.items()) + "."
+DEFAULT_MODEL = Model("deepseek-v3")
 
 
 class Bf16Impl(str, Enum):
@@ -81,7 +82,7 @@ def build_plan(
 
 
 def bench_command(
-    model: Annotated[Model, typer.Option(help="Model preset: deepseek-v3 (128 heads, 61 MLA layers) or longcat-flash (64 heads, 28 layers x 2 MLA = 56).")] = Model.deepseek_v3,
+    model: Annotated[Model, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
     heads: Annotated[int | None, typer.Option(help="Query heads of the model (overrides the preset); split over --tp.")] = None,
     layers: Annotated[int | None, typer.Option(help="Attention calls per decoded token (overrides the preset).")] = None,
     mtp: Annotated[int, typer.Option(help="Query tokens per request and step, s_q (MTP: 2).")] = 1,
