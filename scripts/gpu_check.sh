@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|ab32-rest|ab-pipe|cluster|cluster16|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|ab32-rest|ab-pipe|cluster|cluster16|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady|bench-kimi ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -22,6 +22,7 @@
 # `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
 # `clocks`: the SM clock of the 64-row tiles at burst clocks (phase traces of h64 s1, h128 s1 / s2, 128k;
 # then NVML's clock, power and clock-event reasons during 3 s of replays, scripts/clock_reasons.py);
+# `bench-kimi`: `snapmla bench --model kimi-k2` at burst clocks (16k, 64k);
 # `cluster`, `cluster16`: the cluster merge's GPU tests and its A/B, FP8 / BF16 (scripts/ab_cluster_fold.py);
 # `tail`, `voff`: the rows = M and V^T-offset build switches' GPU tests and A/Bs; `race`: racecheck with
 # each hazard named; `ship64`, `ship64-rest`, `ship64-b1`: re-tune the FP8 entries of 64+ rows at b 64 / the other
@@ -175,6 +176,8 @@ for step in $steps; do
               | tee "$OUT/cta_times.log" | grep '^cta_times' ;;
     rate)   python3 scripts/wgmma_rate.py --json "$OUT/wgmma_rate.json" 2>&1 | tee "$OUT/wgmma_rate.log" | tail -24 ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
+    bench-kimi) snap bench --model kimi-k2 --ctx 16k,64k --clocks burst --json "$OUT/bench_kimi.json" 2>&1 \
+              | tee "$OUT/bench_kimi.log" | tail -24 ;;
     prep)   python3 scripts/bench_prep.py --json "$OUT/bench_prep.json" 2>&1 | tee "$OUT/bench_prep.log" | tail -14 ;;
     decode) python3 scripts/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 | tee "$OUT/bench_decode.log" | tail -34 ;;
     steady) python3 scripts/bench_decode.py --clocks steady --json "$OUT/bench_decode_steady.json" 2>&1 \
