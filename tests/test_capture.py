@@ -8,6 +8,7 @@ query scale to move the output far past the check's gate.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,67 @@ def test_errors(models, prompts, tmp_path):
     assert "--check needs" in run(str(models["v3"]), queries=0, check=True)
 
 
+def _rewrite_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _kimi_like(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint whose config.json reads like Kimi-K2's: a model_type transformers does
+    not know (``kimi_k2``), the native architecture's name, and an ``auto_map`` to the checkpoint's
+    own code (absent here: loading it would fail, so the native class must be what loads)."""
+    shutil.copytree(src, dst)
+    _rewrite_json(dst / "config.json", model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                            "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    return dst
+
+
+def _own_tokenizer(folder: Path) -> None:
+    """Make the folder's tokenizer a class of the checkpoint's own code (as Kimi-K2's tiktoken one)."""
+    (folder / "tokenization_snapmla_test.py").write_text(
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class SnapmlaTestTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+    _rewrite_json(folder / "tokenizer_config.json", tokenizer_class="SnapmlaTestTokenizer",
+                  auto_map={"AutoTokenizer": [None, "tokenization_snapmla_test.SnapmlaTestTokenizer"]})
+
+
+def test_a_kimi_k2_checkpoint_loads_through_the_native_class(models, prompts, tmp_path):
+    kimi = _kimi_like(models["v3"], tmp_path / "kimi")
+    options = {"prompts": prompts, "decode": 1, "queries": 2, "dtype": "fp32", "check": True}
+    cap = capture_kv(DumpOptions(model=str(kimi), **options))
+    ref = capture_kv(DumpOptions(model=str(models["v3"]), **options))
+    assert cap.checks and all(check.ok for check in cap.checks)
+    assert cap.dump.extra_metadata["model_type"] == "kimi_k2"
+    assert [layer.index for layer in cap.dump.layers] == [layer.index for layer in ref.dump.layers]
+    for got, want in zip(cap.dump.layers, ref.dump.layers):
+        assert torch.equal(got.kv, want.kv)
+
+
+def test_checkpoint_code_runs_only_when_asked(models, prompts, tmp_path):
+    """Never a terminal prompt: without --trust-remote-code a checkpoint's own code is a one-line
+    error naming the flag; with it, a tokenizer of its own loads (offline, from the folder)."""
+    def error(model: Path) -> str:
+        with pytest.raises(SnapmlaError) as exc:
+            capture_kv(DumpOptions(model=str(model), prompts=prompts, queries=0))
+        return _one_line(exc)
+
+    unknown = shutil.copytree(models["v3"], tmp_path / "unknown")
+    _rewrite_json(unknown / "config.json", model_type="snapmla_test_mla", architectures=["SnapmlaTestMla"],
+                  auto_map={"AutoConfig": "configuration_snapmla_test.SnapmlaTestConfig"})
+    assert "its config is the checkpoint's own code" in error(unknown)
+    assert "--trust-remote-code" in error(unknown)
+
+    kimi = _kimi_like(models["v3"], tmp_path / "kimi")
+    _own_tokenizer(kimi)
+    assert "its tokenizer is the checkpoint's own code" in error(kimi)
+    cap = capture_kv(DumpOptions(model=str(kimi), prompts=prompts, queries=0, trust_remote_code=True))
+    ref = capture_kv(DumpOptions(model=str(models["v3"]), prompts=prompts, queries=0))
+    assert cap.segments == ref.segments
+    assert all(torch.equal(a.kv, b.kv) for a, b in zip(cap.dump.layers, ref.dump.layers))
+
+
 def test_cli_dump(models, prompts, tmp_path):
     typer = pytest.importorskip("typer")
     from typer.testing import CliRunner
@@ -297,6 +359,13 @@ def test_cli_dump(models, prompts, tmp_path):
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2
     assert "--force" in again.output and "Traceback" not in again.output
+    kimi = _kimi_like(models["v3"], tmp_path / "kimi")
+    _own_tokenizer(kimi)
+    args = ["dump", "--model", str(kimi), "--prompts", str(prompts), "-o", str(tmp_path / "k.safetensors")]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "--trust-remote-code" in refused.output
+    trusted = CliRunner().invoke(app, [*args, "--trust-remote-code"])
+    assert trusted.exit_code == 0, trusted.output
 
 
 def test_dump_then_quantize_and_verify_end_to_end(models, prompts, tmp_path):

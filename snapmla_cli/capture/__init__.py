@@ -7,9 +7,10 @@ works without it.
 from __future__ import annotations
 
 from .check import CHECK_TOLERANCE, CheckResult, recompute_check
+from .checkpoint import load_model
 from .mla import MlaAttention, check_mla_config, find_mla_attention
 from .prompts import read_prompts
-from .run import Capture, DumpOptions, capture_kv, dump_model, load_model, parse_layers
+from .run import Capture, DumpOptions, capture_kv, dump_model, parse_layers
 
 __all__ = [
     "CHECK_TOLERANCE",

@@ -10,10 +10,8 @@ prompt's rows (from the last position 0 to the end) they reproduce the model's a
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,11 +22,11 @@ from ..cache.dump_file import KVDump, LayerDump, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
 from .check import CheckResult, recompute_check
-from .mla import MlaAttention, check_mla_config, find_mla_attention
+from .checkpoint import DTYPES, load_model
+from .mla import MlaAttention, find_mla_attention
 from .prompts import read_prompts
 from .recorder import LayerRecorder, StepState
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICES = ("cpu", "cuda")
 
 # progress(done_prompts, total_prompts, rows_so_far); called once with done=0 after loading.
@@ -46,6 +44,7 @@ class DumpOptions:
     device: str = "cpu"
     dtype: str = "bf16"
     check: bool = False
+    trust_remote_code: bool = False  # run the checkpoint's own code where transformers has none
 
 
 @dataclass
@@ -92,84 +91,6 @@ def _check_options(options: DumpOptions) -> None:
         raise SnapmlaError("--check needs probe queries: pass --queries >= 1")
 
 
-def _import_transformers():
-    try:
-        return importlib.import_module("transformers")
-    except ImportError:
-        raise SnapmlaError("snapmla dump needs transformers: pip install 'snapmla[dump]'") from None
-
-
-def _version(module) -> tuple[int, ...]:
-    parts = []
-    for piece in str(getattr(module, "__version__", "0")).split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-@contextlib.contextmanager
-def _quiet(transformers) -> Iterator[None]:
-    """Silence transformers' own logging and progress bars: the library never prints."""
-    logging = transformers.utils.logging
-    verbosity = logging.get_verbosity()
-    bars = logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
-
-
-def _missing_checkpoint(model: str, exc: BaseException) -> str:
-    folder = Path(model)
-    if folder.is_dir():
-        if not (folder / "config.json").is_file():
-            return f"model {model}: not a checkpoint folder (no config.json)"
-        return f"model {model}: cannot read its config ({_first_line(exc)})"
-    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or folder.exists():
-        return f"model {model}: no such checkpoint folder"
-    return (
-        f"model {model}: not in the local Hugging Face cache (snapmla dump never downloads; "
-        f"fetch it first, e.g. `hf download {model}`, or pass a folder)"
-    )
-
-
-def load_model(model: str, device: str, dtype: str):
-    """(model, tokenizer) from local files only (``local_files_only=True``: a hub id resolves
-    from the local Hugging Face cache, nothing is downloaded)."""
-    transformers = _import_transformers()
-    with _quiet(transformers):
-        try:
-            config = transformers.AutoConfig.from_pretrained(model, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise SnapmlaError(_missing_checkpoint(model, exc)) from None
-        check_mla_config(config, model)
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(model, local_files_only=True)
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SnapmlaError(
-                f"model {model}: cannot load its tokenizer ({_first_line(exc)})"
-            ) from None
-        dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
-        try:
-            net = transformers.AutoModelForCausalLM.from_pretrained(
-                model, config=config, local_files_only=True, **{dtype_key: DTYPES[dtype]}
-            )
-        except (OSError, ValueError, KeyError) as exc:
-            raise SnapmlaError(
-                f"model {model}: cannot load the weights ({_first_line(exc)})"
-            ) from None
-    return net.to(device).eval(), tokenizer
-
-
 def _select(attentions: list[MlaAttention], layers: tuple[int, ...] | None) -> list[MlaAttention]:
     if layers is None:
         return attentions
@@ -212,7 +133,7 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
     ``options.check``). Memory: the model, its KV cache for one prompt, and the dump on the CPU."""
     _check_options(options)
     prompts = read_prompts(options.prompts)
-    model, tokenizer = load_model(options.model, options.device, options.dtype)
+    model, tokenizer = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
     attentions = _select(find_mla_attention(model, options.model), options.layers)
     state = StepState()
     dtype = DTYPES[options.dtype]

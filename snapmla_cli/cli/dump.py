@@ -63,6 +63,14 @@ def dump_command(
             help="Recompute each layer's attention from the dump and compare with the model's.",
         ),
     ] = False,
+    trust_remote_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-remote-code",
+            help="Run code shipped with the checkpoint where transformers has none (e.g. "
+            "Kimi-K2's tokenizer). Off: snapmla runs only transformers' own classes, never asks.",
+        ),
+    ] = False,
     force: Annotated[
         bool, typer.Option("--force", help="Overwrite an existing output file.")
     ] = False,
@@ -70,7 +78,8 @@ def dump_command(
     """Capture real MLA KV caches from a local Hugging Face model into a KV dump.
 
     Per layer the dump holds the normalised c_kv and the RoPE-rotated k_pe of a
-    DeepSeek-V2/V3-style model, which is loaded from local files only."""
+    DeepSeek-V2/V3-style model (Kimi-K2, LongCat-Flash too), which is loaded from local files
+    only."""
     out = Console()
     err = Console(stderr=True)
     try:
@@ -84,6 +93,7 @@ def dump_command(
             device=device,
             dtype=dtype,
             check=check,
+            trust_remote_code=trust_remote_code,
         )
         capture = _run(options, output, force, err)
     except SnapmlaError as exc:
