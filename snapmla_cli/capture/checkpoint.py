@@ -18,6 +18,7 @@ import contextlib
 import importlib
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -31,14 +32,14 @@ NATIVE_MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM", "L
 REMOTE_CODE_FLAG = "--trust-remote-code"
 
 
-def import_transformers():
+def import_transformers() -> ModuleType:
     try:
         return importlib.import_module("transformers")
     except ImportError:
         raise SnapmlaError("snapmla dump needs transformers: pip install 'snapmla[dump]'") from None
 
 
-def _version(module) -> tuple[int, ...]:
+def _version(module: ModuleType) -> tuple[int, ...]:
     parts = []
     for piece in str(getattr(module, "__version__", "0")).split(".")[:2]:
         digits = "".join(ch for ch in piece if ch.isdigit())
@@ -47,7 +48,7 @@ def _version(module) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def _quiet(transformers) -> Iterator[None]:
+def _quiet(transformers: ModuleType) -> Iterator[None]:
     """Silence transformers' own logging and progress bars: the library never prints."""
     logging = transformers.utils.logging
     verbosity = logging.get_verbosity()
@@ -87,7 +88,7 @@ def _needs_remote_code(exc: BaseException, trusted: bool) -> bool:
     return not trusted and "trust_remote_code" in str(exc)
 
 
-def _native_class(transformers, model: str):
+def _native_class(transformers: ModuleType, model: str) -> type | None:
     """The transformers class of the checkpoint's ``architectures`` if it is one snapmla
     captures, else None (the raw config.json is read; none of the checkpoint's code runs)."""
     try:
@@ -100,7 +101,7 @@ def _native_class(transformers, model: str):
     return None
 
 
-def _load_config(transformers, model: str, trust_remote_code: bool):
+def _load_config(transformers: ModuleType, model: str, trust_remote_code: bool) -> tuple[object, type | None]:
     """(config, the native model class or None for the Auto classes). A native class named by the
     checkpoint comes first, even with ``trust_remote_code``: its code is the one tested."""
     native = _native_class(transformers, model)
@@ -121,7 +122,7 @@ def _load_config(transformers, model: str, trust_remote_code: bool):
     return config, None
 
 
-def _load_tokenizer(transformers, model: str, trust_remote_code: bool):
+def _load_tokenizer(transformers: ModuleType, model: str, trust_remote_code: bool) -> object:
     try:
         return transformers.AutoTokenizer.from_pretrained(
             model, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -132,7 +133,7 @@ def _load_tokenizer(transformers, model: str, trust_remote_code: bool):
         raise SnapmlaError(f"model {model}: cannot load its tokenizer ({_first_line(exc)})") from None
 
 
-def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = False):
+def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = False) -> tuple[torch.nn.Module, object]:
     """(model, tokenizer) from local files only (``local_files_only=True``: a hub id resolves
     from the local Hugging Face cache, nothing is downloaded)."""
     transformers = import_transformers()
