@@ -667,6 +667,26 @@ def test_tuner_time_budget_with_fake_clock():
     assert len(result.measured) == 4  # starts at 0, 10, 20, 30 s; none at 40 s
 
 
+def test_tuner_budget_starts_after_the_buckets_setup():
+    """The first bucket of a shape builds its timing inputs and correctness problems (seconds on
+    the GPU machine); with a 6 s budget that setup once left 4 candidates timed of 160."""
+    space = small_space()
+    now = [0.0]
+
+    class SlowSetup(FakeMeasurer):
+        def prepare(self, bucket):
+            super().prepare(bucket)
+            now[0] += 100.0
+
+        def time(self, bucket, cfg, cutoff=None):
+            now[0] += 10.0
+            return super().time(bucket, cfg, cutoff)
+
+    fake = SlowSetup(space, fastest_wrong=False)
+    result = Tuner(fake, Budget(seconds=35.0), INFO, clock=lambda: now[0], confirm_rounds=0).tune(space)
+    assert fake.prepared == 1 and len(result.measured) == 4  # as without the setup
+
+
 def test_tuner_confirmation_medians_decide():
     space = small_space()
     fake = FakeMeasurer(space, fastest_wrong=False)

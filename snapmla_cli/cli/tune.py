@@ -19,8 +19,8 @@ from .common import console, progress
 if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays quick)
     from ..tuning.db import Entry, MergeOutcome
 
-HELP_BUDGET = ("Per bucket: seconds of tuning ('120s', '2m') or a number of candidates besides "
-               "the default ('40').")
+HELP_BUDGET = ("Per bucket: seconds of checking and timing candidates ('120s', '2m'; the bucket's "
+               "setup is not counted) or a number of candidates besides the default ('40').")
 
 
 def tune_command(

@@ -104,6 +104,7 @@ class GpuMeasurer:
         self.seed = seed
         self.compile_errors: dict[Job, str | None] = {}
         self._problems: dict[tuple[str, int, int], list[_CheckProblem]] = {}
+        self._synth_requests: tuple[Any, Any] | None = None  # the synthetic source and its requests
         self._checked: dict[tuple[str, int, int, str], CheckResult] = {}
         self._inputs: _TimingInputs | None = None
 
@@ -137,9 +138,11 @@ class GpuMeasurer:
 
             rand = random_problem(list(CHECK_SEQLENS), bucket.s_q, bucket.h_q, causal=bucket.causal,
                                   seed=self.seed + 17 * bucket.h_q + bucket.s_q)
-            source = synthetic_source(None, seed=self.seed)
-            synth = make_problem(source, request_tokens(source, CHECK_SYNTH_REQUESTS, CHECK_SYNTH_TOKENS),
-                                 bucket.h_q, bucket.s_q, bucket.causal, seed=self.seed)
+            if self._synth_requests is None:  # the same requests for every shape (1-2 s to build)
+                source = synthetic_source(None, seed=self.seed)
+                self._synth_requests = (source, request_tokens(source, CHECK_SYNTH_REQUESTS, CHECK_SYNTH_TOKENS))
+            source, requests = self._synth_requests
+            synth = make_problem(source, requests, bucket.h_q, bucket.s_q, bucket.causal, seed=self.seed)
             probs = [self._on_device(rand, bucket), self._on_device(synth, bucket)]
             self._problems[key] = probs
         return probs
@@ -219,6 +222,7 @@ class GpuMeasurer:
 
     # timing ----------------------------------------------------------------------------------
     def prepare(self, bucket: Bucket) -> None:
+        self._problems_for(bucket)  # built once per (format, h_q, s_q), outside the bucket's budget
         if self._inputs is not None and self._inputs.bucket == bucket:
             return
         self.release()

@@ -58,7 +58,10 @@ class FatalMeasureError(SnapmlaError):
 
 
 class Measurer(Protocol):
-    def prepare(self, bucket: Bucket) -> None: ...
+    def prepare(self, bucket: Bucket) -> None:
+        """The bucket's one-time setup (timing inputs, the correctness problems): done before
+        the bucket's clock starts, so a seconds budget buys checks and timings only."""
+        ...
     def check(self, bucket: Bucket, cfg: DecodeConfig) -> CheckResult: ...
     def time(self, bucket: Bucket, cfg: DecodeConfig, cutoff: float | None = None) -> float:
         """Seconds per call. Past ``cutoff`` seconds a rough estimate is enough (the candidate
@@ -308,7 +311,9 @@ class Tuner:
     def tune(self, space: SearchSpace) -> BucketResult:
         bucket = space.bucket
         before = self.partial.elapsed(bucket.id) if self.partial else 0.0
-        start = self.clock()
+        self.progress(f"{bucket.label()}: preparing inputs and checks", 0, self.planned(space))
+        self.measurer.prepare(bucket)
+        start = self.clock()  # after the setup: the budget is for the candidates
 
         def elapsed() -> float:
             return before + (self.clock() - start)
@@ -317,7 +322,6 @@ class Tuner:
         measured: list[Measurement] = []
         self._best = None
         total = self.planned(space)
-        self.measurer.prepare(bucket)
         try:
             default_m: Measurement | None = None
             counted = 0
