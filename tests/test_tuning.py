@@ -835,6 +835,31 @@ class _FakeGraph:
         pass
 
 
+def test_precompile_includes_the_cluster_merge_builds(monkeypatch):
+    """A b 64 timing of a wgmma candidate launches its cluster-merge build (equal lengths: 2
+    splits a request); the tuner compiled it inside the bucket's budget until the thirty-fourth
+    session (10 NVRTC compiles in one 6 s bucket of h16 s1, docs/PERF.md). The mma.sync kernels
+    have no such build, and SNAPMLA_CLUSTER_FOLD=0 needs none."""
+    from snapmla_cli.tuning import measure
+    from snapmla_cli.tuning.space import kernel_key, kernel_keys
+
+    wgmma, mma = heuristic_config(16, True), heuristic_config(16, True, dc.FP8_MMA_SYNC)
+    bf16 = heuristic_config(64, False)
+    for cfg, fmt in ((wgmma, "fp8"), (bf16, "bf16")):
+        keys = kernel_keys(cfg, fmt)
+        assert keys[0] == kernel_key(cfg, fmt) and len(keys) == 2
+        assert dict(keys[1][1]) == {**dict(keys[0][1]), "CLUSTER_FOLD": 1}
+    assert kernel_keys(mma, "fp8") == (kernel_key(mma, "fp8"),)
+    compiled: list = []
+    monkeypatch.setattr(measure, "compile_jobs", lambda jobs, *a, **k: compiled.extend(jobs) or {})
+    measurer = object.__new__(measure.GpuMeasurer)  # no GPU: only the job list is built
+    measurer.arch, measurer.compile_workers, measurer.compile_errors = "sm_90a", 1, {}
+    measurer.precompile([("fp8", wgmma), ("fp8", mma)])
+    assert compiled == [*kernel_keys(wgmma, "fp8"), kernel_key(mma, "fp8")]
+    monkeypatch.setenv("SNAPMLA_CLUSTER_FOLD", "0")
+    assert kernel_keys(wgmma, "fp8") == (kernel_key(wgmma, "fp8"),)
+
+
 @pytest.mark.parametrize("cutoff, expect_s", [(None, 1e-3), (1e-3, 2e-3)])
 def test_gpu_measurer_times_graph_replays_at_boost_clocks(monkeypatch, cutoff, expect_s):
     """The tuner times one rotation of calls (one per cache copy) captured as a CUDA graph, per

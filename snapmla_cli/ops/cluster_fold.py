@@ -23,6 +23,7 @@ hatch), as ``SNAPMLA_PDL=0`` does for programmatic launches.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -30,6 +31,17 @@ import numpy as np
 # most the portable cluster size of 8)
 CLUSTER_SIZES = (2, 4, 8)
 WORK_REQUEST, WORK_BEGIN, WORK_END, WORK_PARTIAL = 0, 1, 2, 3  # fields of a work-list entry (decode_common.cuh WorkItem)
+
+
+# the build switch of the wgmma kernels' cluster merge (decode_fp8_wgmma.cu, decode_bf16_wgmma.cu)
+CLUSTER_FOLD_DEFINE = "CLUSTER_FOLD"
+
+
+def cluster_defines(defines: Mapping[str, int]) -> dict[str, int]:
+    """A wgmma build's defines with its cluster merge on: the variant a plan that launches
+    clusters needs (decode.py), that CI compiles (runtime/registry.py) and that the tuner
+    compiles ahead with the rest (tuning/space.py kernel_keys)."""
+    return {**defines, CLUSTER_FOLD_DEFINE: 1}
 
 
 def enabled() -> bool:

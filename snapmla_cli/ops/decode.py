@@ -31,7 +31,7 @@ from ..numerics.formats import (
 )
 from ..numerics.quant import QuantizedRows
 from ..runtime.cluster_launch import ClusterLaunch
-from .cluster_fold import holds_a_wave, planned_cluster
+from .cluster_fold import cluster_defines, holds_a_wave, planned_cluster
 from .config_choice import (
     MetadataPlan,
     choose_config,
@@ -276,7 +276,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
         defines = fp8_defines(cfg) if fp8 else bf16_defines(cfg)
         cluster = planned_cluster(0 if fold is None else fold.cluster, cluster_capable(cfg, fp8))
         if cluster:
-            kernel = rt.get_kernel(*source_name, {**defines, "CLUSTER_FOLD": 1}, dynamic_smem=shared_mem)
+            kernel = rt.get_kernel(*source_name, cluster_defines(defines), dynamic_smem=shared_mem)
             if not holds_a_wave(kernel.function.ptr, cluster, grid, block, shared_mem,
                                 cfg.split.num_sms * cfg.split.ctas_per_sm):
                 cluster = 0

@@ -57,6 +57,7 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     """The decode kernels as the built-in heuristics compile them for 16, 32 and 64+ rows: the
     wgmma FP8 kernel, the mma.sync FP8 kernel and the two BF16 baselines (Hopper only; the
     tuner adds its own variants)."""
+    from ..ops.cluster_fold import cluster_defines
     from ..ops.decode_config import (
         BF16_MMA_SYNC,
         BF16_WGMMA,
@@ -81,7 +82,7 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         source, name = fp8_kernel(configs[0])
         variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
     # the cluster-merge builds of the defaults (ops/cluster_fold.py: b 64 runs them)
-    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c), CLUSTER_FOLD=1)
+    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **cluster_defines(fp8_defines(c)))
                                              for c in (heuristic_config(r, True, FP8_WGMMA) for r in rows))
     wgmma_fp8: list = []  # every FP8 wgmma layout registered below
     # the wgmma kernel's other warpgroup modes: selectable (verify --fp8-kernel v3-rows /
@@ -105,7 +106,7 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         source, name = bf16_kernel(next(iter(configs.values())))
         variants[source] = tuple(variant(name, **bf16_defines(c)) for c in configs.values())
         if version == BF16_WGMMA:  # its cluster-merge build (ops/cluster_fold.py)
-            variants[source] += (variant(name, **bf16_defines(heuristic_config(64, False, version)), CLUSTER_FOLD=1),)
+            variants[source] += (variant(name, **cluster_defines(bf16_defines(heuristic_config(64, False, version)))),)
     variants["combine.cu"] = tuple(variant("snapmla_combine", COMBINE_ROWS=r) for r in (1, 4))
     return variants
 

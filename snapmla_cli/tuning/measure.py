@@ -35,7 +35,7 @@ from ..errors import SnapmlaError
 from ..numerics.metrics import compare
 from ..ops.decode_config import DecodeConfig
 from .compile import Job, compile_jobs
-from .space import Bucket, config_id, kernel_key
+from .space import Bucket, config_id, kernel_key, kernel_keys
 from .tuner import CheckResult, FatalMeasureError
 
 CHECK_SEQLENS = (1500, 64, 0, 777, 1)
@@ -111,7 +111,7 @@ class GpuMeasurer:
     # compile ---------------------------------------------------------------------------------
     def precompile(self, items: list[tuple[str, DecodeConfig]], progress=None
                    ) -> dict[Job, str | None]:
-        jobs = [kernel_key(cfg, fmt) for fmt, cfg in items]
+        jobs = [job for fmt, cfg in items for job in kernel_keys(cfg, fmt)]
         self.compile_errors.update(compile_jobs(jobs, self.arch, self.compile_workers, progress))
         return self.compile_errors
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 from ..errors import SnapmlaError
+from ..ops import cluster_fold
 from ..ops import decode_config as dc
 from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_config
 from ..ops.schedule import SplitPolicy, work_columns
@@ -287,6 +288,18 @@ def kernel_key(cfg: DecodeConfig, fmt: str) -> tuple[str, tuple[tuple[str, int],
     if fmt == "fp8":
         return (dc.fp8_kernel(cfg)[0], tuple(sorted(dc.fp8_defines(cfg).items())))
     return (dc.bf16_kernel(cfg)[0], tuple(sorted(dc.bf16_defines(cfg).items())))
+
+
+def kernel_keys(cfg: DecodeConfig, fmt: str) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """Every build a timing of ``cfg`` may load: :func:`kernel_key`, and its cluster-merge build
+    where the kernel has one (the tuner's equal-length batches launch a request's splits as a
+    cluster whenever it has 2, 4 or 8 of them: ops/cluster_fold.py). Compiled ahead, so that no
+    candidate compiles inside its bucket's budget (one NVRTC compile is about a second)."""
+    key = kernel_key(cfg, fmt)
+    if not (cluster_fold.enabled() and dc.cluster_capable(cfg, fmt == "fp8")):
+        return (key,)
+    source, defines = key
+    return key, (source, tuple(sorted(cluster_fold.cluster_defines(dict(defines)).items())))
 
 
 def config_id(cfg: DecodeConfig, fmt: str) -> str:
