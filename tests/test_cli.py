@@ -109,6 +109,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "Q")
     assert_one_line_error(invoke("verify", "--ctx", "0"), "--ctx")
+    # a NaN limit would pass every case (no comparison with NaN fails)
+    for option, value in (("--gate-emul", "nan"), ("--gate-floor-factor", "0"), ("--gate-floor-abs", "-1e-3"),
+                          ("--gate-bf16-cos", "inf")):
+        assert_one_line_error(invoke("verify", option, value), option, "finite number")
     bad_plot = invoke("quantize", "-o", tmp_path / "p.st", "--layers", "1", "--tokens", "64", "--plot", tmp_path / "p.txt")
     assert_one_line_error(bad_plot, "--plot", ".png, .pdf, .svg")
     assert not (tmp_path / "p.st").exists(), "a bad --plot must be refused before any output is written"

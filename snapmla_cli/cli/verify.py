@@ -3,6 +3,7 @@ with the pass/fail gates of SPEC section 6. Exit 0 only when every gate passes, 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -35,6 +36,16 @@ GPU_BATCH = 4
 SHORT_CONTEXT = 2 * PAGE_SIZE
 
 
+def _checked_gates(emul: float, floor_factor: float, floor_abs: float, bf16_cos: float) -> Gates:
+    """The gates from the command line: each a finite number, positive (the abs term may be 0).
+    A NaN limit would pass every case, since no comparison with NaN fails."""
+    for option, value, zero_ok in (("--gate-emul", emul, False), ("--gate-floor-factor", floor_factor, False),
+                                   ("--gate-floor-abs", floor_abs, True), ("--gate-bf16-cos", bf16_cos, False)):
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+            raise SnapmlaError(f"{option}: expected a finite number {'>= 0' if zero_ok else '> 0'}, got {value}")
+    return Gates(emul, floor_factor, floor_abs, bf16_cos)
+
+
 def verify_command(
     ctx: Annotated[str | None, typer.Option(help="Context per request: 2048, 32k, 1m (default 32k; a dump: all its tokens).")] = None,
     batch: Annotated[int | None, typer.Option(help=f"Requests per case (default {CPU_BATCH} on CPU, {GPU_BATCH} on GPU).")] = None,
@@ -64,7 +75,7 @@ def verify_command(
     context = None if ctx is None else parse_size(ctx, "--ctx")
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
     source = _source(dump, layer, seed)
-    gates = Gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos)
+    gates = _checked_gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos)
     impls = default_implementations(dev, tuple(s.strip() for s in fp8_kernel.split(",") if s.strip()))
     tokens = request_tokens(source, batch, context)
     results: list[CaseResult] = []
