@@ -158,6 +158,19 @@ def test_arguments_that_are_not_tensors_get_one_line_errors(recorder):
         decode_bf16(torch.zeros(BATCH, S_Q, H_Q, D_QK, dtype=torch.bfloat16), None, table, lens, meta, splits)
 
 
+@pytest.mark.parametrize("scale, needle", [(float("nan"), "a finite number"), (float("-inf"), "a finite number"),
+                                          ("0.1", "a number or None")])
+def test_a_softmax_scale_that_is_not_a_finite_number_is_refused(recorder, scale, needle):
+    """Every output would be NaN (or the call would fail deep in the plan): one line naming it."""
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    with pytest.raises(SnapmlaError, match=f"softmax_scale: expected {needle}"):
+        decode_fp8(_q8(), cache, table, lens, meta, splits, softmax_scale=scale)
+    assert not recorder.launches
+    decode_fp8(_q8(), cache, table, lens, meta, splits, softmax_scale=0.1)  # a number plans and runs
+    assert recorder.launches
+
+
 def test_bf16_calls_replay_their_plan(recorder):
     _, table, lens = _paged()
     cache = torch.zeros(table.numel(), PAGE_SIZE, 1, D_QK, dtype=torch.bfloat16)

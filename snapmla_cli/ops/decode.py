@@ -15,6 +15,7 @@ anyway, so it knows the context), and travels with the metadata tensor to the de
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 
 import numpy as np
@@ -251,6 +252,20 @@ def _split_kv_decode(
                     tile_scheduler_metadata, num_splits, out, lse)
 
 
+def checked_softmax_scale(softmax_scale: object) -> float:
+    """The logit scale a plan bakes in: SPEC section 2's default for None, else a finite number
+    (a NaN or infinite scale would make every output NaN, which a caller should hear about as
+    the argument it passed). Checked once per call signature: the scale is part of the plan key."""
+    if softmax_scale is None:
+        return default_softmax_scale()
+    if not isinstance(softmax_scale, numbers.Real):
+        raise SnapmlaError(f"softmax_scale: expected a number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise SnapmlaError(f"softmax_scale: expected a finite number, got {scale}")
+    return scale
+
+
 def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], device: torch.device,
                  table_stride: int, tile_scheduler_metadata: torch.Tensor, softmax_scale: float | None,
                  causal: bool, cfg: DecodeConfig, requested: DecodeConfig | None) -> DecodePlan:
@@ -258,7 +273,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
     checked: kernels, grids, scalar arguments, buffer shapes, the fold's counters."""
     b, s_q, h_q = shape
     rows = s_q * h_q
-    scale = default_softmax_scale() if softmax_scale is None else float(softmax_scale)
+    scale = checked_softmax_scale(softmax_scale)
     columns, items_per_column = tile_scheduler_metadata.shape[:2]
     num_work = columns * items_per_column  # places, the empty ones included
     fold = _split_fold(tile_scheduler_metadata, rows)
