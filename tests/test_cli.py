@@ -109,6 +109,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "Q")
     assert_one_line_error(invoke("verify", "--ctx", "0"), "--ctx")
+    for option, value in (("--layers", "0"), ("--heads", "0"), ("--queries", "-1")):
+        assert_one_line_error(invoke("synth", "-o", tmp_path / "s.st", option, value), option, "expected at least")
+    assert not (tmp_path / "s.st").exists()
     # a NaN limit would pass every case (no comparison with NaN fails)
     for option, value in (("--gate-emul", "nan"), ("--gate-floor-factor", "0"), ("--gate-floor-abs", "-1e-3"),
                           ("--gate-bf16-cos", "inf")):
