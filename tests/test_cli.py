@@ -107,7 +107,9 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     for count in ("16.5", "16k"):  # head and token counts are plain integers, not sizes
         assert_one_line_error(invoke("verify", "--heads", count), "positive integer")
     assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp")
-    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "Q")
+    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "--configs", "'Q'")
+    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", " , "), "--configs", "got none")
+    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--layers", "0"), "--layers")
     assert_one_line_error(invoke("verify", "--ctx", "0"), "--ctx")
     for option, value in (("--layers", "0"), ("--heads", "0"), ("--queries", "-1")):
         assert_one_line_error(invoke("synth", "-o", tmp_path / "s.st", option, value), option, "expected at least")

@@ -47,7 +47,14 @@ def quantize_command(
         from ..plot_files import check_plot_output
 
         check_plot_output(plot)
-    chosen = get_configs([c.strip() for c in configs.split(",") if c.strip()])
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if not names or unknown:
+        got = f"{unknown[0]!r}" if unknown else "none"
+        raise SnapmlaError(f"--configs: expected names among {', '.join(CONFIGS)}, got {got}")
+    chosen = get_configs(names)
+    if layers is not None and layers < 1:
+        raise SnapmlaError(f"--layers: must be at least 1, got {layers}")
     if queries is not None and queries < 1:
         raise SnapmlaError(f"--queries: must be at least 1, got {queries}")
     dev = resolve_device(device.value)
