@@ -103,6 +103,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "out.st").exists()
     assert_one_line_error(invoke("verify", "--ctx", "12q"), "--ctx")
     assert_one_line_error(invoke("verify", "--fp8-kernel", "v4"), "--fp8-kernel")
+    assert_one_line_error(invoke("verify", "--fp8-kernel", " ,"), "--fp8-kernel", "at least one")
     assert_one_line_error(invoke("verify", "--heads", "16,x"), "--heads")
     for count in ("16.5", "16k"):  # head and token counts are plain integers, not sizes
         assert_one_line_error(invoke("verify", "--heads", count), "positive integer")

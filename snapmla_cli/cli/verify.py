@@ -76,7 +76,10 @@ def verify_command(
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
     source = _source(dump, layer, seed)
     gates = _checked_gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos)
-    impls = default_implementations(dev, tuple(s.strip() for s in fp8_kernel.split(",") if s.strip()))
+    fp8_kernels = tuple(s.strip() for s in fp8_kernel.split(",") if s.strip())
+    if not fp8_kernels:  # on a GPU the run would pass without checking any FP8 kernel
+        raise SnapmlaError("--fp8-kernel: expected at least one kernel name (e.g. default)")
+    impls = default_implementations(dev, fp8_kernels)
     tokens = request_tokens(source, batch, context)
     results: list[CaseResult] = []
     with progress(console(stderr=True)) as bar:
