@@ -156,6 +156,9 @@ def test_arguments_that_are_not_tensors_get_one_line_errors(recorder):
         decode_fp8(_q8(), cache, [[0]], lens, meta, splits)
     with pytest.raises(SnapmlaError, match="k_cache: expected a torch.Tensor, got NoneType"):
         decode_bf16(torch.zeros(BATCH, S_Q, H_Q, D_QK, dtype=torch.bfloat16), None, table, lens, meta, splits)
+    with pytest.raises(SnapmlaError, match="k_cache: expected a torch.Tensor, got NoneType"):  # was AttributeError
+        decode.flash_mla_with_kvcache(torch.zeros(BATCH, S_Q, H_Q, D_QK, dtype=torch.bfloat16), None, table, lens,
+                                      512, meta, splits)
 
 
 @pytest.mark.parametrize("scale, needle", [(float("nan"), "a finite number"), (float("-inf"), "a finite number"),

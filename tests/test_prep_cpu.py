@@ -443,5 +443,8 @@ def test_public_api_names_resolve() -> None:
     for name in snapmla_cli.__all__:
         assert callable(getattr(snapmla_cli, name)), name
     assert snapmla_cli.set_gpu_checks is set_gpu_checks
+    for not_a_bool in ("false", 0, None):  # bool("false") is True: the switch would do the opposite
+        with pytest.raises(SnapmlaError, match="enabled: expected True or False"):
+            set_gpu_checks(not_a_bool)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         snapmla_cli.nope  # noqa: B018

@@ -492,13 +492,13 @@ def flash_mla_with_kvcache(
     (fused Q-quant, then FP8 decode); a bf16 cache takes the BF16 kernel."""
     if head_dim_v != D_V:
         raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v}")
+    _tensor_args(q=q, k_cache=k_cache)  # the cache's dtype picks the path below
     if k_cache.dtype == torch.bfloat16:
         return decode_bf16(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                            num_splits, softmax_scale, causal)
     if k_cache.dtype in (torch.uint8, FP8_DTYPE):
         from .prep import quantize_q
 
-        _tensor_args(q=q)
         _require_cuda(q, "q", None)
         if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
             raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")

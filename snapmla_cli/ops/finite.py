@@ -34,8 +34,11 @@ GPU_CHECKS = _GpuChecks()
 
 
 def set_gpu_checks(enabled: bool) -> None:
-    """Turn the NaN / inf checks of CUDA inputs on or off for this process."""
-    GPU_CHECKS.on = bool(enabled)
+    """Turn the NaN / inf checks of CUDA inputs on or off for this process. Only a bool: the
+    string "false" is truthy, and a switch that reads it as "on" silently does the opposite."""
+    if not isinstance(enabled, bool):
+        raise SnapmlaError(f"enabled: expected True or False, got {enabled!r}")
+    GPU_CHECKS.on = enabled
 
 
 def check_finite(name: str, t: torch.Tensor) -> None:
