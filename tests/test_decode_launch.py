@@ -30,11 +30,13 @@ class _Recorder:
     def __init__(self) -> None:
         self.launches: list[tuple[str, tuple, list]] = []
         self.kernels_built = 0
+        self.builds: list[tuple[str, tuple]] = []  # (source, sorted defines) of every kernel looked up
 
     def get_kernel(self, source, name, defines=None, **_):
         self.kernels_built += 1
+        self.builds.append((source, tuple(sorted(dict(defines or {}).items()))))
         return types.SimpleNamespace(name=name, source=source, defines=dict(defines or {}), device_index=0,
-                                     max_dynamic_smem=1 << 20)
+                                     max_dynamic_smem=1 << 20, function=types.SimpleNamespace(ptr=0))
 
     def launch_raw(self, kernel, grid, block, args, shared_mem=0, programmatic=False):
         self.launches.append((kernel.name, tuple(grid), list(args)))
@@ -172,6 +174,37 @@ def test_a_softmax_scale_that_is_not_a_finite_number_is_refused(recorder, scale,
     assert not recorder.launches
     decode_fp8(_q8(), cache, table, lens, meta, splits, softmax_scale=0.1)  # a number plans and runs
     assert recorder.launches
+
+
+def test_the_tuners_precompile_lists_every_build_a_b64_call_loads(recorder, monkeypatch):
+    """b 64 equal lengths: each request's splits run as one cluster, in the CLUSTER_FOLD build.
+    The tuner compiles its candidates ahead (tuning.space.kernel_keys) so that no compile lands in
+    a bucket's budget; the thirty-fourth session found this build missing from that list."""
+    from snapmla_cli.tuning.space import kernel_keys
+
+    class FakeClusterLaunch:
+        def __init__(self, ptr, grid, block, shared_mem, dims):
+            self.dims = dims
+
+        def __call__(self, stream, args):
+            recorder.launches.append(("cluster", self.dims, list(args)))
+
+    monkeypatch.setattr(decode, "holds_a_wave", lambda *a: True)
+    monkeypatch.setattr(decode, "ClusterLaunch", FakeClusterLaunch)
+    monkeypatch.setattr(decode_launch, "current_raw_stream", lambda index: 0)
+    batch, rows, ctx = 64, 16, 16384
+    cache = torch.zeros(1, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    table = torch.zeros(batch, ctx // PAGE_SIZE, dtype=torch.int32)  # every page the same block
+    lens = torch.full((batch,), ctx, dtype=torch.int32)
+    q = QuantizedRows(torch.zeros(batch, 1, rows, 512, dtype=torch.uint8), torch.ones(batch, 1, rows),
+                      torch.zeros(batch, 1, rows, 64, dtype=torch.bfloat16))
+    cfg = heuristic_config(rows, True).with_sms(132)
+    meta, splits = get_mla_metadata(lens, rows, 1, config=cfg)
+    decode_fp8(q, cache, table, lens, meta, splits, config=cfg)
+    assert recorder.launches and recorder.launches[0][0] == "cluster"
+    decode_builds = [b for b in recorder.builds if b[0] == "decode_fp8_wgmma.cu"]
+    assert decode_builds and set(decode_builds) <= set(kernel_keys(cfg, "fp8"))
+    assert any(dict(defines).get("CLUSTER_FOLD") == 1 for _, defines in decode_builds)
 
 
 def test_bf16_calls_replay_their_plan(recorder):
