@@ -30,7 +30,7 @@ from ..bench.timing import CLOCKS, STEADY
 from ..cache.atomic import check_writable
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
-from .common import console, write_json
+from .common import console, require_at_least, write_json
 
 # --model: the names of bench.plan's presets (one table, so the option cannot drift)
 Model = Enum("Model", {name: name for name in PRESETS}, type=str)
@@ -70,9 +70,8 @@ def build_plan(
     if layout is not None:
         layouts = parse_layouts(layout)
     else:
-        for name, value in (("--dp", dp), ("--tp", tp)):
-            if value is not None and value < 1:
-                raise SnapmlaError(f"{name}: expected at least 1, got {value}")
+        require_at_least("--dp", dp)
+        require_at_least("--tp", tp)
         layouts = (Layout(dp or 1, tp or 1),)
     return make_plan(
         model=model, heads=heads, layers=layers, mtp=mtp,

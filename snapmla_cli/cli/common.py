@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..cache.atomic import write_text_atomic
+from ..errors import SnapmlaError
 
 _PIPE_WIDTH = 160  # rich's width when the output is not a terminal (pipes, files, CI logs)
 
@@ -27,6 +28,13 @@ def console(stderr: bool = False) -> Console:
     Markup is off (paths may hold brackets): style with ``rich.text.Text``."""
     probe = Console(stderr=stderr)
     return Console(stderr=stderr, markup=False, width=None if probe.is_terminal else _PIPE_WIDTH)
+
+
+def require_at_least(option: str, value: int | None, least: int = 1) -> None:
+    """A one-line error naming ``option`` when a count given on the command line is below
+    ``least`` (None: the option was left out)."""
+    if value is not None and value < least:
+        raise SnapmlaError(f"{option}: expected at least {least}, got {value}")
 
 
 def fmt(value: float | None, digits: int = 3) -> str:

@@ -19,7 +19,7 @@ from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
 from ..errors import SnapmlaError
 from ..numerics.configs import CONFIGS, get_configs
 from ..sizes import parse_size
-from .common import Device, console, fmt, progress, write_json
+from .common import Device, console, fmt, progress, require_at_least, write_json
 
 
 def quantize_command(
@@ -47,16 +47,9 @@ def quantize_command(
         from ..plot_files import check_plot_output
 
         check_plot_output(plot)
-    names = [c.strip() for c in configs.split(",") if c.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
-    if not names or unknown:
-        got = f"{unknown[0]!r}" if unknown else "none"
-        raise SnapmlaError(f"--configs: expected names among {', '.join(CONFIGS)}, got {got}")
-    chosen = get_configs(names)
-    if layers is not None and layers < 1:
-        raise SnapmlaError(f"--layers: must be at least 1, got {layers}")
-    if queries is not None and queries < 1:
-        raise SnapmlaError(f"--queries: must be at least 1, got {queries}")
+    chosen = get_configs([c.strip() for c in configs.split(",") if c.strip()], "--configs")
+    require_at_least("--layers", layers)
+    require_at_least("--queries", queries)
     dev = resolve_device(device.value)
     source = _load(dump, layers, tokens, seed)
     out, err = console(), console(stderr=True)

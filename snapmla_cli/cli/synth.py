@@ -11,9 +11,8 @@ from rich.table import Table
 from ..cache.atomic import check_writable
 from ..cache.dump_file import write_dump
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, layer_stats, synth_dump
-from ..errors import SnapmlaError
 from ..sizes import format_size, parse_size
-from .common import console
+from .common import console, require_at_least
 
 
 def synth_command(
@@ -29,9 +28,9 @@ def synth_command(
 
     Content within about +-10 with per-token magnitudes and sink tokens, DeepSeek-rotated RoPE
     whose range grows with depth to about +-1e3, and probe queries per layer."""
-    for option, value, least in (("--layers", layers, 1), ("--heads", heads, 1), ("--queries", queries, 0)):
-        if value < least:
-            raise SnapmlaError(f"{option}: expected at least {least}, got {value}")
+    require_at_least("--layers", layers)
+    require_at_least("--heads", heads)
+    require_at_least("--queries", queries, 0)
     check_writable(output, force)
     spec = SynthSpec(layers=layers, tokens=parse_size(tokens, "--tokens"), queries=queries,
                      heads=heads, seed=seed)

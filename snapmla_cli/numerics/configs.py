@@ -104,11 +104,15 @@ CONFIGS: dict[str, QuantConfig] = {
 }
 
 
-def get_configs(ids: list[str] | None = None) -> list[QuantConfig]:
-    """The named configurations in the given order (all of them by default)."""
+def get_configs(ids: list[str] | None = None, what: str | None = None) -> list[QuantConfig]:
+    """The named configurations in the given order (all of them by default); an empty list or an
+    unknown name is a one-line error, prefixed with ``what`` (the option that gave the names)."""
     if ids is None:
         return list(CONFIGS.values())
+    prefix = f"{what}: " if what else ""
+    if not ids:
+        raise SnapmlaError(f"{prefix}expected names among {', '.join(CONFIGS)}, got none")
     unknown = [i for i in ids if i not in CONFIGS]
     if unknown:
-        raise SnapmlaError(f"unknown quantization config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+        raise SnapmlaError(f"{prefix}unknown quantization config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
     return [CONFIGS[i] for i in ids]

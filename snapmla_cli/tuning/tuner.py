@@ -311,7 +311,8 @@ class Tuner:
     def tune(self, space: SearchSpace) -> BucketResult:
         bucket = space.bucket
         before = self.partial.elapsed(bucket.id) if self.partial else 0.0
-        self.progress(f"{bucket.label()}: preparing inputs and checks", 0, self.planned(space))
+        total = self.planned(space)
+        self.progress(f"{bucket.label()}: preparing inputs and checks", 0, total)
         self.measurer.prepare(bucket)
         start = self.clock()  # after the setup: the budget is for the candidates
 
@@ -321,7 +322,6 @@ class Tuner:
         done: dict[str, Measurement] = {}
         measured: list[Measurement] = []
         self._best = None
-        total = self.planned(space)
         try:
             default_m: Measurement | None = None
             counted = 0
