@@ -1,39 +1,204 @@
-"""Atomic file writes: temp file in the target's folder, fsync, rename; never clobber without force."""
+"""Output files: checked before any work, written atomically (temp file in the target's folder,
+fsync, rename), never clobbered without force, never replacing anything but a regular file.
+
+Every command with outputs goes through these helpers, so that all of them refuse the same paths
+with the same one-line errors: :func:`check_writable` per output path, :func:`check_distinct`
+for outputs that would overwrite each other or an input, :func:`write_atomic` to write, and
+:func:`naming` to say which option a late write failure belongs to.
+"""
 
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Callable
+import secrets
+import stat
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from ..errors import SnapmlaError
 
+# (what the user called it, e.g. "--json" or "DUMP"; the path, None when the option was not given)
+NamedPath = tuple[str, Path | None]
+
+_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
+          (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+
+
+class OutputWriteError(SnapmlaError, OSError):
+    """Writing an output failed (full disk, I/O error, a writer's own exception).
+
+    A SnapmlaError, so every command reports it as one line; also an OSError, so callers that
+    treat an unwritable cache folder as "skip it" (kernel cache, tuning database) still do."""
+
 
 def check_writable(path: Path, force: bool, what: str = "output") -> None:
-    """Refuse to overwrite an existing file unless ``force``; the folder must exist."""
-    if path.exists() and not force:
+    """Refuse, before any work, an output that cannot or may not be written: no file name, an
+    existing file (or dangling symlink) without ``force``, anything that is not a regular file
+    even with ``force`` (replacing a device or fifo by a file breaks the system, not the output),
+    or a folder that is missing or not writable. Symlinks are followed: the file they point to
+    is what gets written."""
+    path = Path(path)
+    if path.name in ("", ".", ".."):
+        raise SnapmlaError(f"{what}: expected a file path, got {str(path)!r}")
+    target = _final_target(path)
+    kind = _existing_kind(target, what, path)
+    _refuse_special(kind, path, what)
+    dangling = kind is None and os.path.islink(path)
+    if dangling and not force:
+        raise SnapmlaError(f"{what} {path} exists (a dangling symlink to {target}); "
+                           "pass --force to write there")
+    if kind == "file" and not force:
         raise SnapmlaError(f"{what} {path} exists; pass --force to overwrite it")
-    if path.exists() and path.is_dir():
-        raise SnapmlaError(f"{what} {path} is a directory, expected a file path")
-    if not path.parent.exists():
-        raise SnapmlaError(f"{what} {path}: folder {path.parent} does not exist")
+    _check_folder(path, target, what)
+
+
+def check_distinct(outputs: Sequence[NamedPath], inputs: Sequence[NamedPath] = ()) -> None:
+    """Refuse two outputs naming the same file (the second write would silently replace the
+    first), and an output that is an input or lies in an input folder (it would destroy what
+    is being read). Paths are compared resolved, and by inode where both exist (hard links)."""
+    given_outputs = [(what, Path(p)) for what, p in outputs if p is not None]
+    given_inputs = [(what, Path(p)) for what, p in inputs if p is not None]
+    for i, (what, path) in enumerate(given_outputs):
+        for other, other_path in given_outputs[i + 1:] + given_inputs:
+            if _same_file(path, other_path):
+                raise SnapmlaError(f"{what} and {other} name the same file ({path}); "
+                                   "expected different files")
+    for what, path in given_outputs:
+        for other, folder in given_inputs:
+            if _replaces_inside(path, folder):
+                raise SnapmlaError(f"{what} {path} would replace a file inside {other} {folder}; "
+                                   "expected a path outside it")
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)`` and rename the result onto ``path`` only when it succeeded."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    """Call ``write(tmp_path)`` and rename the result onto ``path`` only when it succeeded.
+
+    A symlink is written through (its target replaced, the link kept). A new file gets the
+    permission bits ``open()`` would give it (0666 less the umask); a replaced file keeps its
+    own. Any failure of the write (OSError, a writer's own exception such as safetensors'
+    ``SafetensorError`` on a full disk) becomes one :class:`OutputWriteError` naming ``path``,
+    never the temp file; the temp file is removed in every case, Ctrl-C included."""
+    path = Path(path)
+    target = _final_target(path)
+    kind = _existing_kind(target, "output", path)
+    _refuse_special(kind, path, "output")
+    keep_mode = stat.S_IMODE(os.stat(target).st_mode) if kind == "file" else None
+    tmp: Path | None = None
     try:
+        tmp = _create_temp(target)
+        mode = keep_mode if keep_mode is not None else stat.S_IMODE(os.stat(tmp).st_mode)
         write(tmp)
+        os.chmod(tmp, mode)  # also when the writer replaced the temp file by one of its own
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
+        tmp = None
+    except SnapmlaError:
+        raise
+    except Exception as exc:
+        raise _write_error(path, tmp, exc) from exc
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        if tmp is not None:
+            with suppress(OSError):
+                tmp.unlink()
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """:func:`write_atomic` of a text file."""
     write_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+@contextmanager
+def naming(what: str) -> Iterator[None]:
+    """Prefix a write failure with the option whose file it was (``--plot: ...``): the writers
+    know the path, only the command knows which of its options named it."""
+    try:
+        yield
+    except SnapmlaError as exc:
+        if not str(exc).startswith(what):
+            exc.args = (f"{what}: {exc}",)  # same exception (type, errno, cause), named
+        raise
+
+
+def _final_target(path: Path) -> Path:
+    """The file a write to ``path`` lands in: the end of a symlink chain (which may not exist
+    yet), else ``path`` itself (unresolved, so messages show what the user typed)."""
+    return Path(os.path.realpath(path)) if os.path.islink(path) else path
+
+
+def _existing_kind(target: Path, what: str, path: Path) -> str | None:
+    """None if nothing is at ``target``, "file" for a regular file, else what it is."""
+    try:
+        mode = os.stat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:  # a symlink loop, a folder we may not search
+        raise SnapmlaError(f"{what} {path}: cannot check it: {exc.strerror}") from None
+    if stat.S_ISREG(mode):
+        return "file"
+    return next((name for test, name in _KINDS if test(mode)), "special file")
+
+
+def _refuse_special(kind: str | None, path: Path, what: str) -> None:
+    """Only a regular file may be replaced, --force or not: a directory is a wrong path, and a
+    device, fifo or socket replaced by a file breaks whatever uses it."""
+    if kind == "directory":
+        raise SnapmlaError(f"{what} {path} is a directory, expected a file path")
+    if kind not in (None, "file"):
+        raise SnapmlaError(f"{what} {path} is a {kind}, not a regular file; "
+                           "not replacing it, even with --force")
+
+
+def _check_folder(path: Path, target: Path, what: str) -> None:
+    """The folder the file lands in must exist and take a new file (the temp file)."""
+    folder = target.parent
+    via = f" (symlink to {target})" if target != path else ""
+    if not folder.exists():
+        raise SnapmlaError(f"{what} {path}{via}: folder {folder} does not exist")
+    if not folder.is_dir():
+        raise SnapmlaError(f"{what} {path}{via}: {folder} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SnapmlaError(f"{what} {path}{via}: folder {folder} is not writable")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing ``a`` would change ``b``: same inode when both exist, else the same
+    resolved path (an output not written yet)."""
+    with suppress(OSError):
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _replaces_inside(output: Path, folder: Path) -> bool:
+    """Whether ``output`` is an existing file somewhere under the input folder ``folder``."""
+    if not (folder.is_dir() and os.path.lexists(output)):
+        return False
+    return Path(os.path.realpath(output)).is_relative_to(os.path.realpath(folder))
+
+
+def _create_temp(target: Path) -> Path:
+    """A new empty file next to ``target``. Created with ``os.open(..., 0o666)`` rather than
+    ``mkstemp`` (always 0600) so that the kernel applies the umask (and default ACLs)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.close(os.open(tmp, flags, 0o666))
+        except FileExistsError:
+            continue
+        return tmp
+
+
+def _write_error(path: Path, tmp: Path | None, exc: Exception) -> OutputWriteError:
+    """One line naming the user's ``path`` and the cause, with the temp path kept out of it."""
+    if isinstance(exc, OSError) and exc.strerror:
+        cause = exc.strerror
+    else:
+        cause = " ".join(str(exc).split()) or type(exc).__name__
+        if tmp is not None:
+            cause = cause.replace(str(tmp), str(path))
+    error = OutputWriteError(f"could not write {path}: {cause}")
+    error.errno = getattr(exc, "errno", None)
+    return error

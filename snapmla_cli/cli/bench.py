@@ -27,7 +27,7 @@ from ..bench.plan import (
     parse_layouts,
 )
 from ..bench.timing import CLOCKS, STEADY
-from ..cache.atomic import check_writable
+from ..cache.atomic import check_distinct, check_writable, naming
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
 from .common import console, require_at_least, write_json
@@ -126,12 +126,14 @@ def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps,
     plan = build_plan(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, seed)
     spec = RunnerSpec(kind="cpu-fake" if cpu_fake else "gpu", steps=steps, warmup=warmup,
                       graphs=graphs, bf16_impl=bf16_impl, roofline=roofline, clocks=clocks)
-    if json_path is not None:
-        check_writable(json_path, force, "--json")
+    outputs = (("--json", json_path), ("--plot", plot))
+    check_distinct(outputs)
+    for what, path in outputs:
+        if path is not None:
+            check_writable(path, force, what)
     if plot is not None:
         from ..plot_files import check_plot_output
 
-        check_writable(plot, force, "--plot")
         check_plot_output(plot)
     from ..bench.render import describe_plan, plot_report, render_report
 
@@ -146,8 +148,10 @@ def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps,
     out = console()
     render_report(out, report)
     if json_path is not None:
-        write_json(json_path, report.to_dict())
+        with naming("--json"):
+            write_json(json_path, report.to_dict())
         out.print(f"wrote {json_path}")
     if plot is not None:
-        plot_report(report, plot)
+        with naming("--plot"):
+            plot_report(report, plot)
         out.print(f"wrote {plot}")

@@ -18,6 +18,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from ..cache.atomic import check_distinct, check_writable
 from ..capture import Capture, DumpOptions, dump_model, parse_layers
 from ..errors import SnapmlaError
 
@@ -83,6 +84,7 @@ def dump_command(
     out = Console()
     err = Console(stderr=True)
     try:
+        _check_output(output, force, model, prompts)
         options = DumpOptions(
             model=model,
             prompts=prompts,
@@ -97,13 +99,22 @@ def dump_command(
         )
         capture = _run(options, output, force, err)
     except SnapmlaError as exc:
-        err.print(f"error: {escape(str(exc))}", highlight=False)
+        err.print(f"error: {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     _render(capture, output, out)
     failed = [c.layer for c in capture.checks if not c.ok]
     if failed:
         err.print(f"error: check failed for layers {', '.join(map(str, failed))}", highlight=False)
         raise typer.Exit(1)
+
+
+def _check_output(output: Path, force: bool, model: str, prompts: Path) -> None:
+    """Refuse a bad ``--output`` before loading the model (minutes), including one that would
+    replace the prompt file or a file of a local checkpoint folder."""
+    local_model = Path(model) if Path(model).exists() else None  # else a hub id
+    inputs = [("--prompts", prompts), ("--model", local_model)]
+    check_distinct([("--output", output)], inputs)
+    check_writable(output, force, "--output")
 
 
 def _run(options: DumpOptions, output: Path, force: bool, console: Console) -> Capture:
@@ -115,7 +126,7 @@ def _run(options: DumpOptions, output: Path, force: bool, console: Console) -> C
         TextColumn("{task.fields[rows]} rows"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=True) as bar:
+    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("loading model", total=None, rows=0)
 
         def report(done: int, total: int, rows: int) -> None:

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from ..analysis.fidelity import FidelityReport, analyze_layer, layer_queries
 from ..analysis.verify import resolve_device
-from ..cache.atomic import check_writable
+from ..cache.atomic import check_distinct, check_writable, naming
 from ..cache.dump_file import KVDump, read_dump
 from ..cache.fp8_file import FP8CacheFile, FP8CacheLayer, quantize_layer_cache, write_fp8_cache
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
@@ -40,7 +40,9 @@ def quantize_command(
     Every layer goes into the SnapMLA 656-byte FP8 cache file (SPEC section 8); the attention
     output and KV error of configurations snap, A, B, C, D, G are measured per layer against
     float64 attention on the original cache (paper Appendix G)."""
-    for path, what in ((output, "output"), (json_path, "--json"), (plot, "--plot")):
+    outputs = (("--output", output), ("--json", json_path), ("--plot", plot))
+    check_distinct(outputs, inputs=(("DUMP", dump),))
+    for what, path in outputs:
         if path is not None:
             check_writable(path, force, what)
     if plot is not None:
@@ -63,16 +65,20 @@ def quantize_command(
             report.layers.append(analyze_layer(layer, chosen, probes, kind, dev))
             bar.advance(task)
     meta = {"source": str(dump) if dump is not None else "synthetic default"}
-    write_fp8_cache(FP8CacheFile(pages, source.model, meta), output, force=force)
+    with naming("--output"):
+        write_fp8_cache(FP8CacheFile(pages, source.model, meta), output, force=force)
     _render(out, report)
     out.print(f"wrote {output} ({len(pages)} layers, {output.stat().st_size / 2**20:.1f} MiB)")
     if json_path is not None:
-        write_json(json_path, {"source": meta["source"], "model": source.model, **report.as_dict()})
+        payload = {"source": meta["source"], "model": source.model, **report.as_dict()}
+        with naming("--json"):
+            write_json(json_path, payload)
         out.print(f"wrote {json_path}")
     if plot is not None:
         from ..analysis.plot import plot_fidelity
 
-        plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}")
+        with naming("--plot"):
+            plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}")
         out.print(f"wrote {plot}")
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ..cache.atomic import check_writable
+from ..cache.atomic import check_writable, naming
 from ..cache.dump_file import write_dump
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, layer_stats, synth_dump
 from ..sizes import format_size, parse_size
@@ -31,11 +31,12 @@ def synth_command(
     require_at_least("--layers", layers)
     require_at_least("--heads", heads)
     require_at_least("--queries", queries, 0)
-    check_writable(output, force)
+    check_writable(output, force, "--output")
     spec = SynthSpec(layers=layers, tokens=parse_size(tokens, "--tokens"), queries=queries,
                      heads=heads, seed=seed)
     dump = synth_dump(spec)
-    write_dump(dump, output, force=force)
+    with naming("--output"):
+        write_dump(dump, output, force=force)
     table = Table(title=f"synthetic KV dump, seed {seed}")
     for column in ("layer", "tokens", "|content| max", "content rms", "|RoPE| p99.9", "|RoPE| max", "queries"):
         table.add_column(column, justify="right")

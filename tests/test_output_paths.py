@@ -1,0 +1,257 @@
+"""Output paths of every command (``cache.atomic``): what may be replaced (regular files only, with
+--force), symlinks (written through, dangling ones count as existing), outputs that collide with
+each other or an input, write failures (one line naming the user's path, no temp file left) and
+the permission bits of new and replaced files. CPU only; never touches /dev."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cli_checks import assert_one_line_error
+from safetensors import SafetensorError
+from typer.testing import CliRunner
+
+from snapmla_cli.cache.atomic import (
+    OutputWriteError,
+    check_distinct,
+    check_writable,
+    naming,
+    write_atomic,
+    write_text_atomic,
+)
+from snapmla_cli.cli.app import app
+from snapmla_cli.errors import SnapmlaError
+
+runner = CliRunner()
+SYNTH = ("--layers", "1", "--tokens", "64", "--queries", "1", "--heads", "2")
+
+
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("in") / "d.st"
+    result = invoke("synth", "-o", path, *SYNTH)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+@pytest.fixture
+def umask_027() -> Iterator[None]:
+    old = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+# --- what is at the output path -------------------------------------------------------------
+
+
+def test_fifo_is_refused_even_with_force(tmp_path: Path) -> None:
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    for extra in ((), ("--force",)):
+        assert_one_line_error(invoke("synth", "-o", fifo, *SYNTH, *extra), "--output", "fifo", "not a regular file")
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    with pytest.raises(SnapmlaError, match="fifo"):  # the writer refuses on its own too
+        write_text_atomic(fifo, "x")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and listing(tmp_path) == ["f"]
+
+
+def test_directory_is_refused_at_once(tmp_path: Path) -> None:
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for extra in ((), ("--force",)):
+        result = invoke("synth", "-o", folder, *SYNTH, *extra)
+        assert_one_line_error(result, "--output", "is a directory, expected a file path")
+        assert "--force" not in result.stderr
+    assert listing(folder) == []
+
+
+def test_paths_without_a_file_name_and_under_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(invoke("synth", "-o", "", *SYNTH), "--output", "expected a file path")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = invoke("synth", "-o", afile / "x", *SYNTH)
+    assert_one_line_error(result, "--output", "afile", "is not a folder")
+    assert ".tmp" not in result.stderr and listing(tmp_path) == ["afile"]
+    with pytest.raises(SnapmlaError, match="does not exist"):
+        check_writable(tmp_path / "no" / "x.st", force=True, what="--output")
+
+
+def test_symlink_to_a_file_is_written_through(tmp_path: Path) -> None:
+    target, link = tmp_path / "target.json", tmp_path / "link.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    link.symlink_to(target.name)
+    with pytest.raises(SnapmlaError, match="exists; pass --force"):
+        check_writable(link, force=False)
+    check_writable(link, force=True)
+    write_text_atomic(link, "new")
+    assert link.is_symlink() and os.readlink(link) == "target.json"
+    assert target.read_text() == "new" and stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert listing(tmp_path) == ["link.json", "target.json"]
+
+
+def test_dangling_symlink_counts_as_existing(tmp_path: Path) -> None:
+    link = tmp_path / "out.st"
+    link.symlink_to("elsewhere.st")
+    result = invoke("synth", "-o", link, *SYNTH)
+    assert_one_line_error(result, "--output", "dangling symlink", "--force")
+    assert not (tmp_path / "elsewhere.st").exists()
+    result = invoke("synth", "-o", link, *SYNTH, "--force")
+    assert result.exit_code == 0, result.output
+    assert link.is_symlink() and (tmp_path / "elsewhere.st").stat().st_size > 0
+    nowhere = tmp_path / "nowhere.st"
+    nowhere.symlink_to("missing-folder/x.st")
+    assert_one_line_error(invoke("synth", "-o", nowhere, *SYNTH, "--force"), "--output", "missing-folder", "does not exist")
+
+
+# --- outputs that collide ------------------------------------------------------------------
+
+
+def test_quantize_outputs_must_differ_from_each_other_and_the_input(dump: Path, tmp_path: Path) -> None:
+    before = dump.read_bytes()
+    q = tmp_path / "q.png"
+    cases = [
+        (("-o", q, "--json", q), ("--output", "--json", "same file")),
+        (("-o", q, "--plot", q), ("--output", "--plot", "same file")),
+        (("-o", tmp_path / "c.st", "--json", q, "--plot", tmp_path / "sub" / ".." / "q.png"), ("--json", "--plot")),
+        (("-o", dump, "--force"), ("--output", "DUMP", "same file")),
+        (("-o", tmp_path / "c.st", "--json", dump, "--force"), ("--json", "DUMP")),
+    ]
+    (tmp_path / "sub").mkdir()
+    for args, needles in cases:
+        assert_one_line_error(invoke("quantize", dump, *args, "--configs", "snap"), *needles)
+    assert dump.read_bytes() == before and listing(tmp_path) == ["sub"]
+
+
+def test_hard_links_and_symlinks_are_the_same_file(tmp_path: Path) -> None:
+    a = tmp_path / "a"
+    a.write_text("x")
+    os.link(a, tmp_path / "hard")
+    (tmp_path / "soft").symlink_to("a")
+    for other in ("hard", "soft"):
+        with pytest.raises(SnapmlaError, match="--json and --plot name the same file"):
+            check_distinct([("--json", a), ("--plot", tmp_path / other)])
+    check_distinct([("--json", a), ("--plot", None), ("--output", tmp_path / "b")], [("DUMP", None)])
+
+
+def test_bench_json_and_plot_must_differ(tmp_path: Path) -> None:
+    same = tmp_path / "x.png"
+    assert_one_line_error(invoke("bench", "--cpu-fake", "--json", same, "--plot", same), "--json", "--plot", "same file")
+    assert listing(tmp_path) == []
+
+
+def test_dump_output_must_not_replace_its_inputs(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"weights")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    result = invoke("dump", "--model", model, "--prompts", prompts, "-o", prompts, "--force")
+    assert_one_line_error(result, "--output", "--prompts", "same file")
+    result = invoke("dump", "--model", model, "--prompts", prompts, "-o", weights, "--force")
+    assert_one_line_error(result, "--output", "--model")
+    assert prompts.read_text() == "hello\n" and weights.read_bytes() == b"weights"
+
+
+# --- write failures ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", [
+    SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    OSError(errno.ENOSPC, "No space left on device"),
+])
+def test_full_disk_is_one_error_naming_the_path(tmp_path: Path, failure: Exception) -> None:
+    path = tmp_path / "out.st"
+    path.write_text("previous")
+
+    def half_then_fail(tmp: Path) -> None:
+        tmp.write_text("half")
+        if isinstance(failure, OSError):
+            failure.filename = str(tmp)  # what open()/write() report: the temp path
+        raise failure
+
+    with pytest.raises(OutputWriteError) as caught:
+        write_atomic(path, half_then_fail)
+    message = str(caught.value)
+    assert str(path) in message and "No space left on device" in message
+    assert ".tmp" not in message and "\n" not in message
+    assert isinstance(caught.value, OSError)  # callers that skip an unwritable folder still do
+    assert path.read_text() == "previous" and listing(tmp_path) == ["out.st"]
+
+
+def test_interrupt_is_not_swallowed_and_leaves_no_temp(tmp_path: Path) -> None:
+    def interrupted(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(tmp_path / "out", interrupted)
+    assert listing(tmp_path) == []
+
+
+def test_full_disk_through_the_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise SafetensorError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr("snapmla_cli.cache.dump_file.save_file", full)
+    out = tmp_path / "d.st"
+    assert_one_line_error(invoke("synth", "-o", out, *SYNTH), "--output", str(out), "No space left")
+    assert listing(tmp_path) == []
+
+
+def test_a_late_plot_failure_names_plot(dump: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from matplotlib.figure import Figure
+
+    def full(self: Figure, fname: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    plot = tmp_path / "p.png"
+    result = invoke("quantize", dump, "-o", tmp_path / "c.st", "--plot", plot, "--configs", "snap")
+    assert_one_line_error(result, "error: --plot:", str(plot), "No space left on device")
+    assert ".tmp" not in result.stderr and "p.png" not in listing(tmp_path)
+
+
+def test_naming_prefixes_once() -> None:
+    with pytest.raises(SnapmlaError, match="^--plot: could not write x$"), naming("--plot"):
+        raise SnapmlaError("could not write x")
+    with pytest.raises(SnapmlaError, match="^--plot needs matplotlib$"), naming("--plot"):
+        raise SnapmlaError("--plot needs matplotlib")
+
+
+# --- permission bits -----------------------------------------------------------------------
+
+
+def test_new_files_follow_the_umask(tmp_path: Path, umask_027: None) -> None:
+    path = tmp_path / "new.json"
+    write_text_atomic(path, "{}")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    result = invoke("synth", "-o", tmp_path / "d.st", *SYNTH)
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE((tmp_path / "d.st").stat().st_mode) == 0o640
+
+
+def test_replaced_files_keep_their_mode(tmp_path: Path, umask_027: None) -> None:
+    path = tmp_path / "d.st"
+    path.write_text("old")
+    path.chmod(0o604)
+    result = invoke("synth", "-o", path, *SYNTH, "--force")
+    assert result.exit_code == 0, result.output
+    assert stat.S_IMODE(path.stat().st_mode) == 0o604 and path.stat().st_size > 3
