@@ -9,7 +9,15 @@ import math
 import torch
 
 from ..cache.layout import gather_from_pages
-from .formats import D_V
+from ..errors import SnapmlaError
+from .decode_args import (
+    check_finite_keys,
+    checked_flag,
+    checked_lengths,
+    checked_softmax_scale,
+    paged_cache,
+)
+from .formats import D_QK, D_V
 from .visibility import visibility_mask
 
 
@@ -18,22 +26,33 @@ def decode_reference(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    softmax_scale: float,
+    softmax_scale: float | None,
     causal: bool = False,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[b, s_q, h_q, 576]`` and a dense ``[num_blocks, 64, 576]`` cache (bf16, or
-    dequantized FP8) -> ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]`` in ``dtype``."""
+    dequantized FP8) -> ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]`` in ``dtype``.
+    Arguments are checked first (one-line errors naming the argument; non-finite queries or keys
+    a request reads are refused)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[-1] != D_QK or not q.dtype.is_floating_point:
+        got = f"{tuple(q.shape)} {q.dtype}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
+    if not bool(torch.isfinite(q).all()):
+        raise SnapmlaError("q: expected finite values, found NaN or inf")
+    kv_cache = paged_cache("kv_cache", kv_cache, D_QK,
+                           (torch.bfloat16, torch.float16, torch.float32, torch.float64))
+    softmax_scale = checked_softmax_scale(softmax_scale)
+    causal = checked_flag("causal", causal)
     b, s_q, h_q, d = q.shape
+    seqlens = checked_lengths(block_table, cache_seqlens, b, kv_cache.shape[0])
     device = q.device
     out = torch.zeros(b, s_q, h_q, D_V, dtype=dtype, device=device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=dtype, device=device)
-    seqlens = cache_seqlens.tolist()
-    for i in range(b):
-        n = int(seqlens[i])
+    for i, n in enumerate(seqlens):
         if n == 0:
             continue
         keys = gather_from_pages(kv_cache, block_table[i], n).to(dtype)
+        check_finite_keys("kv_cache", i, keys)
         rows = q[i].reshape(s_q * h_q, d).to(dtype)
         logits = (rows @ keys.T) * softmax_scale
         mask = visibility_mask(n, s_q, h_q, causal, device)

@@ -17,7 +17,24 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.layout import gather_from_pages, unpack_tokens
-from .formats import D_CONTENT, D_V, E4M3_MAX, FP8_DTYPE, P_BLOCK_TOKENS, P_SCALE_FLOOR
+from ..errors import SnapmlaError
+from .decode_args import (
+    check_finite_keys,
+    checked_flag,
+    checked_lengths,
+    checked_softmax_scale,
+    paged_cache,
+)
+from .formats import (
+    D_CONTENT,
+    D_ROPE,
+    D_V,
+    E4M3_MAX,
+    FP8_DTYPE,
+    FP8_TOKEN_BYTES,
+    P_BLOCK_TOKENS,
+    P_SCALE_FLOOR,
+)
 from .quant import QuantizedRows, e4m3_round
 from .visibility import visible_counts
 
@@ -99,25 +116,31 @@ def emulate_fp8_decode(
     fp8_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    softmax_scale: float,
+    softmax_scale: float | None,
     causal: bool = False,
     split_bounds: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Emulate the FP8 kernel. ``q`` holds quantized rows of shape ``[b, s_q, h_q]``;
     ``fp8_cache`` is ``[num_blocks, 64, 656]`` bytes. ``split_bounds[i]`` optionally lists
     the token boundaries (multiples of 64, from 0 to ``n_i``) of request ``i``'s KV splits.
-    Returns ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]``, float64."""
-    b, s_q, h_q = q.scale.shape
+    Returns ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]``, float64. Arguments are
+    checked first: a NaN here would otherwise read as a block with no visible key."""
+    b, s_q, h_q = _checked_queries(q)
+    fp8_cache = paged_cache("fp8_cache", fp8_cache, FP8_TOKEN_BYTES, (torch.uint8,))
+    softmax_scale = checked_softmax_scale(softmax_scale)
+    causal = checked_flag("causal", causal)
+    seqlens = checked_lengths(block_table, cache_seqlens, b, fp8_cache.shape[0])
+    if split_bounds is not None and len(split_bounds) != b:
+        raise SnapmlaError(f"split_bounds: expected one list of bounds per request ({b}), got {len(split_bounds)}")
     device = q.scale.device
     out = torch.zeros(b, s_q, h_q, D_V, dtype=torch.float64, device=device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64, device=device)
-    seqlens = cache_seqlens.tolist()
-    for i in range(b):
-        n = int(seqlens[i])
+    for i, n in enumerate(seqlens):
         if n == 0:
             continue
         keys = unpack_tokens(gather_from_pages(fp8_cache, block_table[i], n))
         k_c, k_s, k_r = keys.content.float(), keys.scale.float(), keys.rope.float()
+        check_finite_keys("fp8_cache", i, k_c, k_s, k_r)
         q_c = q.content[i].reshape(s_q * h_q, D_CONTENT).float()
         q_s = q.scale[i].reshape(s_q * h_q).float()
         q_r = q.rope[i].reshape(s_q * h_q, -1).float()
@@ -142,11 +165,30 @@ def emulate_fp8_decode(
 
 
 def _check_bounds(bounds: list[int], n: int) -> None:
-    ok = bounds[0] == 0 and bounds[-1] == n and all(
+    ok = len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == n and all(
         a < z and a % P_BLOCK_TOKENS == 0 for a, z in itertools.pairwise(bounds)
     )
     if not ok:
-        raise ValueError(f"split_bounds {bounds} must run from 0 to {n} in increasing multiples of {P_BLOCK_TOKENS}")
+        raise SnapmlaError(f"split_bounds {bounds}: expected 0 to {n} in increasing multiples of {P_BLOCK_TOKENS}")
+
+
+def _checked_queries(q: object) -> tuple[int, int, int]:
+    """(batch, s_q, h_q) of quantized query rows whose three parts agree in shape and are finite
+    (an E4M3 NaN byte, a NaN or infinite scale or RoPE)."""
+    if not isinstance(q, QuantizedRows) or not all(
+            isinstance(t, torch.Tensor) for t in (q.content, q.scale, q.rope)):
+        raise SnapmlaError(f"q: expected QuantizedRows of tensors (quantize_rows / quantize_q), got {type(q).__name__}")
+    if q.scale.dim() != 3:
+        raise SnapmlaError(f"q.scale: expected shape [batch, s_q, h_q], got {tuple(q.scale.shape)}")
+    lead = tuple(q.scale.shape)
+    for name, t, width in (("q.content", q.content, D_CONTENT), ("q.rope", q.rope, D_ROPE)):
+        if tuple(t.shape) != (*lead, width):
+            raise SnapmlaError(f"{name}: expected shape {(*lead, width)}, got {tuple(t.shape)}")
+    for name, t in (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)):
+        if not bool(torch.isfinite(t.float()).all()):
+            raise SnapmlaError(f"{name}: expected finite values, found NaN or inf")
+    b, s_q, h_q = lead
+    return b, s_q, h_q
 
 
 assert FP8_DTYPE is torch.float8_e4m3fn

@@ -15,20 +15,19 @@ anyway, so it knows the context), and travels with the metadata tensor to the de
 from __future__ import annotations
 
 import math
-import numbers
 import weakref
 
 import numpy as np
 import torch
 
 from ..errors import NoGpuError, SnapmlaError
+from ..numerics.decode_args import checked_flag, checked_lengths, checked_softmax_scale
 from ..numerics.formats import (
     D_QK,
     D_V,
     FP8_DTYPE,
     FP8_TOKEN_BYTES,
     PAGE_SIZE,
-    default_softmax_scale,
 )
 from ..numerics.quant import QuantizedRows
 from ..runtime.cluster_launch import ClusterLaunch
@@ -46,6 +45,7 @@ from .decode_config import (
     bf16_defines,
     bf16_kernel,
     bf16_smem_bytes,
+    checked_config,
     cluster_capable,
     fp8_defines,
     fp8_kernel,
@@ -101,8 +101,10 @@ def get_mla_metadata(
     runs on: the call then never waits for the GPU, and the tensors go to ``device`` by
     asynchronous copies. Without ``device`` the tensors go where ``cache_seqlens`` is."""
     if num_heads_k != 1:
-        raise SnapmlaError(f"num_heads_k: MLA has one latent KV head, got {num_heads_k}")
+        raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k!r}")
     check_rows(num_heads_per_head_k)
+    fp8 = checked_flag("fp8", fp8)
+    config = checked_config(config, fp8)
     seqlens = host_seqlens(cache_seqlens)  # (checks that it is an int32 [b] tensor)
     target = _metadata_device(cache_seqlens, device)
     context = mean_context(seqlens)
@@ -252,20 +254,6 @@ def _split_kv_decode(
                     tile_scheduler_metadata, num_splits, out, lse)
 
 
-def checked_softmax_scale(softmax_scale: object) -> float:
-    """The logit scale a plan bakes in: SPEC section 2's default for None, else a finite number
-    (a NaN or infinite scale would make every output NaN, which a caller should hear about as
-    the argument it passed). Checked once per call signature: the scale is part of the plan key."""
-    if softmax_scale is None:
-        return default_softmax_scale()
-    if not isinstance(softmax_scale, numbers.Real):
-        raise SnapmlaError(f"softmax_scale: expected a number or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise SnapmlaError(f"softmax_scale: expected a finite number, got {scale}")
-    return scale
-
-
 def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], device: torch.device,
                  table_stride: int, tile_scheduler_metadata: torch.Tensor, softmax_scale: float | None,
                  causal: bool, cfg: DecodeConfig, requested: DecodeConfig | None) -> DecodePlan:
@@ -274,6 +262,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
     b, s_q, h_q = shape
     rows = s_q * h_q
     scale = checked_softmax_scale(softmax_scale)
+    causal = checked_flag("causal", causal)
     columns, items_per_column = tile_scheduler_metadata.shape[:2]
     num_work = columns * items_per_column  # places, the empty ones included
     fold = _split_fold(tile_scheduler_metadata, rows)
@@ -373,6 +362,17 @@ def _tensor_args(**named: object) -> None:
             raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
 
 
+def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, batch: int,
+                       k_cache: torch.Tensor) -> None:
+    """The checks switch's block-table check: no length beyond its table row, every page a request
+    reads a block of ``k_cache``. The kernels index the table without bounds (a bounds test per page
+    would not tell the caller anything: the output would still be wrong), and reading the lengths
+    back is a synchronization, so it runs with the NaN checks and not on the hot path."""
+    if torch.cuda.is_current_stream_capturing():
+        return  # the finite checks refuse capture with the switch on, naming it
+    checked_lengths(block_table, cache_seqlens, batch, k_cache.shape[0])
+
+
 def _check_quantized_finite(q: QuantizedRows) -> None:
     """The ``SNAPMLA_CHECK_FINITE`` check of an already quantized Q (its E4M3 content as well:
     a hand-built ``QuantizedRows`` may hold NaN bytes), one read-back for the three parts."""
@@ -400,12 +400,14 @@ def decode_fp8(
     from its plan (:mod:`.decode_launch`)."""
     if not isinstance(q, QuantizedRows):
         raise SnapmlaError(f"q: expected QuantizedRows (the output of quantize_q), got {type(q).__name__}")
-    _tensor_args(k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+    _tensor_args(**{"q.content": q.content, "q.scale": q.scale, "q.rope": q.rope}, k_cache=k_cache,
+                 block_table=block_table, cache_seqlens=cache_seqlens,
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     key = _signature((q.content, q.scale, q.rope), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                      num_splits, softmax_scale, causal, config, out, lse)
     if GPU_CHECKS.on:
         _check_quantized_finite(q)
+        _check_table_reads(block_table, cache_seqlens, q.scale.shape[0], k_cache)
     plan = find_plan(key, tile_scheduler_metadata, config)
     if plan is not None:
         return _replay(plan, (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)),
@@ -421,7 +423,7 @@ def decode_fp8(
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
     cache = _fp8_cache_rows(k_cache)
     _require_cuda(cache, "k_cache", device)
-    cfg = decode_config_for(config, tile_scheduler_metadata, s_q * h_q, True, device, b)
+    cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b)
     if cfg.wgmma:
         from ..runtime.tensor_map import fp8_cache_tensor_maps
 
@@ -452,6 +454,8 @@ def decode_bf16(
     key = _signature((q,), k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                      softmax_scale, causal, config, out, lse)
     plan = find_plan(key, tile_scheduler_metadata, config)
+    if GPU_CHECKS.on:
+        _check_table_reads(block_table, cache_seqlens, q.shape[0], k_cache)
     if plan is not None:
         if GPU_CHECKS.on:
             check_finite("q", q)
@@ -466,7 +470,7 @@ def decode_bf16(
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
-    cfg = decode_config_for(config, tile_scheduler_metadata, s_q * h_q, False, device, b)
+    cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b)
     cache: torch.Tensor = k_cache
     if cfg.wgmma:
         from ..runtime.tensor_map import bf16_cache_tensor_map
@@ -491,7 +495,7 @@ def flash_mla_with_kvcache(
     """FlashMLA's signature. A 656-byte FP8 cache (uint8 / float8_e4m3fn) takes the SnapMLA path
     (fused Q-quant, then FP8 decode); a bf16 cache takes the BF16 kernel."""
     if head_dim_v != D_V:
-        raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v}")
+        raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v!r}")
     _tensor_args(q=q, k_cache=k_cache)  # the cache's dtype picks the path below
     if k_cache.dtype == torch.bfloat16:
         return decode_bf16(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 
+from ..errors import SnapmlaError
 from .schedule import SplitPolicy, prefer_balanced
 
 ROWS_PER_GROUP = 16
@@ -109,6 +110,17 @@ class DecodeConfig:
     wg_mode: int = WG_DIMS_SPLIT
     rope_ring: int = 0
     split: SplitPolicy = field(default_factory=SplitPolicy)
+
+    def __post_init__(self) -> None:
+        """Fields of the right types (ints, a SplitPolicy); which values a kernel takes is
+        :func:`checked_config`'s question, since the tuner builds and prunes invalid ones."""
+        for name in ("row_groups", "kv_split", "stages", "block_n", "min_ctas_per_sm", "kernel_version",
+                     "qk_promote", "pv_promote", "wg_mode", "rope_ring"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise SnapmlaError(f"DecodeConfig.{name}: expected an int, got {value!r}")
+        if not isinstance(self.split, SplitPolicy):
+            raise SnapmlaError(f"DecodeConfig.split: expected a SplitPolicy, got {type(self.split).__name__}")
 
     @property
     def block_m(self) -> int:
@@ -334,6 +346,22 @@ def bf16_config_valid(cfg: DecodeConfig) -> bool:
     return (cfg.row_groups in (1, 2, 4) and cfg.block_n in (16, 32, 64)
             and cfg.min_ctas_per_sm * cfg.row_groups * WARPS_PER_GROUP <= MAX_WARPS
             and bf16_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
+
+
+def checked_config(config: object, fp8: bool) -> DecodeConfig | None:
+    """A caller's explicit configuration, refused here with its name when the format's kernels
+    would not compile or launch it (rather than as a ZeroDivisionError in the planner or a
+    compile error on the GPU); None stays None (the database or the heuristic decides)."""
+    if config is None:
+        return None
+    if not isinstance(config, DecodeConfig):
+        raise SnapmlaError(f"config: expected a DecodeConfig or None, got {type(config).__name__}")
+    valid = fp8_config_valid(config) if fp8 else bf16_config_valid(config)
+    if not valid:
+        fmt = "FP8" if fp8 else "BF16"
+        raise SnapmlaError(f"config: {config} is not a configuration the {fmt} decode kernels accept "
+                           "(snapmla tune --dry-run lists the valid ones)")
+    return config
 
 
 def pads_row_tile(cfg: DecodeConfig, fp8: bool) -> bool:

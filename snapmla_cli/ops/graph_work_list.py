@@ -27,10 +27,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import SnapmlaError
+from ..numerics.decode_args import checked_flag
 from ..numerics.formats import PAGE_SIZE
 from .config_choice import MetadataPlan, choose_config, record_plan
 from .decode import check_rows, is_integer, requested_device
-from .decode_config import DecodeConfig, with_balance
+from .decode_config import DecodeConfig, checked_config, with_balance
 from .schedule import WORK_FIELDS, graph_capacity, graph_work_tables, host_seqlens
 from .split_fold import fixed_fold
 
@@ -52,10 +53,12 @@ class GraphWorkList:
         if not is_integer(batch) or batch < 1:
             raise SnapmlaError(f"batch: expected >= 1 requests (an integer), got {batch!r}")
         check_rows(num_heads_per_head_k)
-        if max_context is not None and max_context < 0:
+        if max_context is not None and (not is_integer(max_context) or max_context < 0):
             raise SnapmlaError(f"max_context: expected the most tokens a request holds (>= 0), got {max_context}")
         self.max_context = max_context
         self.device = requested_device(device)
+        fp8 = checked_flag("fp8", fp8)
+        config = checked_config(config, fp8)
         self.batch, self.rows, self.fp8 = batch, num_heads_per_head_k, fp8
         context = None if max_context is None else float(max_context)
         requested = config or choose_config(num_heads_per_head_k, fp8, self.device, batch, context)

@@ -438,6 +438,10 @@ def _append_kv_cuda(kv: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor
 # ---------------------------------------------------------------- fetch-dequant
 
 
+# The most rows a fetch may return: its offsets (cumulative lengths) are int32, as SPEC's are.
+MAX_ROWS = 2**31 - 1
+
+
 def fetch_dequant(
     k_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -472,8 +476,19 @@ def fetch_dequant(
     device = _same_device(
         [("k_cache", cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens)]
     )
-    if total_tokens is not None and (not isinstance(total_tokens, int) or total_tokens < 0):
-        raise SnapmlaError(f"total_tokens: expected a non-negative int, got {total_tokens!r}")
+    if total_tokens is not None:
+        if isinstance(total_tokens, bool) or not hasattr(total_tokens, "__index__") or total_tokens < 0:
+            raise SnapmlaError(f"total_tokens: expected a non-negative int, got {total_tokens!r}")
+        total_tokens = int(total_tokens)
+        if total_tokens > MAX_ROWS:
+            raise SnapmlaError(f"total_tokens: expected at most {MAX_ROWS} (int32 row offsets), got {total_tokens}")
+    else:
+        # the sum is read back anyway: take it in int64 so that lengths adding up past the int32
+        # row offsets are refused instead of wrapping around
+        summed = int(cache_seqlens.clamp(min=0).sum(dtype=torch.int64)) if batch else 0
+        if summed > MAX_ROWS:
+            raise SnapmlaError(f"cache_seqlens: the lengths add up to {summed} tokens, more than the "
+                               f"{MAX_ROWS} rows int32 offsets address")
 
     cu = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     if batch:

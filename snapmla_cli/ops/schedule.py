@@ -57,6 +57,15 @@ class SplitPolicy:
     auto_balance: bool = False
 
     def __post_init__(self) -> None:
+        """Counts are positive ints and switches bools: a zero or negative count would divide by
+        zero or plan no CTA at all far from where it was given."""
+        for name in ("num_sms", "ctas_per_sm", "waves", "min_blocks_per_split", "max_splits_per_request"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SnapmlaError(f"SplitPolicy.{name}: expected a positive int, got {value!r}")
+        for name in ("balanced", "auto_balance"):
+            if not isinstance(getattr(self, name), bool):
+                raise SnapmlaError(f"SplitPolicy.{name}: expected True or False, got {getattr(self, name)!r}")
         if not 1 <= self.max_splits_per_request <= MAX_SPLITS_PER_REQUEST:
             raise SnapmlaError(f"max_splits_per_request: expected 1..{MAX_SPLITS_PER_REQUEST}, "
                                f"got {self.max_splits_per_request}")

@@ -1,0 +1,91 @@
+"""Argument checks shared by the CPU decode definitions (the float64 reference and the FP8
+emulation) and the GPU decode API's scale.
+
+The reference and the emulation are what every kernel is judged against, and `verify` runs them
+on user dumps, so a bad argument must fail there with the argument's name rather than as an
+``IndexError`` deep in a gather, and non-finite inputs must fail rather than be read as "no key
+visible" (the emulation's block maxima would turn a NaN logit into an inactive block).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from ..errors import SnapmlaError
+from .formats import PAGE_SIZE, default_softmax_scale
+
+
+def checked_softmax_scale(softmax_scale: object) -> float:
+    """The logit scale: SPEC section 2's default for None, else a finite number (a NaN or infinite
+    scale would make every output NaN, which a caller should hear about as the argument it passed)."""
+    if softmax_scale is None:
+        return default_softmax_scale()
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise SnapmlaError(f"softmax_scale: expected a number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
+        raise SnapmlaError(f"softmax_scale: expected a finite number, got {scale}")
+    return scale
+
+
+def checked_flag(name: str, value: object) -> bool:
+    """A switch given as a real bool: ``causal="false"`` is truthy, so a string would silently mean
+    the opposite of what it says."""
+    if not isinstance(value, bool):
+        raise SnapmlaError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
+def paged_cache(name: str, cache: object, width: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """``cache`` as ``[num_blocks, 64, width]``; SPEC's ``[num_blocks, 64, 1, width]`` is taken too."""
+    if not isinstance(cache, torch.Tensor):
+        raise SnapmlaError(f"{name}: expected a tensor, got {type(cache).__name__}")
+    if cache.dim() == 4 and cache.shape[2] == 1:
+        cache = cache.squeeze(2)
+    if cache.dim() != 3 or cache.shape[1] != PAGE_SIZE or cache.shape[2] != width:
+        raise SnapmlaError(f"{name}: expected shape [num_blocks, {PAGE_SIZE}, {width}] "
+                           f"(or [num_blocks, {PAGE_SIZE}, 1, {width}]), got {tuple(cache.shape)}")
+    if cache.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise SnapmlaError(f"{name}: expected dtype {names}, got {str(cache.dtype).removeprefix('torch.')}")
+    return cache
+
+
+def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_blocks: int) -> list[int]:
+    """The requests' key counts, after checking that ``block_table`` ``[batch, max_pages]`` and
+    ``cache_seqlens`` ``[batch]`` are integer tensors that agree with the queries' batch, that no
+    length is negative or longer than its table row covers, and that every page a request reads
+    is a block of the cache."""
+    for name, t, rank in (("block_table", block_table, 2), ("cache_seqlens", cache_seqlens, 1)):
+        if not isinstance(t, torch.Tensor):
+            raise SnapmlaError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if t.dim() != rank or t.shape[0] != batch:
+            want = "[batch, max_pages]" if rank == 2 else "[batch]"
+            raise SnapmlaError(f"{name}: expected shape {want} with batch {batch}, got {tuple(t.shape)}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise SnapmlaError(f"{name}: expected an integer tensor, got {str(t.dtype).removeprefix('torch.')}")
+    assert isinstance(block_table, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)
+    lengths = [int(n) for n in cache_seqlens.tolist()]
+    capacity = block_table.shape[1] * PAGE_SIZE
+    table = block_table.cpu()
+    for i, n in enumerate(lengths):
+        if not 0 <= n <= capacity:
+            raise SnapmlaError(f"cache_seqlens[{i}]: expected 0..{capacity} (the block table's "
+                               f"{block_table.shape[1]} pages of {PAGE_SIZE}), got {n}")
+        pages = table[i, : -(-n // PAGE_SIZE)]
+        bad = ((pages < 0) | (pages >= num_blocks)).nonzero()
+        if bad.numel():
+            j = int(bad[0, 0])
+            raise SnapmlaError(f"block_table[{i}, {j}]: expected a block index in 0..{num_blocks - 1} "
+                               f"(the request's {n} tokens read it), got {int(pages[j])}")
+    return lengths
+
+
+def check_finite_keys(name: str, request: int, *parts: torch.Tensor) -> None:
+    """The keys a request reads must be finite: NaN or inf there is a corrupt cache, not data."""
+    for part in parts:
+        if not bool(torch.isfinite(part.float()).all()):
+            raise SnapmlaError(f"{name}: request {request} reads non-finite values in its keys")

@@ -1,0 +1,145 @@
+"""Bad arguments to the CPU decode definitions (reference, emulation) and to the decode API's
+configuration and switches: a one-line SnapmlaError naming the argument, never an IndexError
+from a gather or a NaN read as "no key visible"."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.decode_ref import decode_reference
+from snapmla_cli.numerics.emulation import emulate_fp8_decode
+from snapmla_cli.numerics.problem import DecodeProblem, random_problem
+from snapmla_cli.ops.decode import get_mla_metadata
+from snapmla_cli.ops.decode_config import DecodeConfig, checked_config, heuristic_config
+from snapmla_cli.ops.graph_work_list import GraphWorkList
+from snapmla_cli.ops.schedule import SplitPolicy
+
+SEQLENS = [100, 65, 0]
+
+
+@pytest.fixture(scope="module")
+def problem() -> DecodeProblem:
+    return random_problem(SEQLENS, s_q=2, h_q=3, causal=True, seed=11)
+
+
+def run_reference(problem: DecodeProblem, **changes: object) -> tuple[torch.Tensor, torch.Tensor]:
+    args: dict[str, object] = {"q": problem.q, "kv_cache": problem.bf16_cache(),
+                               "block_table": problem.layout.block_table,
+                               "cache_seqlens": problem.layout.cache_seqlens,
+                               "softmax_scale": problem.softmax_scale, "causal": problem.causal}
+    args.update(changes)
+    return decode_reference(**args)  # type: ignore[arg-type]
+
+
+def run_emulation(problem: DecodeProblem, **changes: object) -> tuple[torch.Tensor, torch.Tensor]:
+    args: dict[str, object] = {"q": problem.q_quantized(), "fp8_cache": problem.fp8_cache(),
+                               "block_table": problem.layout.block_table,
+                               "cache_seqlens": problem.layout.cache_seqlens,
+                               "softmax_scale": problem.softmax_scale, "causal": problem.causal}
+    args.update(changes)
+    return emulate_fp8_decode(**args)  # type: ignore[arg-type]
+
+
+def test_good_arguments_run_both_definitions_with_nan_poisoned_unused_rows(problem: DecodeProblem) -> None:
+    """The fixtures' unused cache rows are NaN (bf16) / 0xFF (FP8) and the table's unused
+    entries are -7: the checks must only look at what the requests read."""
+    for run in (run_reference, run_emulation):
+        out, lse = run(problem)
+        assert torch.isfinite(out).all()
+        assert torch.isinf(lse[2]).all() and (out[2] == 0).all()  # the empty request
+        default_out, _ = run(problem, softmax_scale=None)  # SPEC's default scale
+        assert torch.equal(out, default_out)
+    four_d, _ = run_emulation(problem, fp8_cache=problem.fp8_cache().unsqueeze(2))
+    assert torch.equal(four_d, run_emulation(problem)[0])
+
+
+@pytest.mark.parametrize("run", [run_reference, run_emulation], ids=["reference", "emulation"])
+@pytest.mark.parametrize(("change", "message"), [
+    ({"cache_seqlens": torch.tensor([100, 65, 129], dtype=torch.int32)}, "cache_seqlens[2]: expected 0..128"),
+    ({"cache_seqlens": torch.tensor([100, -1, 0], dtype=torch.int32)}, "cache_seqlens[1]: expected 0..128"),
+    ({"cache_seqlens": torch.tensor([100, 65], dtype=torch.int32)}, "cache_seqlens: expected shape [batch]"),
+    ({"cache_seqlens": torch.tensor([100.0, 65.0, 0.0])}, "cache_seqlens: expected an integer tensor"),
+    ({"block_table": torch.zeros(2, 2, dtype=torch.int32)}, "block_table: expected shape [batch, max_pages]"),
+    ({"softmax_scale": math.nan}, "softmax_scale: expected a finite number"),
+    ({"softmax_scale": "0.1"}, "softmax_scale: expected a number or None"),
+    ({"causal": "false"}, "causal: expected True or False"),
+])
+def test_bad_arguments_name_the_argument(problem: DecodeProblem, run, change: dict, message: str) -> None:
+    with pytest.raises(SnapmlaError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        run(problem, **change)
+
+
+@pytest.mark.parametrize("run", [run_reference, run_emulation], ids=["reference", "emulation"])
+@pytest.mark.parametrize("entry", [-7, 10_000])
+def test_a_page_outside_the_cache_is_refused(problem: DecodeProblem, run, entry: int) -> None:
+    """A negative entry would otherwise read another page through Python's negative indexing."""
+    table = problem.layout.block_table.clone()
+    table[0, 1] = entry
+    with pytest.raises(SnapmlaError, match=r"block_table\[0, 1\]: expected a block index"):
+        run(problem, block_table=table)
+
+
+def test_a_nan_key_token_is_refused_not_read_as_no_keys(problem: DecodeProblem) -> None:
+    """One 0xFF token among a request's keys: the emulation's block maxima would have marked the
+    whole request as having no visible key (out 0, lse +inf)."""
+    cache = problem.fp8_cache()
+    page = int(problem.layout.block_table[0, 0])
+    cache[page, 5] = 0xFF
+    with pytest.raises(SnapmlaError, match="fp8_cache: request 0 reads non-finite values"):
+        run_emulation(problem, fp8_cache=cache)
+    bf16 = problem.bf16_cache()
+    bf16[page, 5] = float("nan")
+    with pytest.raises(SnapmlaError, match="kv_cache: request 0 reads non-finite values"):
+        run_reference(problem, kv_cache=bf16)
+
+
+def test_non_finite_or_malformed_queries_are_refused(problem: DecodeProblem) -> None:
+    q8 = problem.q_quantized()
+    bad_scale = q8.scale.clone()
+    bad_scale[0, 0, 0] = math.inf
+    with pytest.raises(SnapmlaError, match="q.scale: expected finite values"):
+        run_emulation(problem, q=type(q8)(q8.content, bad_scale, q8.rope))
+    with pytest.raises(SnapmlaError, match="q: expected QuantizedRows"):
+        run_emulation(problem, q=problem.q)
+    with pytest.raises(SnapmlaError, match="q.rope: expected shape"):
+        run_emulation(problem, q=type(q8)(q8.content, q8.scale, q8.rope[..., :32]))
+    q = problem.q.clone()
+    q[1, 0, 2, 7] = float("nan")
+    with pytest.raises(SnapmlaError, match="q: expected finite values"):
+        run_reference(problem, q=q)
+    with pytest.raises(SnapmlaError, match="q: expected a float tensor"):
+        run_reference(problem, q=problem.q[..., :512])
+    with pytest.raises(SnapmlaError, match="split_bounds: expected one list of bounds per request"):
+        run_emulation(problem, split_bounds=[[0, 100]])
+
+
+def test_explicit_configs_are_checked_where_they_are_given() -> None:
+    lens = torch.tensor([300, 70], dtype=torch.int32)
+    with pytest.raises(SnapmlaError, match="config: expected a DecodeConfig or None, got int"):
+        get_mla_metadata(lens, 16, 1, config=5)  # type: ignore[arg-type]
+    with pytest.raises(SnapmlaError, match="config: .* is not a configuration the FP8 decode kernels accept"):
+        get_mla_metadata(lens, 16, 1, config=DecodeConfig(row_groups=0))
+    with pytest.raises(SnapmlaError, match="config: expected a DecodeConfig or None"):
+        GraphWorkList(2, 16, "cpu", config=5)  # type: ignore[arg-type]
+    with pytest.raises(SnapmlaError, match="fp8: expected True or False"):
+        get_mla_metadata(lens, 16, 1, fp8="no")  # type: ignore[arg-type]
+    with pytest.raises(SnapmlaError, match="DecodeConfig.row_groups: expected an int"):
+        DecodeConfig(row_groups="4")  # type: ignore[arg-type]
+    for field, value in (("num_sms", 0), ("ctas_per_sm", -2), ("waves", 1.5), ("balanced", 1)):
+        with pytest.raises(SnapmlaError, match=f"SplitPolicy.{field}: expected"):
+            SplitPolicy(**{field: value})  # type: ignore[arg-type]
+    good = heuristic_config(16)
+    assert checked_config(good, True) is good and checked_config(None, False) is None
+    with pytest.raises(SnapmlaError, match="BF16 decode kernels"):
+        checked_config(good, False)  # an FP8 wgmma configuration for the BF16 kernels
+    _, splits = get_mla_metadata(lens, 16, 1, config=good)
+    assert int(splits[-1]) >= 2
+
+
+def test_num_heads_k_message_shows_what_was_passed() -> None:
+    with pytest.raises(SnapmlaError, match=r"num_heads_k: expected 1 .* got '1'"):
+        get_mla_metadata(torch.tensor([10], dtype=torch.int32), 16, "1")  # type: ignore[arg-type]
