@@ -9,11 +9,19 @@ import re
 from .errors import SnapmlaError
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}
+# Token counts and lengths are int32 in the decode API and the file formats (SPEC sections 4, 8):
+# no size may exceed it (a larger one would overflow there, or in a Python-to-C conversion first).
+MAX_SIZE = 2**31 - 1
+# Query heads and query tokens per request the commands accept: 8x the largest MLA model's heads
+# (DeepSeek-V3's 128) and 4x the deepest MTP in use; a larger count is a typo, not a shape.
+MAX_QUERY_HEADS = 1024
+MAX_QUERY_TOKENS = 16
 _SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
-    """``"32k"`` -> 32768, ``"1m"`` -> 1048576, ``"4096"`` -> 4096 (k = 1024, m = 1024*1024)."""
+def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE) -> int:
+    """``"32k"`` -> 32768, ``"1m"`` -> 1048576, ``"4096"`` -> 4096 (k = 1024, m = 1024*1024),
+    between 1 and ``most``."""
     if isinstance(text, int):
         value = text
     else:
@@ -23,20 +31,22 @@ def parse_size(text: str | int, what: str = "size") -> int:
         value = int(match.group(1)) * _SUFFIX[match.group(2).lower()]
     if value < 1:
         raise SnapmlaError(f"{what}: {text!r} must be at least 1")
+    if value > most:
+        raise SnapmlaError(f"{what}: {text!r} is too large (expected at most {format_size(most)})")
     return value
 
 
-def parse_size_list(text: str, what: str = "list") -> list[int]:
-    """``"16,64,128"`` -> ``[16, 64, 128]``; each item may carry a k/m suffix."""
+def parse_size_list(text: str, what: str = "list", example: str = "16k,64k") -> list[int]:
+    """``"16k,64k"`` -> ``[16384, 65536]``; each item may carry a k/m suffix."""
     items = [part for part in str(text).split(",") if part.strip()]
     if not items:
-        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. 16,64,128)")
+        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. {example})")
     return [parse_size(part, what) for part in items]
 
 
-def parse_int_list(text: str, what: str) -> list[int]:
-    """``"64"`` or ``"16,64,128"`` -> positive ints without size suffixes (head counts, query
-    tokens), duplicates removed, order kept."""
+def parse_int_list(text: str, what: str, most: int) -> list[int]:
+    """``"64"`` or ``"16,64,128"`` -> ints in 1..``most`` without size suffixes (head counts,
+    query tokens), duplicates removed, order kept."""
     out: list[int] = []
     for part in str(text).split(","):
         part = part.strip()
@@ -44,6 +54,8 @@ def parse_int_list(text: str, what: str) -> list[int]:
             continue
         if not part.isdigit() or int(part) < 1:
             raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
+        if int(part) > most:
+            raise SnapmlaError(f"{what}: {part} is too large (expected at most {most})")
         if int(part) not in out:
             out.append(int(part))
     if not out:

@@ -113,7 +113,7 @@ def test_range_and_list_parsing():
     assert parse_ranges("1,8,64", "--batch") == [(1, 1), (8, 8), (64, 64)]
     assert parse_ranges("16-128", "--batch") == [(16, 128)]
     assert parse_ranges("16k,32k-64k", "--ctx") == [(16384, 16384), (32768, 65536)]
-    assert parse_int_list("16,64,16", "--heads") == [16, 64]
+    assert parse_int_list("16,64,16", "--heads", 1024) == [16, 64]
     assert parse_formats("both") == ["fp8", "bf16"] and parse_formats("BF16") == ["bf16"]
     for bad in ("128-16", "", "x", "0"):
         with pytest.raises(SnapmlaError):

@@ -17,6 +17,7 @@ import torch
 from ..cache.dump_file import LayerDump
 from ..cache.layout import pages_needed
 from ..cache.synth import probe_queries
+from ..errors import SnapmlaError
 from ..numerics.configs import QuantConfig
 from ..numerics.decode_ref import decode_reference
 from ..numerics.formats import D_CONTENT, D_QK, PAGE_SIZE, default_softmax_scale
@@ -72,6 +73,9 @@ def layer_queries(layer: LayerDump, count: int | None, seed: int = 0) -> tuple[t
     """The probe queries ``[n, h_q, 576]`` of a layer: the dump's own (the first ``count`` if
     given), else ``count or PROBE_QUERIES`` synthetic ones of ``PROBE_HEADS`` heads."""
     if layer.queries is not None:
+        if count is not None and count > layer.queries.shape[0]:  # not silently fewer
+            raise SnapmlaError(f"--queries {count}: layer {layer.index} of the dump holds "
+                               f"{layer.queries.shape[0]} queries")
         q = layer.queries if count is None else layer.queries[:count]
         return q, "dump"
     n = PROBE_QUERIES if count is None else count

@@ -291,6 +291,10 @@ def synthetic_source(layer: int | None, seed: int = 0) -> ProblemSource:
     return ProblemSource(layer=layer, seed=seed)
 
 
+# The synthetic requests' length when --ctx is not given.
+DEFAULT_CONTEXT = 32 * 1024
+
+
 def request_tokens(source: ProblemSource, batch: int, ctx: int | None) -> list[torch.Tensor]:
     """bf16 ``[ctx, 576]`` KV of each request. Synthetic: request ``i`` is the layer generated
     with seed ``seed + i``. Dump: every request holds the layer's first ``ctx`` tokens."""
@@ -302,7 +306,7 @@ def request_tokens(source: ProblemSource, batch: int, ctx: int | None) -> list[t
         if ctx > kv.shape[0]:
             raise SnapmlaError(f"--ctx {ctx}: dump layer {source.layer} has only {kv.shape[0]} tokens")
         return [kv[:ctx].to(torch.bfloat16)] * batch
-    ctx = 32 * 1024 if ctx is None else ctx
+    ctx = DEFAULT_CONTEXT if ctx is None else ctx
     depth = DEFAULT_SPEC.depth(source.layer)
     return [synth_layer_kv(ctx, depth, source.seed + i, source.layer)[0] for i in range(batch)]
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SnapmlaError
+from ..host_memory import require_host_memory
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, default_softmax_scale
 from .dump_file import KVDump, LayerDump
 
@@ -222,7 +223,10 @@ def probe_queries(
     logit_c = scale * (q_c.double() @ k_c.double().T)
     logit_r = scale * (q_r.double() @ k_r.double().T)
     share = _log_uniform(ROPE_SHARE, rows, gen)
-    r_gain = share * logit_c.std(dim=1) / torch.clamp(logit_r.std(dim=1), min=1e-30)
+    if tokens > 1:
+        r_gain = share * logit_c.std(dim=1) / torch.clamp(logit_r.std(dim=1), min=1e-30)
+    else:  # one key: no spread to match (an unbiased std of one sample is NaN)
+        r_gain = torch.zeros_like(share)
     logits = logit_c + r_gain[:, None] * logit_r
     target = torch.clamp(_log_uniform(EFFECTIVE_KEYS, rows, gen), max=max(1.0, tokens / 2))
     temp = _temperature_for(logits.float(), target.float()).double()
@@ -254,6 +258,21 @@ def _temperature_for(logits: torch.Tensor, target: torch.Tensor, steps: int = 20
     return torch.exp((lo + hi) / 2)
 
 
+# Host bytes of a synthetic dump: each layer's bf16 KV kept; while a layer is built, float32
+# temporaries of its KV (four copies) and the probe queries' float64 logits (four [rows, tokens]
+# arrays).
+KV_BYTES_PER_TOKEN = D_QK * 2
+BUILD_BYTES_PER_TOKEN = 4 * D_QK * 4
+PROBE_BYTES_PER_LOGIT = 4 * 8
+
+
+def synth_bytes(spec: SynthSpec) -> int:
+    """About how much host memory :func:`synth_dump` takes at its peak."""
+    rows = spec.queries * spec.heads
+    return (spec.layers * spec.tokens * KV_BYTES_PER_TOKEN + spec.tokens * BUILD_BYTES_PER_TOKEN
+            + rows * spec.tokens * PROBE_BYTES_PER_LOGIT)
+
+
 def synth_dump(spec: SynthSpec = DEFAULT_SPEC) -> KVDump:
     """The whole synthetic dump: ``spec.layers`` layers, each with ``spec.queries`` probe queries."""
     if spec.layers < 1 or spec.tokens < 1 or spec.queries < 0 or spec.heads < 1:
@@ -261,6 +280,8 @@ def synth_dump(spec: SynthSpec = DEFAULT_SPEC) -> KVDump:
             f"synth: need layers, tokens, heads >= 1 and queries >= 0; got layers={spec.layers}, "
             f"tokens={spec.tokens}, heads={spec.heads}, queries={spec.queries}"
         )
+    require_host_memory(f"synthetic dump of {spec.layers} layers x {spec.tokens} tokens, {spec.queries} "
+                        f"queries x {spec.heads} heads", synth_bytes(spec))
     layers = []
     for index in range(spec.layers):
         kv, positions = synth_layer_kv(spec.tokens, spec.depth(index), spec.seed, index)

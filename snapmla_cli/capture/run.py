@@ -77,6 +77,8 @@ def parse_layers(text: str) -> tuple[int, ...] | None:
 
 
 def _check_options(options: DumpOptions) -> None:
+    if not options.model.strip():
+        raise SnapmlaError("--model: expected a checkpoint folder or a Hugging Face id, got ''")
     if options.dtype not in DTYPES:
         raise SnapmlaError(f"--dtype {options.dtype}: expected one of {', '.join(DTYPES)}")
     if options.device not in DEVICES:
@@ -85,8 +87,9 @@ def _check_options(options: DumpOptions) -> None:
         raise NoGpuError("--device cuda: no usable CUDA GPU on this machine")
     if options.max_tokens < 1:
         raise SnapmlaError(f"--max-tokens {options.max_tokens}: expected >= 1")
-    if options.decode < 0 or options.queries < 0:
-        raise SnapmlaError("--decode and --queries must be >= 0")
+    for option, value in (("--decode", options.decode), ("--queries", options.queries)):
+        if value < 0:
+            raise SnapmlaError(f"{option} {value}: expected >= 0")
     if options.check and options.queries < 1:
         raise SnapmlaError("--check needs probe queries: pass --queries >= 1")
 
@@ -154,6 +157,9 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
                 ids = ids.to(options.device)
                 total = ids.shape[1] + options.decode
                 last = number == len(prompts) - 1
+                if last and options.queries > total:  # not silently fewer queries than asked
+                    raise SnapmlaError(f"--queries {options.queries}: the last prompt gives only {total} tokens "
+                                       f"({ids.shape[1]} of the prompt + --decode {options.decode})")
                 first_query = max(total - options.queries, 0) if last and options.queries else None
                 cache, start = None, 0
                 for _ in range(options.decode + 1):

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 import typer
 from typer.core import TyperGroup
+
+try:  # typer 0.2x carries its own copy of click; older ones use click itself
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover (the pinned environments have the copy)
+    from click import exceptions as click_errors
 
 from ..errors import SnapmlaError
 
@@ -34,7 +40,21 @@ def _one_line(exc: BaseException) -> str:
 
 
 class SnapmlaGroup(TyperGroup):
-    """Turns user-facing errors of every subcommand into one line and exit code 2."""
+    """Turns user-facing errors of every subcommand into one line and exit code 2, the option
+    parser's too (typer would draw them as a multi-line box)."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except click_errors.ClickException as exc:
+            where = f"{exc.ctx.command_path}: " if isinstance(exc, click_errors.UsageError) and exc.ctx else ""
+            typer.echo(f"error: {where}{_one_line(exc.format_message())}", err=True)
+            sys.exit(exc.exit_code)
+        except click_errors.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def invoke(self, ctx):
         try:

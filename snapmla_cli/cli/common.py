@@ -54,6 +54,7 @@ def progress(err: Console) -> Progress:
         TimeElapsedColumn(),
         console=err,
         transient=True,
+        disable=not err.is_terminal,  # off a terminal rich would still end with an empty line
     )
 
 

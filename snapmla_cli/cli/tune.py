@@ -53,17 +53,19 @@ def tune_command(
 
 def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry_run: bool,
           resume: bool, db_dir: Path | None, force: bool) -> None:
-    from ..sizes import parse_int_list
+    from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, parse_int_list
     from ..tuning.db import user_dir
     from ..tuning.space import (
+        MAX_TUNE_BATCH,
         make_buckets,
         parse_budget,
         parse_formats,
         parse_ranges,
     )
 
-    buckets = make_buckets(parse_int_list(heads, "--heads"), parse_int_list(mtp, "--mtp"),
-                           parse_ranges(batch, "--batch"), parse_ranges(ctx, "--ctx"),
+    buckets = make_buckets(parse_int_list(heads, "--heads", MAX_QUERY_HEADS),
+                           parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS),
+                           parse_ranges(batch, "--batch", MAX_TUNE_BATCH), parse_ranges(ctx, "--ctx"),
                            parse_formats(fmt))
     limit = parse_budget(budget)
     folder = db_dir.expanduser() if db_dir is not None else user_dir()

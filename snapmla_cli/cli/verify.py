@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..analysis.verify import (
+    DEFAULT_CONTEXT,
     CaseResult,
     Gates,
     ProblemSource,
@@ -25,9 +26,10 @@ from ..analysis.verify import (
 from ..cache.atomic import check_writable
 from ..cache.dump_file import read_dump
 from ..errors import SnapmlaError
-from ..numerics.formats import PAGE_SIZE
-from ..sizes import format_size, parse_int_list, parse_size
-from .common import Device, console, fmt, progress, write_json
+from ..host_memory import require_host_memory
+from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
+from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, format_size, parse_int_list, parse_size
+from .common import Device, console, fmt, progress, require_at_least, write_json
 
 CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
 GPU_BATCH = 4
@@ -71,10 +73,15 @@ def verify_command(
     if json_path is not None:
         check_writable(json_path, force, "--json")
     dev = resolve_device(device.value)
-    head_list, mtp_list = parse_int_list(heads, "--heads"), parse_int_list(mtp, "--mtp")
+    head_list = parse_int_list(heads, "--heads", MAX_QUERY_HEADS)
+    mtp_list = parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS)
     context = None if ctx is None else parse_size(ctx, "--ctx")
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
+    require_at_least("--batch", batch)
     source = _source(dump, layer, seed)
+    keys = context or (source.dump.kv.shape[0] if source.dump is not None else DEFAULT_CONTEXT)
+    require_host_memory(f"--batch {batch} x --ctx {keys} with up to {max(head_list) * max(mtp_list)} query rows",
+                        _case_bytes(batch, keys, max(head_list) * max(mtp_list)))
     gates = _checked_gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos)
     fp8_kernels = tuple(s.strip() for s in fp8_kernel.split(",") if s.strip())
     if not fp8_kernels:  # on a GPU the run would pass without checking any FP8 kernel
@@ -98,6 +105,19 @@ def verify_command(
         raise typer.Exit(1)
 
 
+# Host bytes of one verify case: per request token the bf16 KV, its paged copy and the FP8 cache;
+# per key of the request being checked, its float64 copies in the references (three); per
+# (query row, key), the float64 logits and probabilities (four arrays).
+CASE_BYTES_PER_TOKEN = 2 * D_QK * 2 + FP8_TOKEN_BYTES
+CHECK_BYTES_PER_KEY = 3 * D_QK * 8
+CHECK_BYTES_PER_LOGIT = 4 * 8
+
+
+def _case_bytes(batch: int, keys: int, rows: int) -> int:
+    """About how much host memory the largest case takes (the estimate behind the memory check)."""
+    return batch * keys * CASE_BYTES_PER_TOKEN + keys * CHECK_BYTES_PER_KEY + rows * keys * CHECK_BYTES_PER_LOGIT
+
+
 def _source(dump: Path | None, layer: int | None, seed: int) -> ProblemSource:
     if dump is None:
         return synthetic_source(layer, seed)
@@ -105,7 +125,7 @@ def _source(dump: Path | None, layer: int | None, seed: int) -> ProblemSource:
     indices = [entry.index for entry in kv_dump.layers]
     index = indices[-1] if layer is None else layer
     if index not in indices:
-        raise SnapmlaError(f"--layer {index}: {dump} has layers {indices[0]}..{indices[-1]}")
+        raise SnapmlaError(f"--layer {index}: {dump} has layers {', '.join(map(str, indices))}")
     return ProblemSource(layer=index, seed=seed, dump=kv_dump.layers[indices.index(index)])
 
 

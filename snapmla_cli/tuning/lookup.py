@@ -27,6 +27,7 @@ the context grows by one token per decode step.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ from typing import Any
 
 from ..ops.decode_config import WG_ALT_PAGES, WG_ROWS_M_MODES, DecodeConfig, pads_row_tile
 from .db import (
+    TUNING_DIR_ENV,
     DbError,
     Entry,
     GpuKey,
@@ -103,6 +105,9 @@ def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Loc
         return []
     out: list[Located] = []
     for origin, folder in search_dirs():
+        note = folder_problem(folder)
+        if note and (origin != "user" or os.environ.get(TUNING_DIR_ENV)):
+            _warn_once(str(folder), f"snapmla tuning database folder {folder} ({origin}) ignored: {note}")
         path = folder / db_filename(gpu_name)
         try:
             exists = path.is_file()
@@ -314,10 +319,42 @@ def entry_line(loc: Located) -> str:
             f"{e.speedup:.2f}x vs default ({e.date or 'undated'}, {loc.origin})")
 
 
+def folder_problem(folder: Path) -> str | None:
+    """Why a database folder cannot be read (None: it can, or it is simply absent, which a
+    machine that never ran ``snapmla tune`` is)."""
+    try:
+        if folder.exists() and not folder.is_dir():
+            return "not a folder"
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def file_problem(path: Path) -> str | None:
+    """Why a database file is skipped, whole or in part (None: it reads cleanly)."""
+    try:
+        loaded = load_file(path)
+    except Exception as exc:  # noqa: BLE001 - reported, as the decode path would skip it
+        return " ".join(str(exc).split()) or type(exc).__name__
+    if loaded.problems:
+        return f"{len(loaded.problems)} bad entries skipped ({loaded.problems[0]})"
+    return None
+
+
 def describe_database(gpus: list[Any]) -> list[str]:
-    """Lines for ``snapmla info``: the folders searched and, per GPU, the entries that apply."""
+    """Lines for ``snapmla info``: the folders searched (and why one cannot be read), the files
+    that are skipped, and, per GPU, the entries that apply."""
     dirs = search_dirs()
-    lines = ["tuning database folders: " + ", ".join(f"{o} {p}" for o, p in dirs)]
+    notes = {str(p): folder_problem(p) or ("missing" if not p.exists() and o == "user"
+                                            and os.environ.get(TUNING_DIR_ENV) else None) for o, p in dirs}
+    lines = ["tuning database folders: " + ", ".join(
+        f"{o} {p}" + (f" ({notes[str(p)]}: ignored)" if notes[str(p)] else "") for o, p in dirs)]
+    for _, folder in dirs:
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.yaml")):
+                problem = file_problem(path)
+                if problem:
+                    lines.append(f"tuning file {path}: {problem}")
     for g in gpus:
         found = matching_entries(g)
         if not found:

@@ -23,7 +23,7 @@ from ..ops import cluster_fold
 from ..ops import decode_config as dc
 from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_config
 from ..ops.schedule import SplitPolicy, work_columns
-from ..sizes import format_size, parse_size
+from ..sizes import MAX_SIZE, format_size, parse_size
 
 FORMATS = ("fp8", "bf16")
 
@@ -151,19 +151,23 @@ def _pair(data: dict, key: str) -> tuple[int, int]:
     return (value[0], value[1])
 
 
+# The largest batch a bucket may name: planning a work list is linear in the batch (a dry run of
+# b 16384 took 25 s), and no engine decodes more requests than this on one GPU in one step.
+MAX_TUNE_BATCH = 4096
 _RANGE = re.compile(r"^\s*([^-\s]+)\s*-\s*([^-\s]+)\s*$")
 
 
-def parse_ranges(text: str, what: str) -> list[tuple[int, int]]:
+def parse_ranges(text: str, what: str, most: int = MAX_SIZE) -> list[tuple[int, int]]:
     """``"64"``, ``"1,8,64"``, ``"16-128"``, ``"16k,32k-64k"``: each comma item is one bucket
-    range, a single value ``N`` meaning ``N-N``. Sizes take k/m suffixes (``32k`` = 32768)."""
+    range, a single value ``N`` meaning ``N-N``, its ends in 1..``most``. Sizes take k/m
+    suffixes (``32k`` = 32768)."""
     out: list[tuple[int, int]] = []
     for part in str(text).split(","):
         if not part.strip():
             continue
         m = _RANGE.match(part)
-        lo, hi = (parse_size(m.group(1), what), parse_size(m.group(2), what)) if m else (
-            parse_size(part, what),) * 2
+        lo, hi = (parse_size(m.group(1), what, most), parse_size(m.group(2), what, most)) if m else (
+            parse_size(part, what, most),) * 2
         if lo > hi:
             raise SnapmlaError(f"{what}: range {part.strip()!r} runs backwards")
         if (lo, hi) not in out:

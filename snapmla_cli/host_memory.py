@@ -1,0 +1,30 @@
+"""How much host memory a command may take, so that a size typed with one zero too many fails at
+once with its option's name instead of after minutes of swapping or as a torch allocation error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import SnapmlaError
+
+MEMINFO = Path("/proc/meminfo")
+
+
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (Linux ``MemAvailable``);
+    None where it cannot be read, and then no check is made."""
+    try:
+        for line in MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def require_host_memory(what: str, needed_bytes: int) -> None:
+    """A one-line error naming ``what`` when it needs more host memory than is available."""
+    available = available_bytes()
+    if available is not None and needed_bytes > available:
+        raise SnapmlaError(f"{what}: needs about {needed_bytes / 2**30:,.3g} GiB of host memory, "
+                           f"{available / 2**30:,.1f} GiB available")

@@ -1,0 +1,134 @@
+"""Sizes and counts out of range, option-parser errors and an unreadable tuning folder: each a
+one-line error (or a named note in `info`), never a traceback, a hang or an allocation failure."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from cli_checks import assert_one_line_error
+from typer.testing import CliRunner
+
+from snapmla_cli import host_memory
+from snapmla_cli.cache.synth import SynthSpec, probe_queries, synth_layer_kv
+from snapmla_cli.cli.app import app
+from snapmla_cli.sizes import MAX_SIZE, parse_int_list, parse_size
+from snapmla_cli.tuning import lookup
+from snapmla_cli.tuning.db import GpuKey
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args))
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["verify", "--ctx", "99999999999999999999"], ["--ctx", "too large", "at most 2147483647"]),
+    (["verify", "--ctx", "1k", "--heads", "99999999999999999999"], ["--heads", "at most 1024"]),
+    (["verify", "--ctx", "1k", "--mtp", "17"], ["--mtp", "at most 16"]),
+    (["verify", "--ctx", "1k", "--batch", "0"], ["--batch", "at least 1"]),
+    (["tune", "--dry-run", "--ctx", "99999999999999999999999"], ["--ctx", "too large"]),
+    (["tune", "--dry-run", "--batch", "1-100000"], ["--batch", "at most 4k"]),
+    (["synth", "-o", "never.st", "--tokens", "100000000m"], ["--tokens", "too large"]),
+])
+def test_sizes_beyond_the_int32_lengths_or_the_named_maxima(args: list[str], needles: list[str], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(invoke(*args), *needles)
+    assert not (tmp_path / "never.st").exists()
+
+
+def test_more_memory_than_the_host_has_is_refused_before_any_work(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**30)
+    out = tmp_path / "big.st"
+    assert_one_line_error(invoke("synth", "-o", str(out), "--layers", "100", "--tokens", "1m"),
+                          "synthetic dump of 100 layers x 1048576 tokens", "GiB of host memory", "1.0 GiB available")
+    assert not out.exists()
+    assert_one_line_error(invoke("verify", "--ctx", "1m", "--batch", "64"), "--batch 64 x --ctx 1048576",
+                          "GiB of host memory")
+    assert MAX_SIZE == parse_size(str(MAX_SIZE), "--ctx")
+    assert parse_int_list("1024", "--heads", 1024) == [1024]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["synth", "--layers", "abc", "-o", "x.st"], "snapmla synth: Invalid value for '--layers'"),
+    (["quantize", "--device", "gpu"], "snapmla quantize: Invalid value for '--device'"),
+    (["synth"], "snapmla synth: Missing option '--output'"),
+    (["info", "extra"], "snapmla info: Got unexpected extra argument"),
+    (["info", "--bogus"], "snapmla info: No such option: --bogus"),
+    (["bench", "--model", "foo"], "snapmla bench: Invalid value for '--model'"),
+])
+def test_option_parser_errors_are_one_line(args: list[str], needle: str) -> None:
+    assert_one_line_error(invoke(*args), needle)
+
+
+def test_help_and_a_good_command_still_exit_zero() -> None:
+    result = invoke("verify", "--help")
+    assert result.exit_code == 0 and "Usage: snapmla verify" in result.output
+
+
+def test_one_key_gives_finite_probe_queries() -> None:
+    """`verify --ctx 1`: the RoPE gain matched an unbiased std of one sample (NaN)."""
+    kv, _ = synth_layer_kv(1, 0.5, 0, 0)
+    q = probe_queries(kv, 2, 4, 0)
+    assert q.shape == (2, 4, 576) and bool(q.float().isfinite().all())
+    result = invoke("verify", "--ctx", "1", "--heads", "16", "--mtp", "1")
+    assert result.exit_code == 0, result.output
+    assert "1/1 cases pass" in result.output and "Warning" not in result.stderr
+    assert SynthSpec(layers=1, tokens=1).tokens == 1
+
+
+def test_info_names_an_unreadable_tuning_folder_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         isolated_tuning_dirs: tuple[Path, Path]) -> None:
+    user, _ = isolated_tuning_dirs
+    (user / "X.yaml").write_text("garbage: [\n")
+    result = invoke("info")
+    assert result.exit_code == 0
+    assert f"tuning file {user / 'X.yaml'}:" in result.output and "not valid YAML" in result.output
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(not_a_folder))
+    lookup.clear_cache(reset_warnings=True)
+    assert f"user {not_a_folder} (not a folder: ignored)" in invoke("info").output
+    monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(tmp_path / "missing"))
+    assert "(missing: ignored)" in invoke("info").output
+    monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(not_a_folder))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lookup.load_located(GpuKey("NVIDIA H200", 132, (9, 0), 13))
+    assert any("not a folder" in str(w.message) for w in caught)
+
+
+def test_counts_beyond_what_a_dump_holds_are_refused_not_clamped(tmp_path: Path) -> None:
+    dump = tmp_path / "a.st"
+    assert invoke("synth", "-o", str(dump), "--layers", "1", "--tokens", "1k", "--queries", "4").exit_code == 0
+    out = tmp_path / "q.st"
+    assert_one_line_error(invoke("quantize", str(dump), "-o", str(out), "--queries", "100"),
+                          "--queries 100: layer 0 of the dump holds 4 queries")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--decode", "-1"], "--decode -1: expected >= 0"),
+    (["--queries", "-2"], "--queries -2: expected >= 0"),
+    (["--model", ""], "--model: expected a checkpoint folder or a Hugging Face id"),
+])
+def test_dump_options_are_named_one_by_one(args: list[str], needle: str, tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    base = {"--model": str(tmp_path), "--prompts": str(prompts)}
+    base.update(dict(zip(args[::2], args[1::2])))
+    flat = [x for kv in base.items() for x in kv]
+    assert_one_line_error(invoke("dump", *flat, "-o", str(tmp_path / "d.st")), needle)
+
+
+def test_no_empty_line_before_an_error_off_a_terminal(tmp_path: Path) -> None:
+    """rich's transient progress bar printed a newline on stop even when it drew nothing, so an
+    error raised under the bar came second on stderr."""
+    dump = tmp_path / "a.st"
+    assert invoke("synth", "-o", str(dump), "--layers", "1", "--tokens", "1k", "--queries", "2").exit_code == 0
+    result = invoke("quantize", str(dump), "-o", str(tmp_path / "q.st"), "--queries", "3")
+    assert result.exit_code == 2 and result.stderr.startswith("error: --queries 3"), repr(result.stderr)
