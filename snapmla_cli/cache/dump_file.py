@@ -23,8 +23,21 @@ from .atomic import check_writable, write_atomic
 DUMP_FORMAT = "snapmla-kv-dump"
 FP8_CACHE_FORMAT = "snapmla-fp8-cache"
 FORMAT_VERSION = "1"
-_ACCEPTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The float dtypes SPEC section 8 allows for ``kv`` and ``queries``; anything else (an integer
+tensor, float64) would be cast silently by later stages, so it is refused instead."""
+_POSITION_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _KEY = re.compile(r"^layers\.(\d+)\.(kv|positions|queries)$")
+
+# Largest |value| accepted in ``kv`` and ``queries``. Both go through the per-token quantizer
+# (SPEC section 3): s = max(amax(content) / 448, 2^-32) and the RoPE part is stored pre-scaled,
+# r' = bf16(r / s). With content near zero, s sits at the 2^-32 floor and r' = r * 2^32; the
+# kernel then sums 64 products q_r' * k_r' into a float32 accumulator (max ~2^128), so
+# 64 * (|q_r| 2^32) * (|k_r| 2^32) < 2^128 needs |x| < 2^29. 2^24 (~1.7e7) keeps a factor 2^10 of
+# headroom on that sum for the content tiles, the softmax scale and exp2's log2(e), and is far
+# above any real latent or absorbed query (O(1e3)). Checked on the values widened to float32: a
+# value within it stays finite and within it after the bf16 rounding that verify applies.
+MAX_ABS_VALUE = 2.0**24
 
 
 @dataclass
@@ -73,9 +86,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
+    """The metadata names ``expected`` as format and a version this code reads: a future version
+    may lay the same tensor names out differently, so reading it anyway could be silently wrong."""
     if meta.get("format") != expected:
         raise SnapmlaError(
             f"{path}: not a {expected} file (metadata format={meta.get('format')!r})"
+        )
+    if meta.get("version") != FORMAT_VERSION:
+        raise SnapmlaError(
+            f"{path}: metadata version={meta.get('version')!r}, expected {FORMAT_VERSION!r} "
+            f"(the only {expected} version this snapmla reads)"
         )
     for key, want in (("kv_lora_rank", str(D_CONTENT)), ("rope_dim", str(D_ROPE))):
         if key in meta and meta[key] != want:
@@ -85,15 +105,64 @@ def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
 def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int, dict[str, torch.Tensor]]:
     """The file's tensors grouped by layer index, ``layers.{i}.{part}`` -> ``{i: {part: t}}``;
     an unexpected key or a file without layers is a one-line error naming ``what`` it should be."""
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(path)).items():
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise SnapmlaError(f"{path}: unreadable {what} ({_first_line(exc)})") from None
+    keys: dict[tuple[int, str], str] = {}
+    for key in tensors:
         match = key_pattern.match(key)
         if match is None:
             raise SnapmlaError(f"{path}: unexpected tensor {key!r} in {what}")
-        by_layer.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+        slot = (int(match.group(1)), match.group(2))
+        if slot in keys:
+            raise SnapmlaError(
+                f"{path}: tensors {keys[slot]!r} and {key!r} both name layer {slot[0]}'s {slot[1]}"
+            )
+        keys[slot] = key
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for (index, part), key in keys.items():
+        _check_canonical(path, key, index, part)
+        by_layer.setdefault(index, {})[part] = tensors[key]
     if not by_layer:
         raise SnapmlaError(f"{path}: {what} holds no layers")
     return by_layer
+
+
+def _check_canonical(path: Path, key: str, index: int, part: str) -> None:
+    """Layer numbers are written without leading zeros: ``layers.00.kv`` is refused, not read as
+    layer 0, so that one layer can never have two spellings of which one would be dropped."""
+    canonical = f"layers.{index}.{part}"
+    if key != canonical:
+        raise SnapmlaError(
+            f"{path}: tensor {key!r} has a non-canonical layer number, expected {canonical!r}"
+        )
+
+
+def check_values(where: str, name: str, x: torch.Tensor, row: str = "token") -> None:
+    """Refuse NaN/inf and any |value| above :data:`MAX_ABS_VALUE` in ``x``, naming ``name`` and
+    the first bad ``row`` (index along dim 0): such values quantize to inf/NaN scales or RoPE and
+    poison every later decode instead of failing here."""
+    if x.numel() == 0:
+        return
+    magnitude = x.detach().float().abs().reshape(x.shape[0], -1)
+    ok = (magnitude <= MAX_ABS_VALUE).all(dim=1)  # False for NaN as well
+    if bool(ok.all()):
+        return
+    first = int((~ok).nonzero()[0])
+    values = magnitude[first]
+    if not bool(torch.isfinite(values).all()):
+        raise SnapmlaError(f"{where}: {name} holds NaN/inf (first at {row} {first})")
+    raise SnapmlaError(
+        f"{where}: {name} holds |x| = {float(values.max()):.3g} at {row} {first}, expected "
+        f"|x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow"
+    )
+
+
+def check_float_dtype(where: str, name: str, x: torch.Tensor) -> None:
+    """``x`` must have one of :data:`KV_DTYPES`; other dtypes would be cast silently downstream."""
+    if x.dtype not in KV_DTYPES:
+        raise SnapmlaError(f"{where}: {name} dtype {x.dtype}, expected bf16, fp16 or fp32")
 
 
 def _validate_layer(path: Path, layer: LayerDump) -> None:
@@ -101,23 +170,48 @@ def _validate_layer(path: Path, layer: LayerDump) -> None:
     kv = layer.kv
     if kv.dim() != 2 or kv.shape[1] != D_QK:
         raise SnapmlaError(f"{where}: kv has shape {tuple(kv.shape)}, expected [tokens, {D_QK}]")
-    if kv.dtype not in _ACCEPTED_DTYPES:
-        raise SnapmlaError(f"{where}: kv dtype {kv.dtype}, expected bf16, fp16 or fp32")
+    check_float_dtype(where, "kv", kv)
     if kv.shape[0] == 0:
         raise SnapmlaError(f"{where}: kv is empty (0 tokens)")
-    if not bool(torch.isfinite(kv).all()):
-        bad = int((~torch.isfinite(kv)).any(dim=1).nonzero()[0])
-        raise SnapmlaError(f"{where}: kv holds NaN/inf (first at token {bad})")
-    if layer.positions is not None and tuple(layer.positions.shape) != (kv.shape[0],):
+    check_values(where, "kv", kv)
+    if layer.positions is not None:
+        _validate_positions(where, layer.positions, kv.shape[0])
+    if layer.queries is not None:
+        _validate_queries(where, layer.queries)
+
+
+def _validate_positions(where: str, positions: torch.Tensor, tokens: int) -> None:
+    """Integer, one per token, >= 0. SPEC section 8 asks for nothing more: positions restart at 0
+    per prompt in a capture and a dump may start mid-sequence, so neither order nor an upper bound
+    is required."""
+    if positions.dtype not in _POSITION_DTYPES:
         raise SnapmlaError(
-            f"{where}: positions has shape {tuple(layer.positions.shape)}, expected [{kv.shape[0]}]"
+            f"{where}: positions dtype {positions.dtype}, expected an integer dtype (int64)"
         )
-    q = layer.queries
-    if q is not None:
-        if q.dim() != 3 or q.shape[2] != D_QK or q.shape[0] == 0:
-            raise SnapmlaError(f"{where}: queries has shape {tuple(q.shape)}, expected [n, h_q, {D_QK}]")
-        if not bool(torch.isfinite(q).all()):
-            raise SnapmlaError(f"{where}: queries hold NaN/inf")
+    if tuple(positions.shape) != (tokens,):
+        raise SnapmlaError(
+            f"{where}: positions has shape {tuple(positions.shape)}, expected [{tokens}]"
+        )
+    negative = (positions < 0).nonzero()
+    if negative.numel():
+        first = int(negative[0])
+        raise SnapmlaError(
+            f"{where}: positions holds {int(positions[first])} at token {first}, expected >= 0"
+        )
+
+
+def _validate_queries(where: str, q: torch.Tensor) -> None:
+    """``[n, h_q, 576]`` with n, h_q >= 1 (an absent tensor means no queries; an empty one would
+    give empty means, i.e. division by zero, in the metrics) and the kv dtypes and value range,
+    as the queries go through the same quantizer."""
+    shape = tuple(q.shape)
+    if q.dim() != 3 or q.shape[2] != D_QK:
+        raise SnapmlaError(f"{where}: queries has shape {shape}, expected [n, h_q, {D_QK}]")
+    for axis, name in ((0, "n"), (1, "h_q")):
+        if q.shape[axis] < 1:
+            raise SnapmlaError(f"{where}: queries has shape {shape}, expected {name} >= 1")
+    check_float_dtype(where, "queries", q)
+    check_values(where, "queries", q, row="query")
 
 
 def read_dump(path: Path) -> KVDump:

@@ -17,12 +17,21 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import SnapmlaError
-from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_TOKEN_BYTES, PAGE_SIZE
+from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_TOKEN_BYTES, KV_SCALE_FLOOR, PAGE_SIZE
 from .atomic import check_writable, write_atomic
-from .dump_file import FORMAT_VERSION, FP8_CACHE_FORMAT, _check_format, _read_metadata, load_layers
-from .layout import pages_needed, quantize_tokens
+from .dump_file import (
+    FORMAT_VERSION,
+    FP8_CACHE_FORMAT,
+    _check_format,
+    _read_metadata,
+    check_float_dtype,
+    check_values,
+    load_layers,
+)
+from .layout import pages_needed, quantize_tokens, unpack_tokens
 
 _KEY = re.compile(r"^layers\.(\d+)\.(cache|seqlen)$")
+_E4M3_NAN_BITS = 0x7F  # S.1111.111: the only NaN encodings of float8_e4m3fn (0x7F, 0xFF)
 
 
 def quantize_layer_cache(kv: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -33,17 +42,28 @@ def quantize_layer_cache(kv: torch.Tensor, device: str | torch.device = "cpu") -
     the K-append kernel (``snapmla_cli.ops.prep.append_kv``, bytes identical to the reference by
     SPEC section 3) writes the pages; otherwise ``cache.layout.quantize_tokens`` does. The kernel
     reads bf16 only, so fp16 / fp32 dumps are quantized by the reference from their own values
-    (rounding them to bf16 first would change the bytes)."""
-    if kv.dim() != 2 or kv.shape[1] != D_QK:
-        raise SnapmlaError(f"quantize: expected kv [tokens, {D_QK}], got {tuple(kv.shape)}")
+    (rounding them to bf16 first would change the bytes).
+
+    ``kv`` is checked as :func:`~.dump_file.read_dump` checks it (a dump's dtypes, finite values
+    within ``MAX_ABS_VALUE``) because the CUDA path does not check, and a NaN row would give a
+    NaN cache on one device and an error on the other; a CUDA ``device`` without a GPU is a
+    :class:`~snapmla_cli.errors.NoGpuError`."""
+    from ..ops.decode import requested_device  # lazy, like append_kv: ops pulls in the kernels
+
+    if kv.dim() != 2 or kv.shape[1] != D_QK or kv.shape[0] == 0:
+        raise SnapmlaError(f"quantize: expected kv [tokens >= 1, {D_QK}], got {tuple(kv.shape)}")
+    check_float_dtype("quantize", "kv", kv)
+    check_values("quantize", "kv", kv)
+    target = requested_device(device)
     n = kv.shape[0]
     num_blocks = pages_needed(n)
-    if torch.device(device).type == "cuda" and kv.dtype == torch.bfloat16:
+    if target.type == "cuda" and kv.dtype == torch.bfloat16:
         from ..ops.prep import append_kv
 
-        cache = torch.zeros(num_blocks, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8, device=device)
-        slots = torch.arange(n, dtype=torch.int32, device=device)
-        append_kv(kv.to(device).contiguous(), slots, cache)
+        shape = (num_blocks, PAGE_SIZE, FP8_TOKEN_BYTES)
+        cache = torch.zeros(shape, dtype=torch.uint8, device=target)
+        slots = torch.arange(n, dtype=torch.int32, device=target)
+        append_kv(kv.to(target).contiguous(), slots, cache)
         return cache.cpu()
     flat = torch.zeros(num_blocks * PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
     flat[:n] = quantize_tokens(kv)
@@ -80,6 +100,45 @@ def _validate(path: Path, layer: FP8CacheLayer) -> None:
         )
     if not 0 < layer.seqlen <= cache.shape[0] * PAGE_SIZE or pages_needed(layer.seqlen) != cache.shape[0]:
         raise SnapmlaError(f"{where}: seqlen {layer.seqlen} does not fit {cache.shape[0]} pages")
+    _check_tokens(where, cache.reshape(-1, FP8_TOKEN_BYTES), layer.seqlen)
+
+
+def _check_tokens(where: str, tokens: torch.Tensor, seqlen: int) -> None:
+    """The used tokens ``[:seqlen]`` must decode to finite values with a scale the quantizer can
+    produce (finite, >= 2^-32), and the tail of the last page must be zero (SPEC section 8): a
+    NaN byte would poison every decode over the layer, and a non-zero tail means ``seqlen`` is
+    not where the quantizer stopped."""
+    used = unpack_tokens(tokens[:seqlen])
+    content_nan = (used.content.view(torch.uint8) & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
+    scale_ok = torch.isfinite(used.scale) & (used.scale >= KV_SCALE_FLOOR)
+    checks = (
+        (content_nan.any(dim=1), "content holds an E4M3 NaN byte"),
+        (~scale_ok, f"scale is not a finite value >= {KV_SCALE_FLOOR:g}"),
+        (~torch.isfinite(used.rope).all(dim=1), "RoPE holds NaN/inf"),
+    )
+    for bad, what in checks:
+        if bool(bad.any()):
+            raise SnapmlaError(f"{where}: token {int(bad.nonzero()[0])} of seqlen {seqlen}: {what}")
+    tail = tokens[seqlen:].ne(0).any(dim=1)
+    if bool(tail.any()):
+        raise SnapmlaError(
+            f"{where}: token {seqlen + int(tail.nonzero()[0])} is past seqlen {seqlen} but not "
+            "zero (the tail of the last page must be zero)"
+        )
+
+
+def _read_seqlen(path: Path, index: int, seqlen: torch.Tensor) -> int:
+    """``layers.{i}.seqlen`` is one integer element (int64 as written; any integer dtype read):
+    an empty tensor, a float (99.7 would be truncated) or several values (only one would be
+    used) is refused rather than guessed at. The range is checked by :func:`_validate`."""
+    name = f"{path}: layer {index}: layers.{index}.seqlen"
+    if seqlen.dtype.is_floating_point or seqlen.dtype.is_complex or seqlen.dtype == torch.bool:
+        raise SnapmlaError(f"{name} has dtype {seqlen.dtype}, expected an integer (int64)")
+    if seqlen.numel() != 1:
+        raise SnapmlaError(
+            f"{name} has shape {tuple(seqlen.shape)}, expected one integer (the token count)"
+        )
+    return int(seqlen.reshape(-1)[0])
 
 
 def write_fp8_cache(cache_file: FP8CacheFile, path: Path, force: bool = False) -> None:
@@ -106,7 +165,7 @@ def read_fp8_cache(path: Path) -> FP8CacheFile:
         parts = by_layer[index]
         if set(parts) != {"cache", "seqlen"}:
             raise SnapmlaError(f"{path}: layer {index} needs both 'cache' and 'seqlen' tensors")
-        layer = FP8CacheLayer(index, parts["cache"], int(parts["seqlen"].reshape(-1)[0]))
+        layer = FP8CacheLayer(index, parts["cache"], _read_seqlen(path, index, parts["seqlen"]))
         _validate(path, layer)
         layers.append(layer)
     keep = {"format", "version", "kv_lora_rank", "rope_dim", "model"}

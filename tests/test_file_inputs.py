@@ -1,0 +1,224 @@
+"""Bad KV dumps, bad FP8 cache files and bad ``quantize_layer_cache`` inputs: each is refused
+with one line naming the file, the tensor or field and what was expected (SPEC section 8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from snapmla_cli.cache.dump_file import DUMP_FORMAT, FP8_CACHE_FORMAT, MAX_ABS_VALUE, read_dump
+from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
+from snapmla_cli.cache.layout import dequantize_cache
+from snapmla_cli.errors import NoGpuError, SnapmlaError
+from snapmla_cli.numerics.formats import D_QK, ROPE_OFFSET, SCALE_OFFSET
+
+DUMP_META = {"format": DUMP_FORMAT, "version": "1", "kv_lora_rank": "512", "rope_dim": "64",
+             "model": "t"}
+CACHE_META = {**DUMP_META, "format": FP8_CACHE_FORMAT}
+TOKENS = 8
+
+
+def _kv(tokens: int = TOKENS, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(tokens, D_QK, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+
+def _write(tmp_path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> Path:
+    path = tmp_path / "input.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def _refused(read, path: Path, *needles: str) -> str:
+    """``read(path)`` raises a one-line SnapmlaError naming the file and every needle."""
+    with pytest.raises(SnapmlaError) as info:
+        read(path)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in (str(path), *needles):
+        assert needle in message, message
+    return message
+
+
+def _bad_dump(tmp_path: Path, extra: dict[str, torch.Tensor], *needles: str,
+              meta: dict[str, str] = DUMP_META) -> str:
+    """A one-layer dump of ``_kv()`` plus ``extra`` tensors is refused naming ``needles``."""
+    return _refused(read_dump, _write(tmp_path, {"layers.0.kv": _kv(), **extra}, meta), *needles)
+
+
+# --- KV dumps -------------------------------------------------------------------------------
+
+
+def test_queries_without_heads_or_rows(tmp_path: Path) -> None:
+    no_heads = {"layers.0.queries": torch.zeros(4, 0, D_QK)}
+    _bad_dump(tmp_path, no_heads, "layer 0", "queries has shape (4, 0, 576)", "expected h_q >= 1")
+    no_rows = {"layers.0.queries": torch.zeros(0, 3, D_QK)}
+    _bad_dump(tmp_path, no_rows, "queries has shape (0, 3, 576)", "expected n >= 1")
+
+
+def test_two_spellings_of_one_layer(tmp_path: Path) -> None:
+    _bad_dump(tmp_path, {"layers.00.kv": _kv()}, "'layers.0.kv'", "'layers.00.kv'", "layer 0")
+
+
+def test_leading_zero_layer_number(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"layers.07.kv": _kv()}, DUMP_META)
+    _refused(read_dump, path, "'layers.07.kv'", "non-canonical", "'layers.7.kv'")
+
+
+@pytest.mark.parametrize("dtype, value", [(torch.float32, 3.4e38), (torch.bfloat16, 1e32),
+                                          (torch.float32, 2 * MAX_ABS_VALUE)])
+def test_values_too_large_for_the_fp8_pipeline(tmp_path: Path, dtype: torch.dtype,
+                                               value: float) -> None:
+    kv = _kv(dtype=dtype)
+    kv[3, D_QK - 1] = value  # in the RoPE part, which is stored as r / s
+    path = _write(tmp_path, {"layers.0.kv": kv}, DUMP_META)
+    _refused(read_dump, path, "layer 0", "kv", "token 3", f"{MAX_ABS_VALUE:.3g}")
+
+
+def test_values_at_the_bound_are_accepted(tmp_path: Path) -> None:
+    kv = _kv()
+    kv[0, 0], kv[1, D_QK - 1] = MAX_ABS_VALUE, -MAX_ABS_VALUE
+    assert torch.equal(read_dump(_write(tmp_path, {"layers.0.kv": kv}, DUMP_META)).layers[0].kv, kv)
+    cache = quantize_layer_cache(kv)
+    assert torch.isfinite(dequantize_cache(cache.view(-1, 656)[:TOKENS])).all()
+
+
+def test_queries_values(tmp_path: Path) -> None:
+    q = torch.zeros(2, 3, D_QK)
+    q[1, 2, 5] = float("nan")
+    _bad_dump(tmp_path, {"layers.0.queries": q}, "queries", "NaN/inf", "query 1")
+    q[1, 2, 5] = 1e30
+    _bad_dump(tmp_path, {"layers.0.queries": q}, "queries", "1e+30", "query 1")
+
+
+def test_integer_queries(tmp_path: Path) -> None:
+    queries = {"layers.0.queries": torch.ones(2, 3, D_QK, dtype=torch.int32)}
+    _bad_dump(tmp_path, queries, "queries dtype torch.int32", "bf16, fp16 or fp32")
+
+
+def test_float64_kv(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"layers.0.kv": _kv(dtype=torch.float64)}, DUMP_META)
+    _refused(read_dump, path, "kv dtype torch.float64", "bf16, fp16 or fp32")
+
+
+def test_float_positions(tmp_path: Path) -> None:
+    positions = {"layers.0.positions": torch.full((TOKENS,), float("nan"))}
+    _bad_dump(tmp_path, positions, "positions dtype torch.float32", "integer")
+
+
+def test_negative_positions(tmp_path: Path) -> None:
+    positions = torch.arange(TOKENS)
+    positions[5] = -3
+    _bad_dump(tmp_path, {"layers.0.positions": positions}, "positions", "-3", "token 5", ">= 0")
+
+
+def test_positions_restarting_per_prompt_are_fine(tmp_path: Path) -> None:
+    positions = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2], dtype=torch.int32)
+    path = _write(tmp_path, {"layers.0.kv": _kv(), "layers.0.positions": positions}, DUMP_META)
+    assert torch.equal(read_dump(path).layers[0].positions, positions)
+
+
+@pytest.mark.parametrize("version", ["2", "", None])
+def test_unknown_version(tmp_path: Path, version: str | None) -> None:
+    meta = {k: v for k, v in DUMP_META.items() if k != "version"}
+    if version is not None:
+        meta["version"] = version
+    _bad_dump(tmp_path, {}, f"version={version!r}", "expected '1'", meta=meta)
+
+
+# --- FP8 cache files ------------------------------------------------------------------------
+
+
+def _cache_file(tmp_path: Path, cache: torch.Tensor | None = None,
+                seqlen: torch.Tensor | None = None, meta: dict[str, str] = CACHE_META) -> Path:
+    cache = quantize_layer_cache(_kv()) if cache is None else cache
+    seqlen = torch.tensor(TOKENS) if seqlen is None else seqlen
+    return _write(tmp_path, {"layers.0.cache": cache, "layers.0.seqlen": seqlen}, meta)
+
+
+def test_good_cache_file(tmp_path: Path) -> None:
+    layer = read_fp8_cache(_cache_file(tmp_path)).layers[0]
+    assert layer.seqlen == TOKENS and torch.equal(layer.cache, quantize_layer_cache(_kv()))
+
+
+@pytest.mark.parametrize("seqlen, needle", [
+    (torch.zeros(0, dtype=torch.int64), "shape (0,)"),
+    (torch.tensor(7.7), "dtype torch.float32"),
+    (torch.tensor([TOKENS, 5000]), "shape (2,)"),
+    (torch.tensor(True), "dtype torch.bool"),
+])
+def test_bad_seqlen(tmp_path: Path, seqlen: torch.Tensor, needle: str) -> None:
+    path = _cache_file(tmp_path, seqlen=seqlen)
+    _refused(read_fp8_cache, path, "layers.0.seqlen", needle, "one integer" if "shape" in needle
+             else "integer")
+
+
+@pytest.mark.parametrize("seqlen", [0, -1, 65, 10**12])
+def test_seqlen_out_of_range(tmp_path: Path, seqlen: int) -> None:
+    _refused(read_fp8_cache, _cache_file(tmp_path, seqlen=torch.tensor(seqlen)), "layer 0",
+             f"seqlen {seqlen}", "does not fit 1 pages")
+
+
+def test_cache_version(tmp_path: Path) -> None:
+    path = _cache_file(tmp_path, meta={**CACHE_META, "version": "2"})
+    _refused(read_fp8_cache, path, "version='2'", "expected '1'")
+
+
+@pytest.mark.parametrize("start, stop, what", [
+    (10, 11, "E4M3 NaN"),
+    (SCALE_OFFSET, SCALE_OFFSET + 4, "scale"),
+    (ROPE_OFFSET + 8, ROPE_OFFSET + 10, "RoPE holds NaN/inf"),
+])
+def test_poisoned_token(tmp_path: Path, start: int, stop: int, what: str) -> None:
+    cache = quantize_layer_cache(_kv())
+    cache[0, 5, start:stop] = 0xFF  # all-ones: NaN as E4M3, float32 and bf16 alike
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 5", what)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf")])
+def test_impossible_scale(tmp_path: Path, scale: float) -> None:
+    cache = quantize_layer_cache(_kv())
+    cache[0, 2, SCALE_OFFSET:SCALE_OFFSET + 4] = torch.tensor([scale]).view(torch.uint8)
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 2", "scale")
+
+
+def test_poison_in_the_unused_tail(tmp_path: Path) -> None:
+    cache = quantize_layer_cache(_kv())
+    cache[0, TOKENS + 1, 10] = 0xFF
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", f"token {TOKENS + 1}",
+             "tail of the last page must be zero")
+
+
+# --- quantize_layer_cache -------------------------------------------------------------------
+
+
+def _quantize_refused(kv: torch.Tensor, *needles: str, device: str = "cpu") -> None:
+    with pytest.raises(SnapmlaError) as info:
+        quantize_layer_cache(kv, device)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_quantize_on_cuda_without_gpu() -> None:
+    with pytest.raises(NoGpuError, match="cuda"):
+        quantize_layer_cache(_kv(dtype=torch.bfloat16), "cuda")
+
+
+def test_quantize_refuses_bad_kv() -> None:
+    kv = _kv()
+    kv[4, 9] = float("nan")
+    _quantize_refused(kv, "kv", "NaN/inf", "token 4")
+    kv[4, 9] = 1e35
+    _quantize_refused(kv, "kv", "token 4", f"{MAX_ABS_VALUE:.3g}")
+    _quantize_refused(torch.ones(3, D_QK, dtype=torch.int32), "kv dtype torch.int32")
+    _quantize_refused(_kv(dtype=torch.float64), "kv dtype torch.float64")
+    _quantize_refused(torch.zeros(0, D_QK), "tokens >= 1")
+    _quantize_refused(_kv(), "device", device="gpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_accepts_the_dump_dtypes(dtype: torch.dtype) -> None:
+    assert quantize_layer_cache(_kv(dtype=dtype)).shape == (1, 64, 656)
