@@ -109,3 +109,23 @@ def test_checks_refuse_graph_capture() -> None:
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(SnapmlaError, match="during CUDA-graph capture"), torch.cuda.graph(graph):
         quantize_q(q)
+
+
+@pytest.mark.usefixtures("checks_on")
+def test_checks_refuse_a_block_table_that_does_not_cover_the_lengths() -> None:
+    """The kernels index the table without bounds; with the switch on a length beyond its row of
+    the table, or a page outside the cache, is refused before anything runs, both formats, on
+    the first call of a signature and on its replays."""
+    prob, table, seqlens, (meta, splits), (meta16, splits16) = _problem()
+    fp8_cache, bf16_cache = prob.fp8_cache().to(DEV), prob.bf16_cache().to(DEV)
+    q = prob.q.to(DEV)
+    for cache, (m, s) in ((fp8_cache, (meta, splits)), (bf16_cache, (meta16, splits16))):
+        flash_mla_with_kvcache(q, cache, table, seqlens, 512, m, s, prob.softmax_scale, True)  # a plan
+        too_long = seqlens.clone()
+        too_long[0] = table.shape[1] * 64 + 1
+        with pytest.raises(SnapmlaError, match=r"^cache_seqlens\[0\]: expected 0\.\."):
+            flash_mla_with_kvcache(q, cache, table, too_long, 512, m, s, prob.softmax_scale, True)
+        outside = table.clone()
+        outside[1, 0] = cache.shape[0]
+        with pytest.raises(SnapmlaError, match=r"^block_table\[1, 0\]: expected a block index"):
+            flash_mla_with_kvcache(q, cache, outside, seqlens, 512, m, s, prob.softmax_scale, True)
