@@ -132,3 +132,12 @@ def test_no_empty_line_before_an_error_off_a_terminal(tmp_path: Path) -> None:
     assert invoke("synth", "-o", str(dump), "--layers", "1", "--tokens", "1k", "--queries", "2").exit_code == 0
     result = invoke("quantize", str(dump), "-o", str(tmp_path / "q.st"), "--queries", "3")
     assert result.exit_code == 2 and result.stderr.startswith("error: --queries 3"), repr(result.stderr)
+
+
+def test_verify_says_when_a_dumps_queries_are_repeated(tmp_path: Path) -> None:
+    dump = tmp_path / "a.st"
+    assert invoke("synth", "-o", str(dump), "--layers", "1", "--tokens", "1k", "--queries", "2").exit_code == 0
+    result = invoke("verify", "--dump", str(dump), "--heads", "16,32", "--mtp", "1")
+    assert result.exit_code == 0, result.output
+    assert "note: the dump's layer 0 holds 2 queries of 16 heads; h_q 32 repeat its 16 heads" in result.output
+    assert "note:" not in invoke("verify", "--dump", str(dump), "--heads", "16", "--mtp", "1").output

@@ -20,6 +20,7 @@ from snapmla_cli.cache.atomic import (
     OutputWriteError,
     check_distinct,
     check_writable,
+    committed_together,
     naming,
     write_atomic,
     write_text_atomic,
@@ -227,6 +228,25 @@ def test_a_late_plot_failure_names_plot(dump: Path, tmp_path: Path, monkeypatch:
     result = invoke("quantize", dump, "-o", tmp_path / "c.st", "--plot", plot, "--configs", "snap")
     assert_one_line_error(result, "error: --plot:", str(plot), "No space left on device")
     assert ".tmp" not in result.stderr and "p.png" not in listing(tmp_path)
+    # the outputs land together: the cache and the JSON written before the plot did not land
+    assert "c.st" not in listing(tmp_path) and not any(name.endswith(".tmp") for name in listing(tmp_path))
+    result = invoke("quantize", dump, "-o", tmp_path / "c.st", "--json", tmp_path / "r.json", "--plot", plot,
+                    "--configs", "snap")
+    assert result.exit_code == 2 and {"c.st", "r.json"}.isdisjoint(listing(tmp_path)), listing(tmp_path)
+
+
+def test_outputs_written_together_land_only_at_the_end(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    b.write_text("old")
+    with committed_together():
+        write_text_atomic(a, "A")
+        write_text_atomic(b, "B")
+        assert not a.exists() and b.read_text() == "old"
+    assert a.read_text() == "A" and b.read_text() == "B"
+    with pytest.raises(RuntimeError), committed_together():
+        write_text_atomic(a, "A2")
+        raise RuntimeError("late failure")
+    assert a.read_text() == "A" and sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
 
 
 def test_naming_prefixes_once() -> None:

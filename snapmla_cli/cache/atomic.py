@@ -14,12 +14,16 @@ import secrets
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from contextvars import ContextVar
 from pathlib import Path
 
 from ..errors import SnapmlaError
 
 # (what the user called it, e.g. "--json" or "DUMP"; the path, None when the option was not given)
 NamedPath = tuple[str, Path | None]
+
+# The renames that wait for the end of a :func:`committed_together` block (None: outside one).
+_PENDING: ContextVar[list[tuple[Path, Path]] | None] = ContextVar("snapmla_pending_outputs", default=None)
 
 _KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
           (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
@@ -92,7 +96,11 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         os.chmod(tmp, mode)  # also when the writer replaced the temp file by one of its own
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, target)
+        pending = _PENDING.get()
+        if pending is None:
+            os.replace(tmp, target)
+        else:
+            pending.append((tmp, target))  # lands with the others at the end of the group
         tmp = None
     except SnapmlaError:
         raise
@@ -100,6 +108,31 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         raise _write_error(path, tmp, exc) from exc
     finally:
         if tmp is not None:
+            with suppress(OSError):
+                tmp.unlink()
+
+
+@contextmanager
+def committed_together() -> Iterator[None]:
+    """The outputs written inside land together when the block ends: each :func:`write_atomic`
+    writes and syncs its temp file, and the renames wait for the end. If anything fails inside
+    (a late ``--plot`` on a full disk), none of them lands and their temp files are removed, so
+    a command with several outputs never leaves some written and others not (the renames
+    themselves, on one filesystem each, are what can still fail half way)."""
+    pending: list[tuple[Path, Path]] = []
+    token = _PENDING.set(pending)
+    try:
+        yield
+        for i, (tmp, target) in enumerate(pending):
+            try:
+                os.replace(tmp, target)
+            except OSError as exc:
+                pending = pending[i:]
+                raise _write_error(target, tmp, exc) from exc
+        pending = []
+    finally:
+        _PENDING.reset(token)
+        for tmp, _ in pending:
             with suppress(OSError):
                 tmp.unlink()
 

@@ -27,7 +27,7 @@ from ..bench.plan import (
     parse_layouts,
 )
 from ..bench.timing import CLOCKS, STEADY
-from ..cache.atomic import check_distinct, check_writable, naming
+from ..cache.atomic import check_distinct, check_writable, committed_together, naming
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
 from .common import console, require_at_least, write_json
@@ -147,11 +147,13 @@ def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps,
     report.meta["argv"] = ["snapmla", *sys.argv[1:]]
     out = console()
     render_report(out, report)
-    if json_path is not None:
-        with naming("--json"):
-            write_json(json_path, report.to_dict())
-        out.print(f"wrote {json_path}")
-    if plot is not None:
-        with naming("--plot"):
-            plot_report(report, plot)
-        out.print(f"wrote {plot}")
+    with committed_together():  # both files, or neither
+        if json_path is not None:
+            with naming("--json"):
+                write_json(json_path, report.to_dict())
+        if plot is not None:
+            with naming("--plot"):
+                plot_report(report, plot)
+    for path in (json_path, plot):
+        if path is not None:
+            out.print(f"wrote {path}")

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from ..analysis.fidelity import FidelityReport, analyze_layer, layer_queries
 from ..analysis.verify import resolve_device
-from ..cache.atomic import check_distinct, check_writable, naming
+from ..cache.atomic import check_distinct, check_writable, committed_together, naming
 from ..cache.dump_file import KVDump, read_dump
 from ..cache.fp8_file import FP8CacheFile, FP8CacheLayer, quantize_layer_cache, write_fp8_cache
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
@@ -65,21 +65,23 @@ def quantize_command(
             report.layers.append(analyze_layer(layer, chosen, probes, kind, dev))
             bar.advance(task)
     meta = {"source": str(dump) if dump is not None else "synthetic default"}
-    with naming("--output"):
-        write_fp8_cache(FP8CacheFile(pages, source.model, meta), output, force=force)
+    with committed_together():  # all of the outputs, or none of them
+        with naming("--output"):
+            write_fp8_cache(FP8CacheFile(pages, source.model, meta), output, force=force)
+        if json_path is not None:
+            payload = {"source": meta["source"], "model": source.model, **report.as_dict()}
+            with naming("--json"):
+                write_json(json_path, payload)
+        if plot is not None:
+            from ..analysis.plot import plot_fidelity
+
+            with naming("--plot"):
+                plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}")
     _render(out, report)
     out.print(f"wrote {output} ({len(pages)} layers, {output.stat().st_size / 2**20:.1f} MiB)")
-    if json_path is not None:
-        payload = {"source": meta["source"], "model": source.model, **report.as_dict()}
-        with naming("--json"):
-            write_json(json_path, payload)
-        out.print(f"wrote {json_path}")
-    if plot is not None:
-        from ..analysis.plot import plot_fidelity
-
-        with naming("--plot"):
-            plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}")
-        out.print(f"wrote {plot}")
+    for path in (json_path, plot):
+        if path is not None:
+            out.print(f"wrote {path}")
 
 
 def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int) -> KVDump:

@@ -98,6 +98,9 @@ def verify_command(
                 bar.advance(task)
     out = console()
     _render(out, results, source, dev.type, gates)
+    note = _repeated_queries_note(source, head_list, mtp_list, batch)
+    if note:
+        out.print(note)
     if json_path is not None:
         write_json(json_path, _as_dict(results, source, dev.type, gates))
         out.print(f"wrote {json_path}")
@@ -127,6 +130,26 @@ def _source(dump: Path | None, layer: int | None, seed: int) -> ProblemSource:
     if index not in indices:
         raise SnapmlaError(f"--layer {index}: {dump} has layers {', '.join(map(str, indices))}")
     return ProblemSource(layer=index, seed=seed, dump=kv_dump.layers[indices.index(index)])
+
+
+def _repeated_queries_note(source: ProblemSource, heads: list[int], mtps: list[int], batch: int) -> str | None:
+    """A dump's own queries are cycled over the rows a case asks for (SPEC's head count need not
+    be the model's); say so when a case holds repeats, since its numbers then describe fewer
+    distinct queries than its h_q / s_q label suggests."""
+    dumped = source.dump.queries if source.dump is not None else None
+    if dumped is None:
+        return None
+    n, h = dumped.shape[:2]
+    repeated_heads = [x for x in heads if x > h]
+    repeated_rows = max(mtps) * batch > n
+    if not repeated_heads and not repeated_rows:
+        return None
+    parts = []
+    if repeated_heads:
+        parts.append(f"h_q {', '.join(map(str, repeated_heads))} repeat its {h} heads")
+    if repeated_rows:
+        parts.append(f"batch x s_q beyond {n} repeats its queries")
+    return f"note: the dump's layer {source.layer} holds {n} queries of {h} heads; " + "; ".join(parts)
 
 
 def _render(out, results: list[CaseResult], source: ProblemSource, device: str, gates: Gates) -> None:
