@@ -75,6 +75,15 @@ def check_distinct(outputs: Sequence[NamedPath], inputs: Sequence[NamedPath] = (
                                    "expected a path outside it")
 
 
+def check_outputs(outputs: Sequence[NamedPath], force: bool, inputs: Sequence[NamedPath] = ()) -> None:
+    """A command's output paths, before any work: distinct from each other and from its inputs
+    (:func:`check_distinct`), each writable (:func:`check_writable`)."""
+    check_distinct(outputs, inputs)
+    for what, path in outputs:
+        if path is not None:
+            check_writable(path, force, what)
+
+
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp_path)`` and rename the result onto ``path`` only when it succeeded.
 

@@ -27,7 +27,7 @@ from ..bench.plan import (
     parse_layouts,
 )
 from ..bench.timing import CLOCKS, STEADY
-from ..cache.atomic import check_distinct, check_writable, committed_together, naming
+from ..cache.atomic import check_outputs, committed_together, naming
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
 from .common import console, require_at_least, write_json
@@ -126,11 +126,7 @@ def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps,
     plan = build_plan(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, seed)
     spec = RunnerSpec(kind="cpu-fake" if cpu_fake else "gpu", steps=steps, warmup=warmup,
                       graphs=graphs, bf16_impl=bf16_impl, roofline=roofline, clocks=clocks)
-    outputs = (("--json", json_path), ("--plot", plot))
-    check_distinct(outputs)
-    for what, path in outputs:
-        if path is not None:
-            check_writable(path, force, what)
+    check_outputs((("--json", json_path), ("--plot", plot)), force)
     if plot is not None:
         from ..plot_files import check_plot_output
 

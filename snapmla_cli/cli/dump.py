@@ -18,7 +18,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from ..cache.atomic import check_distinct, check_writable
+from ..cache.atomic import check_outputs
 from ..capture import Capture, DumpOptions, dump_model, parse_layers
 from ..errors import SnapmlaError
 
@@ -112,9 +112,7 @@ def _check_output(output: Path, force: bool, model: str, prompts: Path) -> None:
     """Refuse a bad ``--output`` before loading the model (minutes), including one that would
     replace the prompt file or a file of a local checkpoint folder."""
     local_model = Path(model) if Path(model).exists() else None  # else a hub id
-    inputs = [("--prompts", prompts), ("--model", local_model)]
-    check_distinct([("--output", output)], inputs)
-    check_writable(output, force, "--output")
+    check_outputs([("--output", output)], force, inputs=[("--prompts", prompts), ("--model", local_model)])
 
 
 def _run(options: DumpOptions, output: Path, force: bool, console: Console) -> Capture:

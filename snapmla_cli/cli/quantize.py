@@ -12,7 +12,7 @@ from rich.text import Text
 
 from ..analysis.fidelity import FidelityReport, analyze_layer, layer_queries
 from ..analysis.verify import resolve_device
-from ..cache.atomic import check_distinct, check_writable, committed_together, naming
+from ..cache.atomic import check_outputs, committed_together, naming
 from ..cache.dump_file import KVDump, read_dump
 from ..cache.fp8_file import FP8CacheFile, FP8CacheLayer, quantize_layer_cache, write_fp8_cache
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
@@ -40,11 +40,7 @@ def quantize_command(
     Every layer goes into the SnapMLA 656-byte FP8 cache file (SPEC section 8); the attention
     output and KV error of configurations snap, A, B, C, D, G are measured per layer against
     float64 attention on the original cache (paper Appendix G)."""
-    outputs = (("--output", output), ("--json", json_path), ("--plot", plot))
-    check_distinct(outputs, inputs=(("DUMP", dump),))
-    for what, path in outputs:
-        if path is not None:
-            check_writable(path, force, what)
+    check_outputs((("--output", output), ("--json", json_path), ("--plot", plot)), force, inputs=(("DUMP", dump),))
     if plot is not None:
         from ..plot_files import check_plot_output
 

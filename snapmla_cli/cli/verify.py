@@ -29,7 +29,7 @@ from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, format_size, parse_int_list, parse_size
-from .common import Device, console, fmt, progress, require_at_least, write_json
+from .common import Device, console, fmt, progress, write_json
 
 CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
 GPU_BATCH = 4
@@ -77,7 +77,6 @@ def verify_command(
     mtp_list = parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS)
     context = None if ctx is None else parse_size(ctx, "--ctx")
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
-    require_at_least("--batch", batch)
     source = _source(dump, layer, seed)
     keys = context or (source.dump.kv.shape[0] if source.dump is not None else DEFAULT_CONTEXT)
     require_host_memory(f"--batch {batch} x --ctx {keys} with up to {max(head_list) * max(mtp_list)} query rows",

@@ -31,6 +31,11 @@ def checked_softmax_scale(softmax_scale: object) -> float:
     return scale
 
 
+def is_integer(value: object) -> bool:
+    """An integer count (Python or NumPy int; not a bool, not a float)."""
+    return not isinstance(value, bool) and hasattr(value, "__index__")
+
+
 def checked_flag(name: str, value: object) -> bool:
     """A switch given as a real bool: ``causal="false"`` is truthy, so a string would silently mean
     the opposite of what it says."""
@@ -84,8 +89,13 @@ def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_
     return lengths
 
 
-def check_finite_keys(name: str, request: int, *parts: torch.Tensor) -> None:
-    """The keys a request reads must be finite: NaN or inf there is a corrupt cache, not data."""
+def require_finite(message: str, *parts: torch.Tensor) -> None:
+    """Raise ``message`` when any of ``parts`` holds NaN or inf (E4M3 NaN bytes included)."""
     for part in parts:
         if not bool(torch.isfinite(part.float()).all()):
-            raise SnapmlaError(f"{name}: request {request} reads non-finite values in its keys")
+            raise SnapmlaError(message)
+
+
+def check_finite_keys(name: str, request: int, *parts: torch.Tensor) -> None:
+    """The keys a request reads must be finite: NaN or inf there is a corrupt cache, not data."""
+    require_finite(f"{name}: request {request} reads non-finite values in its keys", *parts)

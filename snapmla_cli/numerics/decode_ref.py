@@ -16,6 +16,7 @@ from .decode_args import (
     checked_lengths,
     checked_softmax_scale,
     paged_cache,
+    require_finite,
 )
 from .formats import D_QK, D_V
 from .visibility import visibility_mask
@@ -37,8 +38,7 @@ def decode_reference(
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[-1] != D_QK or not q.dtype.is_floating_point:
         got = f"{tuple(q.shape)} {q.dtype}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
-    if not bool(torch.isfinite(q).all()):
-        raise SnapmlaError("q: expected finite values, found NaN or inf")
+    require_finite("q: expected finite values, found NaN or inf", q)
     kv_cache = paged_cache("kv_cache", kv_cache, D_QK,
                            (torch.bfloat16, torch.float16, torch.float32, torch.float64))
     softmax_scale = checked_softmax_scale(softmax_scale)

@@ -24,6 +24,7 @@ from .decode_args import (
     checked_lengths,
     checked_softmax_scale,
     paged_cache,
+    require_finite,
 )
 from .formats import (
     D_CONTENT,
@@ -185,8 +186,7 @@ def _checked_queries(q: object) -> tuple[int, int, int]:
         if tuple(t.shape) != (*lead, width):
             raise SnapmlaError(f"{name}: expected shape {(*lead, width)}, got {tuple(t.shape)}")
     for name, t in (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)):
-        if not bool(torch.isfinite(t.float()).all()):
-            raise SnapmlaError(f"{name}: expected finite values, found NaN or inf")
+        require_finite(f"{name}: expected finite values, found NaN or inf", t)
     b, s_q, h_q = lead
     return b, s_q, h_q
 

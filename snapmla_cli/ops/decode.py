@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import NoGpuError, SnapmlaError
-from ..numerics.decode_args import checked_flag, checked_lengths, checked_softmax_scale
+from ..numerics.decode_args import checked_flag, checked_lengths, checked_softmax_scale, is_integer
 from ..numerics.formats import (
     D_QK,
     D_V,
@@ -115,11 +115,6 @@ def get_mla_metadata(
     fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, target, work.cluster)
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold))
     return work.metadata, work.num_splits
-
-
-def is_integer(value: object) -> bool:
-    """An integer count (Python or NumPy int; not a bool, not a float)."""
-    return not isinstance(value, bool) and hasattr(value, "__index__")
 
 
 def check_rows(num_heads_per_head_k: int) -> None:

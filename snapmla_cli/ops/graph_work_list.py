@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import SnapmlaError
-from ..numerics.decode_args import checked_flag
+from ..numerics.decode_args import checked_flag, is_integer
 from ..numerics.formats import PAGE_SIZE
 from .config_choice import MetadataPlan, choose_config, record_plan
-from .decode import check_rows, is_integer, requested_device
+from .decode import check_rows, requested_device
 from .decode_config import DecodeConfig, checked_config, with_balance
 from .schedule import WORK_FIELDS, graph_capacity, graph_work_tables, host_seqlens
 from .split_fold import fixed_fold

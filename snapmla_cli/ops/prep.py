@@ -23,6 +23,7 @@ import torch
 
 from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_tokens
 from ..errors import SnapmlaError
+from ..numerics.decode_args import is_integer
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
@@ -477,23 +478,23 @@ def fetch_dequant(
         [("k_cache", cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens)]
     )
     if total_tokens is not None:
-        if isinstance(total_tokens, bool) or not hasattr(total_tokens, "__index__") or total_tokens < 0:
+        if not is_integer(total_tokens) or total_tokens < 0:
             raise SnapmlaError(f"total_tokens: expected a non-negative int, got {total_tokens!r}")
         total_tokens = int(total_tokens)
         if total_tokens > MAX_ROWS:
             raise SnapmlaError(f"total_tokens: expected at most {MAX_ROWS} (int32 row offsets), got {total_tokens}")
+        total = total_tokens
     else:
-        # the sum is read back anyway: take it in int64 so that lengths adding up past the int32
-        # row offsets are refused instead of wrapping around
-        summed = int(cache_seqlens.clamp(min=0).sum(dtype=torch.int64)) if batch else 0
-        if summed > MAX_ROWS:
-            raise SnapmlaError(f"cache_seqlens: the lengths add up to {summed} tokens, more than the "
+        # the one read-back of the sum, in int64, so that lengths adding up past the int32 row
+        # offsets are refused instead of wrapping around
+        total = int(cache_seqlens.clamp(min=0).sum(dtype=torch.int64)) if batch else 0
+        if total > MAX_ROWS:
+            raise SnapmlaError(f"cache_seqlens: the lengths add up to {total} tokens, more than the "
                                f"{MAX_ROWS} rows int32 offsets address")
 
     cu = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     if batch:
         torch.cumsum(cache_seqlens.clamp(min=0), dim=0, dtype=torch.int32, out=cu[1:])
-    total = int(cu[-1]) if total_tokens is None else total_tokens
     if device.type == "cpu":
         return _fetch_paged_cpu(cache, block_table, cu, total)
     _aligned("k_cache", cache)

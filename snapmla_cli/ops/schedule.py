@@ -66,7 +66,7 @@ class SplitPolicy:
         for name in ("balanced", "auto_balance"):
             if not isinstance(getattr(self, name), bool):
                 raise SnapmlaError(f"SplitPolicy.{name}: expected True or False, got {getattr(self, name)!r}")
-        if not 1 <= self.max_splits_per_request <= MAX_SPLITS_PER_REQUEST:
+        if self.max_splits_per_request > MAX_SPLITS_PER_REQUEST:
             raise SnapmlaError(f"max_splits_per_request: expected 1..{MAX_SPLITS_PER_REQUEST}, "
                                f"got {self.max_splits_per_request}")
 
