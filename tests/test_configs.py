@@ -96,3 +96,12 @@ def test_ranking_on_the_synthetic_dump(report: FidelityReport) -> None:
     # (docs/DATA.md): within 10 % of the paper's B, C, D, within 25 % of G (4 scales per token).
     assert mean["snap"] < 1.10 * min(mean["B"], mean["C"], mean["D"]), mean
     assert mean["snap"] < 1.25 * mean["G"], mean
+
+
+@pytest.mark.parametrize("config_id", sorted(CONFIGS))
+def test_every_config_takes_a_layer_without_tokens(config_id: str) -> None:
+    """A layer with no tokens fake-quantizes to no tokens (the per-tensor and per-channel
+    configurations reduce over the tokens, where an empty ``amax`` used to raise)."""
+    out = CONFIGS[config_id].fake_quant(torch.randn(0, D_QK))
+    assert out.shape == (0, D_QK)
+    assert out.dtype == torch.float32

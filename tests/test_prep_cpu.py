@@ -21,7 +21,7 @@ from snapmla_cli.cache.layout import (
     unpack_tokens,
 )
 from snapmla_cli.errors import SnapmlaError
-from snapmla_cli.numerics.formats import D_QK, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
+from snapmla_cli.numerics.formats import D_CONTENT, D_QK, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from snapmla_cli.numerics.quant import QuantizedRows, quantize_rows
 from snapmla_cli.ops.finite import set_gpu_checks
 from snapmla_cli.ops.prep import (
@@ -425,6 +425,31 @@ def test_append_kv_cpu_rejects_non_finite_rows_it_would_write() -> None:
     assert torch.equal(cache, before)
     append_kv(kv, torch.tensor([0, 1, -1, 3], dtype=torch.int32), cache)
     assert torch.equal(cache.view(-1, FP8_TOKEN_BYTES)[3], quantize_tokens(kv[3:4])[0])
+
+
+def test_quantize_q_cpu_refuses_a_rope_that_overflows_its_scale() -> None:
+    """Zero content puts the scale at its floor 2^-32; a RoPE of 1e30 pre-scales past bf16's
+    range (inf in every logit of the row), one of 1e28 still fits (4.3e37)."""
+    q = _kv(6).view(2, 3, D_QK)
+    q[1, 2, :D_CONTENT] = 0.0
+    q[1, 2, D_CONTENT:] = 1e28
+    assert bool(torch.isfinite(quantize_q(q).rope.float()).all())
+    q[1, 2, D_CONTENT + 5] = -1e30
+    with pytest.raises(SnapmlaError, match=r"^q\[1, 2\]: its RoPE part \(\|x\| up to 1e\+30\) divided by"):
+        quantize_q(q)
+
+
+def test_append_kv_cpu_refuses_a_rope_that_overflows_its_scale() -> None:
+    cache = _poisoned_cache(2)
+    before = cache.clone()
+    kv = _kv(4)
+    kv[1, :D_CONTENT] = 0.0
+    kv[1, D_CONTENT] = 3e38
+    kv[2, D_CONTENT] = 3e38  # a padding row (slot -1 below) may hold anything
+    with pytest.raises(SnapmlaError, match=r"^kv\[1\]: its RoPE part"):
+        append_kv(kv, torch.tensor([0, 1, -1, 3], dtype=torch.int32), cache)
+    assert torch.equal(cache, before)
+    append_kv(kv, torch.tensor([0, -1, -1, 3], dtype=torch.int32), cache)
 
 
 def test_gpu_checks_switch_follows_the_environment() -> None:

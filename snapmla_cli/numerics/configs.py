@@ -34,6 +34,16 @@ def _split(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :D_CONTENT], x[:, D_CONTENT:]
 
 
+def _amax_over_tokens(content: torch.Tensor, keepdim_channels: bool) -> torch.Tensor:
+    """The layer's |x| maximum over its tokens (per channel when ``keepdim_channels``), 0 for a
+    layer with no tokens: ``amax`` has no identity element, so an empty reduction raises."""
+    if content.shape[0] == 0:
+        return torch.zeros((1, content.shape[1]) if keepdim_channels else (), dtype=content.dtype)
+    if keepdim_channels:
+        return content.abs().amax(dim=0, keepdim=True)
+    return content.abs().amax()
+
+
 def _rope_bf16(rope: torch.Tensor) -> torch.Tensor:
     return rope.to(torch.bfloat16).float()
 
@@ -53,13 +63,13 @@ def fake_per_token_all(kv: torch.Tensor) -> torch.Tensor:
 def fake_per_tensor(kv: torch.Tensor) -> torch.Tensor:
     """Config B: one content scale for the whole layer, RoPE bf16."""
     content, rope = _split(kv)
-    return torch.cat([_fake_e4m3(content, content.abs().amax()), _rope_bf16(rope)], dim=1)
+    return torch.cat([_fake_e4m3(content, _amax_over_tokens(content, False)), _rope_bf16(rope)], dim=1)
 
 
 def fake_per_channel(kv: torch.Tensor) -> torch.Tensor:
     """Config C: one content scale per channel over the layer's tokens, RoPE bf16."""
     content, rope = _split(kv)
-    return torch.cat([_fake_e4m3(content, content.abs().amax(dim=0, keepdim=True)), _rope_bf16(rope)], dim=1)
+    return torch.cat([_fake_e4m3(content, _amax_over_tokens(content, True)), _rope_bf16(rope)], dim=1)
 
 
 def fake_per_block(kv: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -87,6 +88,25 @@ def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_
             raise SnapmlaError(f"block_table[{i}, {j}]: expected a block index in 0..{num_blocks - 1} "
                                f"(the request's {n} tokens read it), got {int(pages[j])}")
     return lengths
+
+
+class PagedDecodeArgs(NamedTuple):
+    """The checked arguments both CPU decode definitions share."""
+
+    cache: torch.Tensor  # [num_blocks, 64, width]
+    softmax_scale: float
+    causal: bool
+    seqlens: list[int]
+
+
+def checked_paged_decode(cache_name: str, cache: object, width: int, dtypes: tuple[torch.dtype, ...],
+                         block_table: object, cache_seqlens: object, batch: int,
+                         softmax_scale: object, causal: object) -> PagedDecodeArgs:
+    """The cache, scale, switch and lengths of a paged decode, checked in one place so that the
+    reference and the emulation refuse the same inputs with the same words."""
+    cache = paged_cache(cache_name, cache, width, dtypes)
+    return PagedDecodeArgs(cache, checked_softmax_scale(softmax_scale), checked_flag("causal", causal),
+                           checked_lengths(block_table, cache_seqlens, batch, cache.shape[0]))
 
 
 def require_finite(message: str, *parts: torch.Tensor) -> None:

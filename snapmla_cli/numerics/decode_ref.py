@@ -10,14 +10,7 @@ import torch
 
 from ..cache.layout import gather_from_pages
 from ..errors import SnapmlaError
-from .decode_args import (
-    check_finite_keys,
-    checked_flag,
-    checked_lengths,
-    checked_softmax_scale,
-    paged_cache,
-    require_finite,
-)
+from .decode_args import check_finite_keys, checked_paged_decode, require_finite
 from .formats import D_QK, D_V
 from .visibility import visibility_mask
 
@@ -39,12 +32,10 @@ def decode_reference(
         got = f"{tuple(q.shape)} {q.dtype}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
     require_finite("q: expected finite values, found NaN or inf", q)
-    kv_cache = paged_cache("kv_cache", kv_cache, D_QK,
-                           (torch.bfloat16, torch.float16, torch.float32, torch.float64))
-    softmax_scale = checked_softmax_scale(softmax_scale)
-    causal = checked_flag("causal", causal)
     b, s_q, h_q, d = q.shape
-    seqlens = checked_lengths(block_table, cache_seqlens, b, kv_cache.shape[0])
+    kv_cache, softmax_scale, causal, seqlens = checked_paged_decode(
+        "kv_cache", kv_cache, D_QK, (torch.bfloat16, torch.float16, torch.float32, torch.float64),
+        block_table, cache_seqlens, b, softmax_scale, causal)
     device = q.device
     out = torch.zeros(b, s_q, h_q, D_V, dtype=dtype, device=device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=dtype, device=device)

@@ -18,14 +18,7 @@ import torch
 
 from ..cache.layout import gather_from_pages, unpack_tokens
 from ..errors import SnapmlaError
-from .decode_args import (
-    check_finite_keys,
-    checked_flag,
-    checked_lengths,
-    checked_softmax_scale,
-    paged_cache,
-    require_finite,
-)
+from .decode_args import check_finite_keys, checked_paged_decode, require_finite
 from .formats import (
     D_CONTENT,
     D_ROPE,
@@ -127,10 +120,9 @@ def emulate_fp8_decode(
     Returns ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]``, float64. Arguments are
     checked first: a NaN here would otherwise read as a block with no visible key."""
     b, s_q, h_q = _checked_queries(q)
-    fp8_cache = paged_cache("fp8_cache", fp8_cache, FP8_TOKEN_BYTES, (torch.uint8,))
-    softmax_scale = checked_softmax_scale(softmax_scale)
-    causal = checked_flag("causal", causal)
-    seqlens = checked_lengths(block_table, cache_seqlens, b, fp8_cache.shape[0])
+    fp8_cache, softmax_scale, causal, seqlens = checked_paged_decode(
+        "fp8_cache", fp8_cache, FP8_TOKEN_BYTES, (torch.uint8,), block_table, cache_seqlens, b,
+        softmax_scale, causal)
     if split_bounds is not None and len(split_bounds) != b:
         raise SnapmlaError(f"split_bounds: expected one list of bounds per request ({b}), got {len(split_bounds)}")
     device = q.scale.device

@@ -19,6 +19,8 @@ import os
 import torch
 
 from ..errors import SnapmlaError
+from ..numerics.formats import D_CONTENT, D_QK
+from ..numerics.quant import row_scale
 
 ENV_VAR = "SNAPMLA_CHECK_FINITE"
 
@@ -66,3 +68,32 @@ def check_all_finite(*named: tuple[str, torch.Tensor]) -> None:
         if not ok:
             bad = int((~torch.isfinite(t)).sum())
             raise SnapmlaError(f"{name}: {bad} of {t.numel()} values are NaN or inf (expected finite values)")
+
+
+def check_quantizable(name: str, t: torch.Tensor, written: torch.Tensor | None = None) -> None:
+    """:func:`check_finite`, then the one overflow SPEC section 3's quantizer can produce from
+    finite rows: the RoPE part is divided by the content's scale ``max(amax / 448, 2^-32)``, so
+    a row whose content is (near) zero and whose RoPE is huge (beyond about 7.9e28 at the scale's
+    floor) pre-scales to an inf bf16 RoPE, and every logit of that query row or cached token
+    becomes inf or NaN. Refused like a NaN input, under the same switch on CUDA.
+
+    ``written``: a mask of the rows that will be quantized (``append_kv`` skips padding slots,
+    whose rows may hold anything); the error names the row's index in ``t``."""
+    check_finite(name, t if written is None else t[written])
+    if not t.numel() or not t.is_floating_point() or (t.is_cuda and not GPU_CHECKS.on):
+        return
+    rows = t.reshape(-1, D_QK).float()
+    scale = row_scale(rows[:, :D_CONTENT])
+    fits = torch.isfinite((rows[:, D_CONTENT:] / scale[:, None]).to(torch.bfloat16)).all(dim=-1)
+    if written is not None:
+        fits |= ~written.reshape(-1)
+    if bool(fits.all()):
+        return
+    first = int((~fits).nonzero()[0, 0])
+    index = list(torch.unravel_index(torch.tensor(first), tuple(t.shape[:-1]))) if t.dim() > 1 else []
+    where = f"[{', '.join(str(int(i)) for i in index)}]" if index else ""
+    rope_max = float(rows[first, D_CONTENT:].abs().max())
+    raise SnapmlaError(
+        f"{name}{where}: its RoPE part (|x| up to {rope_max:.3g}) divided by its content's scale "
+        f"({float(scale[first]):.3g}, SPEC section 3) overflows bf16; expected |RoPE| / scale "
+        "within bf16's range")

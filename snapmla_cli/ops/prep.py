@@ -28,7 +28,7 @@ from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_DTYPE, FP8_TOKEN_BYT
 from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
 from ..runtime.registry import PREP_DEFINES, PREP_KERNELS, PREP_SOURCE
-from .finite import GPU_CHECKS, check_finite
+from .finite import GPU_CHECKS, check_quantizable
 
 _VEC_ALIGN = 16  # bytes: the kernels use 16-byte vector accesses
 _CPU_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -184,7 +184,7 @@ def quantize_q(q: torch.Tensor, out: QuantizedRows | None = None) -> QuantizedRo
         return _quantize_q_cuda(q, out)
     _check_q(q)
     _dtype("q", q, _CPU_FLOAT_DTYPES)
-    check_finite("q", q)
+    check_quantizable("q", q)
     result = quantize_rows(q)
     if out is None:
         return result
@@ -282,7 +282,7 @@ def _quantize_q_cuda(q: torch.Tensor, out: QuantizedRows | None = None) -> Quant
     if rows and ptr % _VEC_ALIGN:
         _misaligned("q", ptr)
     if GPU_CHECKS.on:
-        check_finite("q", q)
+        check_quantizable("q", q)
     if out is None:
         # `size=` parses faster than a positional tuple (~1.5 vs ~2.3 us per call on a slow CPU)
         content = torch.empty(size=content_shape, dtype=FP8_DTYPE, device=device)
@@ -354,7 +354,7 @@ def append_kv(kv: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor) -> t
     n, num_slots = kv.shape[0], cache.shape[0] * PAGE_SIZE
     if n:
         valid = _valid_slots(slots, num_slots)
-        check_finite("kv", kv[valid])
+        check_quantizable("kv", kv, valid)
         flat = cache.view(num_slots, FP8_TOKEN_BYTES)
         flat[slots[valid].long()] = quantize_tokens(kv[valid])
     return k_cache
@@ -429,7 +429,7 @@ def _append_kv_cuda(kv: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor
     if cache_nonempty and cache_ptr % _VEC_ALIGN:
         _misaligned("k_cache", cache_ptr)
     if nonempty and GPU_CHECKS.on:  # the rows that will be written (padding slots are skipped)
-        check_finite("kv", kv[_valid_slots(slots, k_cache.numel() // FP8_TOKEN_BYTES)])
+        check_quantizable("kv", kv, _valid_slots(slots, k_cache.numel() // FP8_TOKEN_BYTES))
     if nonempty:
         args = (kv_ptr, slots.data_ptr(), n_arg, cache_ptr, num_slots_arg)
         kernel.launch(index, grid, _BLOCK, args)

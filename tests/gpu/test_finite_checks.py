@@ -102,6 +102,21 @@ def test_prep_refuses_non_finite_and_writes_nothing() -> None:
 
 
 @pytest.mark.usefixtures("checks_on")
+def test_prep_refuses_a_rope_that_overflows_its_scale() -> None:
+    """Finite rows whose pre-scaled RoPE is inf in bf16 (zero content, RoPE 1e30): refused by
+    the same switch, on the GPU as on the CPU, before anything is written."""
+    q = torch.randn(4, 576, device=DEV, dtype=torch.bfloat16)
+    q[3, :512] = 0.0
+    q[3, 512] = 1e30
+    with pytest.raises(SnapmlaError, match=r"^q\[3\]: its RoPE part"):
+        quantize_q(q)
+    cache = torch.full((2, 64, FP8_TOKEN_BYTES), 0xFF, dtype=torch.uint8, device=DEV)
+    with pytest.raises(SnapmlaError, match=r"^kv\[3\]: its RoPE part"):
+        append_kv(q, torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEV), cache)
+    assert bool((cache == 0xFF).all())
+
+
+@pytest.mark.usefixtures("checks_on")
 @pytest.mark.filterwarnings("ignore:The CUDA Graph is empty")  # the refused capture holds nothing
 def test_checks_refuse_graph_capture() -> None:
     q = torch.randn(4, 576, device=DEV, dtype=torch.bfloat16)
