@@ -83,7 +83,7 @@ def test_directory_is_refused_at_once(tmp_path: Path) -> None:
 
 def test_paths_without_a_file_name_and_under_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert_one_line_error(invoke("synth", "-o", "", *SYNTH), "--output", "expected a file path")
+    assert_one_line_error(invoke("synth", "-o", "", *SYNTH), "--output: expected a file path, got ''")
     afile = tmp_path / "afile"
     afile.write_text("x")
     result = invoke("synth", "-o", afile / "x", *SYNTH)

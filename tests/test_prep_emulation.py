@@ -153,7 +153,7 @@ def test_append_kv(emu: Emu, n: int, slot_dtype: torch.dtype) -> None:
     if n > 10 and slot_dtype == torch.int64:
         slots[5] = 2**40
     ref = H.poisoned_cache(blocks)
-    prep.append_kv(kv, slots, ref)
+    H.reference_append(kv, slots, ref)
     got = H.poisoned_cache(blocks)
     emu.run(
         "emu_append_kv", [kv, slots], [got],

@@ -12,7 +12,9 @@ from .fidelity import METRICS, FidelityReport
 _TITLES = {"rmse": "RMSE", "cos_diff": "cosine difference (1 - cos)", "rel_l2": "relative L2"}
 
 
-def plot_fidelity(report: FidelityReport, path: Path, title: str = "") -> None:
+def plot_fidelity(report: FidelityReport, path: Path, title: str = "", force: bool = False) -> None:
+    """Write the figure to ``path`` (.png/.pdf/.svg); a file there is replaced only with
+    ``force``, also one that appeared after the command checked its outputs."""
     plt = check_plot_output(path)
     from matplotlib.ticker import MaxNLocator
 
@@ -31,5 +33,5 @@ def plot_fidelity(report: FidelityReport, path: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title)
     suffix = Path(path).suffix.lstrip(".").lower()
-    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format=suffix))
+    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=120, format=suffix), replace=force)
     plt.close(fig)

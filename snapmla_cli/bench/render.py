@@ -120,9 +120,10 @@ def render_report(out: Console, report: BenchReport) -> None:
         out.print(f"note: {note}")
 
 
-def plot_report(report: BenchReport, path: Path) -> None:
+def plot_report(report: BenchReport, path: Path, force: bool = False) -> None:
     """Grouped bars per context (BF16, FP8 at the same batch, FP8 at the same KV memory),
-    one panel per layout, FP8/BF16 speed-ups written over the FP8 bars. Written atomically."""
+    one panel per layout, FP8/BF16 speed-ups written over the FP8 bars. Written atomically; a
+    file at ``path`` is replaced only with ``force``, also one that appeared during the run."""
     plt = check_plot_output(path)
     comparisons = report.comparisons
     layouts = list(dict.fromkeys(c.layout for c in comparisons))
@@ -163,5 +164,5 @@ def plot_report(report: BenchReport, path: Path) -> None:
     fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=7)
     fig.suptitle(plot_title(report), fontsize=9)
     suffix = path.suffix.lstrip(".").lower()
-    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=130, format=suffix))
+    write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=130, format=suffix), replace=force)
     plt.close(fig)

@@ -3,18 +3,22 @@ fsync, rename), never clobbered without force, never replacing anything but a re
 
 Every command with outputs goes through these helpers, so that all of them refuse the same paths
 with the same one-line errors: :func:`check_writable` per output path, :func:`check_distinct`
-for outputs that would overwrite each other or an input, :func:`write_atomic` to write, and
-:func:`naming` to say which option a late write failure belongs to.
+for outputs that would overwrite each other or an input, :func:`write_atomic` to write (with
+``replace=force``, so that a file appearing while the command works is not replaced either),
+:func:`committed_together` for outputs that land all or none, and :func:`naming` to say which
+option a late write failure belongs to.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SnapmlaError
@@ -22,8 +26,29 @@ from ..errors import SnapmlaError
 # (what the user called it, e.g. "--json" or "DUMP"; the path, None when the option was not given)
 NamedPath = tuple[str, Path | None]
 
-# The renames that wait for the end of a :func:`committed_together` block (None: outside one).
-_PENDING: ContextVar[list[tuple[Path, Path]] | None] = ContextVar("snapmla_pending_outputs", default=None)
+# errno values of os.link meaning "no hard links here" (FAT, some network and FUSE filesystems,
+# a file system's link-count limit): the no-clobber move and the backups fall back, see their docs
+_NO_HARD_LINKS = frozenset(getattr(errno, name) for name in
+                           ("EPERM", "EOPNOTSUPP", "ENOTSUP", "EXDEV", "EMLINK", "ENOSYS")
+                           if hasattr(errno, name))
+
+
+@dataclass
+class _Landing:
+    """A written, synced temp file on its way to ``target`` (``path`` as the user gave it)."""
+
+    tmp: Path
+    target: Path
+    path: Path
+    replace: bool
+    backup: Path | None = None  # a hard link to the file it replaces, until the group is done
+    inode: tuple[int, int] | None = None  # (st_dev, st_ino) of what lands: undo removes only that
+    existed: bool = False  # something was at ``target`` before the move
+    keep_backup: bool = False  # a backup that could not be renamed back: the only copy left
+
+
+# The moves that wait for the end of a :func:`committed_together` block (None: outside one).
+_PENDING: ContextVar[list[_Landing] | None] = ContextVar("snapmla_pending_outputs", default=None)
 
 _KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
           (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
@@ -84,18 +109,30 @@ def check_outputs(outputs: Sequence[NamedPath], force: bool, inputs: Sequence[Na
             check_writable(path, force, what)
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)`` and rename the result onto ``path`` only when it succeeded.
+def write_atomic(path: Path, write: Callable[[Path], None], *, replace: bool = True) -> None:
+    """Call ``write(tmp_path)`` and move the result onto ``path`` only when it succeeded.
 
-    A symlink is written through (its target replaced, the link kept). A new file gets the
-    permission bits ``open()`` would give it (0666 less the umask); a replaced file keeps its
-    own. Any failure of the write (OSError, a writer's own exception such as safetensors'
-    ``SafetensorError`` on a full disk) becomes one :class:`OutputWriteError` naming ``path``,
-    never the temp file; the temp file is removed in every case, Ctrl-C included."""
+    ``replace=False`` (a user's output without ``--force``) never clobbers: :func:`check_writable`
+    ran before the work, which can take minutes, so a file that appeared at ``path`` meanwhile
+    (another run, another user) must not be silently replaced. The final step is then
+    ``os.link`` (atomic, fails if anything is at ``path``, a dangling symlink included) and the
+    temp name is removed; on a filesystem without hard links it is an existence check followed
+    by ``os.replace``, which leaves a window of a few microseconds in which a file created by
+    someone else would be replaced. ``replace=True`` (``--force``, the kernel cache, the tuning
+    database) replaces whatever regular file is there.
+
+    A symlink is written through when replacing (its target replaced, the link kept). A new
+    file gets the permission bits ``open()`` would give it (0666 less the umask); a replaced
+    file keeps its own. Any failure of the write (OSError, a writer's own exception such as
+    safetensors' ``SafetensorError`` on a full disk) becomes one :class:`OutputWriteError`
+    naming ``path``, never the temp file; the temp file is removed in every case, Ctrl-C
+    included."""
     path = Path(path)
     target = _final_target(path)
     kind = _existing_kind(target, "output", path)
     _refuse_special(kind, path, "output")
+    if not replace and os.path.lexists(path):
+        raise _appeared(path)
     keep_mode = stat.S_IMODE(os.stat(target).st_mode) if kind == "file" else None
     tmp: Path | None = None
     try:
@@ -105,11 +142,12 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         os.chmod(tmp, mode)  # also when the writer replaced the temp file by one of its own
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
+        landing = _Landing(tmp, target, path, replace)
         pending = _PENDING.get()
         if pending is None:
-            os.replace(tmp, target)
+            _land(landing)
         else:
-            pending.append((tmp, target))  # lands with the others at the end of the group
+            pending.append(landing)  # lands with the others at the end of the group
         tmp = None
     except SnapmlaError:
         raise
@@ -123,32 +161,35 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
 
 @contextmanager
 def committed_together() -> Iterator[None]:
-    """The outputs written inside land together when the block ends: each :func:`write_atomic`
-    writes and syncs its temp file, and the renames wait for the end. If anything fails inside
-    (a late ``--plot`` on a full disk), none of them lands and their temp files are removed, so
-    a command with several outputs never leaves some written and others not (the renames
-    themselves, on one filesystem each, are what can still fail half way)."""
-    pending: list[tuple[Path, Path]] = []
+    """The outputs written inside land together when the block ends, or none of them does.
+
+    Each :func:`write_atomic` inside writes and syncs its temp file; the moves onto the final
+    names wait for the end. If anything fails inside (a late ``--plot`` on a full disk), none
+    of them lands and their temp files are removed, so a command with several outputs never
+    leaves some written and others not.
+
+    The moves themselves can fail part way (a full inode table, a file that appeared at a
+    no-clobber output): before the first move every file about to be replaced is hard-linked to
+    a hidden backup name in its folder; if a move fails, the ones already made are undone in
+    reverse order (the backup renamed back, a new file removed) and one error names the output
+    that failed. On a filesystem without hard links an entry gets no backup: a file it replaced
+    cannot be brought back (the behaviour before backups existed). Temp and backup files are
+    removed in every case, Ctrl-C included; the one exception is a backup that could not be
+    renamed back, which is kept and named in the error since it holds the only copy."""
+    pending: list[_Landing] = []
     token = _PENDING.set(pending)
     try:
         yield
-        for i, (tmp, target) in enumerate(pending):
-            try:
-                os.replace(tmp, target)
-            except OSError as exc:
-                pending = pending[i:]
-                raise _write_error(target, tmp, exc) from exc
-        pending = []
+        _land_all(pending)
     finally:
         _PENDING.reset(token)
-        for tmp, _ in pending:
-            with suppress(OSError):
-                tmp.unlink()
+        for entry in pending:
+            _discard(entry)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str, *, replace: bool = True) -> None:
     """:func:`write_atomic` of a text file."""
-    write_atomic(path, lambda tmp: tmp.write_text(text))
+    write_atomic(path, lambda tmp: tmp.write_text(text), replace=replace)
 
 
 @contextmanager
@@ -161,6 +202,141 @@ def naming(what: str) -> Iterator[None]:
         if not str(exc).startswith(what):
             exc.args = (f"{what}: {exc}",)  # same exception (type, errno, cause), named
         raise
+
+
+def _appeared(path: Path) -> OutputWriteError:
+    """The no-clobber move found a file (or symlink) at ``path``: it was not there when the
+    command checked its outputs."""
+    error = OutputWriteError(f"{path} appeared while snapmla was working; "
+                             "pass --force to overwrite it")
+    error.errno = errno.EEXIST
+    return error
+
+
+def _land(entry: _Landing) -> None:
+    """Move ``entry``'s temp file onto its target: ``os.replace``, or with ``replace=False``
+    a hard link that fails if anything is there, then the temp name removed. Without hard
+    links: an existence check, then ``os.replace`` (the residual window of :func:`write_atomic`)."""
+    if entry.replace:
+        os.replace(entry.tmp, entry.target)
+        return
+    try:
+        os.link(entry.tmp, entry.target)
+    except FileExistsError:
+        raise _appeared(entry.path) from None
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        if os.path.lexists(entry.target):
+            raise _appeared(entry.path) from None
+        os.replace(entry.tmp, entry.target)
+        return
+    with suppress(FileNotFoundError):
+        entry.tmp.unlink()
+
+
+def _land_all(pending: list[_Landing]) -> None:
+    """Every move of a :func:`committed_together` group, or none: backups first, then the
+    moves; a failure undoes the moves made and raises one error naming the failing output."""
+    for entry in pending:
+        _prepare(entry)
+    landed: list[_Landing] = []
+    for entry in pending:
+        try:
+            _land(entry)
+        except BaseException as exc:
+            if _is_inode(entry.target, entry.inode):  # it landed, then Ctrl-C came
+                landed.append(entry)
+            lost = _undo(landed)
+            if isinstance(exc, SnapmlaError):
+                if lost:
+                    exc.args = (f"{exc}; {lost}",)
+                raise
+            if not isinstance(exc, Exception):  # Ctrl-C: undone, and still an interrupt
+                raise
+            error = _write_error(entry.path, entry.tmp, exc)
+            if lost:
+                error.args = (f"{error}; {lost}",)
+            raise error from exc
+        landed.append(entry)
+    for entry in pending:
+        _drop_backup(entry)
+
+
+def _prepare(entry: _Landing) -> None:
+    """Before any move of the group: what lands (to undo a new file, and only that file) and a
+    backup link to the regular file it replaces (none without hard-link support)."""
+    try:
+        info = os.stat(entry.tmp)
+        entry.inode = (info.st_dev, info.st_ino)
+        entry.existed = os.path.lexists(entry.target)
+        if entry.replace and entry.existed and stat.S_ISREG(os.lstat(entry.target).st_mode):
+            entry.backup = _link_backup(entry.target)
+    except OSError as exc:  # nothing has moved yet: the caller removes the temp files
+        raise _write_error(entry.path, entry.tmp, exc) from exc
+
+
+def _link_backup(target: Path) -> Path | None:
+    """A hidden hard link to ``target`` next to it, or None where hard links are unsupported."""
+    while True:
+        backup = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            os.link(target, backup)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            if exc.errno in _NO_HARD_LINKS:
+                return None
+            raise
+        return backup
+
+
+def _undo(landed: list[_Landing]) -> str:
+    """Undo the moves made, last first: a replaced file renamed back from its backup, a new
+    file removed (only if it is still the one that landed). Returns what could not be undone
+    ("" when everything was), for the error."""
+    problems = []
+    for entry in reversed(landed):
+        try:
+            if entry.backup is not None:
+                os.replace(entry.backup, entry.target)
+                entry.backup = None
+            elif not entry.existed and _is_inode(entry.target, entry.inode):
+                entry.target.unlink()
+            elif entry.existed:
+                problems.append(f"{entry.path} was already replaced (no hard links for a backup)")
+        except OSError as exc:
+            if entry.backup is not None:
+                entry.keep_backup = True
+                problems.append(f"{entry.path} could not be restored ({exc.strerror}); "
+                                f"its previous content is in {entry.backup}")
+            else:
+                problems.append(f"{entry.path} could not be removed ({exc.strerror})")
+    return "; ".join(problems)
+
+
+def _is_inode(path: Path, inode: tuple[int, int] | None) -> bool:
+    """Whether ``path`` is (still) the file ``inode`` names, not one put there by someone else."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return inode == (info.st_dev, info.st_ino)
+
+
+def _drop_backup(entry: _Landing) -> None:
+    if entry.backup is not None and not entry.keep_backup:
+        with suppress(OSError):
+            entry.backup.unlink()
+        entry.backup = None
+
+
+def _discard(entry: _Landing) -> None:
+    """After a group, successful or not: its temp file (gone already if it landed by rename)
+    and its backup (unless it is the only copy left)."""
+    with suppress(OSError):
+        entry.tmp.unlink()
+    _drop_backup(entry)
 
 
 def _final_target(path: Path) -> Path:

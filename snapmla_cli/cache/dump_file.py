@@ -233,7 +233,8 @@ def read_dump(path: Path) -> KVDump:
 
 
 def write_dump(dump: KVDump, path: Path, force: bool = False) -> None:
-    """Write ``dump`` atomically as SPEC section 8 describes."""
+    """Write ``dump`` atomically as SPEC section 8 describes; refuses to overwrite ``path``
+    without ``force``, also when the file appeared while the dump was being made."""
     path = Path(path)
     check_writable(path, force)
     tensors: dict[str, torch.Tensor] = {}
@@ -245,4 +246,4 @@ def write_dump(dump: KVDump, path: Path, force: bool = False) -> None:
         if layer.queries is not None:
             tensors[f"layers.{layer.index}.queries"] = layer.queries.contiguous()
     meta = dump.metadata()
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), replace=force)

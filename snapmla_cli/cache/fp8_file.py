@@ -142,7 +142,8 @@ def _read_seqlen(path: Path, index: int, seqlen: torch.Tensor) -> int:
 
 
 def write_fp8_cache(cache_file: FP8CacheFile, path: Path, force: bool = False) -> None:
-    """Write atomically; refuses to overwrite ``path`` without ``force``."""
+    """Write atomically; refuses to overwrite ``path`` without ``force``, also when the file
+    appeared while the cache was being made."""
     path = Path(path)
     check_writable(path, force)
     tensors: dict[str, torch.Tensor] = {}
@@ -151,7 +152,7 @@ def write_fp8_cache(cache_file: FP8CacheFile, path: Path, force: bool = False) -
         tensors[f"layers.{layer.index}.cache"] = layer.cache.contiguous()
         tensors[f"layers.{layer.index}.seqlen"] = torch.tensor(layer.seqlen, dtype=torch.int64)
     meta = cache_file.metadata()
-    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+    write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), replace=force)
 
 
 def read_fp8_cache(path: Path) -> FP8CacheFile:

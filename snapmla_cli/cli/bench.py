@@ -30,7 +30,7 @@ from ..bench.timing import CLOCKS, STEADY
 from ..cache.atomic import check_outputs, committed_together, naming
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
-from .common import console, require_at_least, write_json
+from .common import console, output_option, require_at_least, write_json
 
 # --model: the names of bench.plan's presets (one table, so the option cannot drift)
 Model = Enum("Model", {name: name for name in PRESETS}, type=str)
@@ -98,8 +98,8 @@ def bench_command(
     roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Measure GEMM/copy ceilings for the roofline column.")] = True,
     clocks: Annotated[ClockState, typer.Option(help="GPU clock state of the timings and ceilings: steady (after 0.2 s of work, power-capped: what a busy server gets) or burst (1 s idle first, then as few steps as the median needs: as near the boost clock as a long step allows).")] = DEFAULT_CLOCKS,
     seed: Annotated[int, typer.Option(help="Seed of the random caches, queries and page layout.")] = 0,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON (atomic).")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write a Figure-1-style bar chart (.png/.pdf/.svg).")] = None,
+    json_path: Annotated[Path | None, output_option("--json", help="Write the report as JSON (atomic).")] = None,
+    plot: Annotated[Path | None, output_option("--plot", help="Write a Figure-1-style bar chart (.png/.pdf/.svg).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json / --plot files.")] = False,
     progress: Annotated[bool, typer.Option("--progress/--quiet", help="One line per timed case on stderr.")] = True,
     cpu_fake: Annotated[bool, typer.Option("--cpu-fake", hidden=True, help="CI: run the orchestration on the CPU with a tiny fake workload.")] = False,
@@ -146,10 +146,10 @@ def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps,
     with committed_together():  # both files, or neither
         if json_path is not None:
             with naming("--json"):
-                write_json(json_path, report.to_dict())
+                write_json(json_path, report.to_dict(), force=force)
         if plot is not None:
             with naming("--plot"):
-                plot_report(report, plot)
+                plot_report(report, plot, force=force)
     for path in (json_path, plot):
         if path is not None:
             out.print(f"wrote {path}")

@@ -1,5 +1,5 @@
 """Small pieces shared by the subcommands: consoles, number formatting, progress bars, the
-``--device`` choice and writing JSON reports."""
+``--device`` choice, output-path options and writing JSON reports."""
 
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ import json
 import math
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
+
+try:  # typer 0.2x carries its own copy of click (as in cli.app); older ones use click itself
+    from typer._click.exceptions import BadParameter
+except ImportError:  # pragma: no cover (the pinned environments have the copy)
+    from click.exceptions import BadParameter
 
 _PIPE_WIDTH = 160  # rich's width when the output is not a terminal (pipes, files, CI logs)
 
@@ -69,5 +76,36 @@ def _json_safe(value: object) -> object:
     return value
 
 
-def write_json(path: Path, payload: dict) -> None:
-    write_text_atomic(path, json.dumps(_json_safe(payload), indent=2) + "\n")
+def write_json(path: Path, payload: dict, force: bool = False) -> None:
+    """The report as JSON, atomically; a file at ``path`` is replaced only with ``force``, also
+    one that appeared after the command checked its outputs (see ``cache.atomic``)."""
+    write_text_atomic(path, json.dumps(_json_safe(payload), indent=2) + "\n", replace=force)
+
+
+class _EmptyPath(BadParameter):
+    """An empty path on the command line, phrased like ``check_writable``'s refusals (option,
+    then what was expected) rather than click's "Invalid value for ..."."""
+
+    def format_message(self) -> str:
+        opts = self.param.opts if self.param is not None else []
+        return f"{opts[0] if opts else 'path'}: {self.message}"
+
+
+def _path_parser(kind: str) -> Any:
+    """The parser of a path option that refuses the empty string: typer would turn ``-o ''``
+    into ``Path('.')``, and the later errors would then name ``'.'``, not what was typed."""
+
+    def parse(value: str | Path) -> Path:
+        if isinstance(value, str) and value == "":
+            raise _EmptyPath(f"expected a {kind} path, got ''")
+        return Path(value)
+
+    return parse
+
+
+def output_option(*names: str, help: str, folder: bool = False) -> Any:
+    """``typer.Option`` for a path the command writes (``--output``, ``--json``, ``--plot``;
+    ``folder``: a folder it writes in): the empty string is a one-line usage error naming the
+    option. Use as ``Annotated[Path, output_option("--output", "-o", help=...)]``."""
+    return typer.Option(*names, help=help, parser=_path_parser("folder" if folder else "file"),
+                        metavar="<path>")

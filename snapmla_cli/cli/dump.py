@@ -21,6 +21,7 @@ from rich.table import Table
 from ..cache.atomic import check_outputs
 from ..capture import Capture, DumpOptions, dump_model, parse_layers
 from ..errors import SnapmlaError
+from .common import output_option
 
 
 def dump_command(
@@ -36,7 +37,7 @@ def dump_command(
             "--prompts", help="Prompt file: one prompt per line, or .jsonl with 'prompt'/'text'."
         ),
     ],
-    output: Annotated[Path, typer.Option("--output", "-o", help="KV dump to write (safetensors).")],
+    output: Annotated[Path, output_option("--output", "-o", help="KV dump to write (safetensors).")],
     max_tokens: Annotated[
         int, typer.Option("--max-tokens", help="Cut each prompt to its first N tokens.")
     ] = 2048,

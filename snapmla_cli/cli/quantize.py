@@ -19,15 +19,15 @@ from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
 from ..errors import SnapmlaError
 from ..numerics.configs import CONFIGS, get_configs
 from ..sizes import parse_size
-from .common import Device, console, fmt, progress, require_at_least, write_json
+from .common import Device, console, fmt, output_option, progress, require_at_least, write_json
 
 
 def quantize_command(
     dump: Annotated[Path | None, typer.Argument(help="KV dump (safetensors); omitted: the synthetic default.")] = None,
-    output: Annotated[Path, typer.Option("--output", "-o", help="FP8 cache file to write.")] = ...,
+    output: Annotated[Path, output_option("--output", "-o", help="FP8 cache file to write.")] = ...,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT, --json, --plot files.")] = False,
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the fidelity report as JSON.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write the Fig.-5-style plot (.png/.pdf/.svg).")] = None,
+    json_path: Annotated[Path | None, output_option("--json", help="Write the fidelity report as JSON.")] = None,
+    plot: Annotated[Path | None, output_option("--plot", help="Write the Fig.-5-style plot (.png/.pdf/.svg).")] = None,
     queries: Annotated[int | None, typer.Option(help="Probe queries per layer (default: the dump's, else 4 synthetic).")] = None,
     configs: Annotated[str, typer.Option(help="Configurations to compare, comma-separated.")] = ",".join(CONFIGS),
     device: Annotated[Device, typer.Option(help="Where to quantize and analyse.")] = Device.auto,
@@ -67,12 +67,12 @@ def quantize_command(
         if json_path is not None:
             payload = {"source": meta["source"], "model": source.model, **report.as_dict()}
             with naming("--json"):
-                write_json(json_path, payload)
+                write_json(json_path, payload, force=force)
         if plot is not None:
             from ..analysis.plot import plot_fidelity
 
             with naming("--plot"):
-                plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}")
+                plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}", force=force)
     _render(out, report)
     out.print(f"wrote {output} ({len(pages)} layers, {output.stat().st_size / 2**20:.1f} MiB)")
     for path in (json_path, plot):

@@ -12,11 +12,11 @@ from ..cache.atomic import check_writable, naming
 from ..cache.dump_file import write_dump
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, layer_stats, synth_dump
 from ..sizes import format_size, parse_size
-from .common import console, require_at_least
+from .common import console, output_option, require_at_least
 
 
 def synth_command(
-    output: Annotated[Path, typer.Option("--output", "-o", help="KV dump to write (safetensors).")],
+    output: Annotated[Path, output_option("--output", "-o", help="KV dump to write (safetensors).")],
     layers: Annotated[int, typer.Option(help="Layers; depth 0..1 spreads over them.")] = DEFAULT_SPEC.layers,
     tokens: Annotated[str, typer.Option(help="Tokens per layer, e.g. 4096, 32k, 1m.")] = format_size(DEFAULT_SPEC.tokens),
     queries: Annotated[int, typer.Option(help="Probe queries per layer (0: none).")] = DEFAULT_SPEC.queries,

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ..errors import SnapmlaError
 from ..sizes import format_size
-from .common import console, progress
+from .common import console, output_option, progress
 
 if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays quick)
     from ..tuning.db import Entry, MergeOutcome
@@ -32,7 +32,7 @@ def tune_command(
     budget: Annotated[str, typer.Option("--budget", help=HELP_BUDGET)] = "60s",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the search space and exit (no GPU needed).")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted run and skip buckets already tuned with these kernel sources against this default.")] = True,
-    db_dir: Annotated[Path | None, typer.Option("--db-dir", help="Database folder (default: $SNAPMLA_TUNING_DIR or ~/.config/snapmla/tuning).")] = None,
+    db_dir: Annotated[Path | None, output_option("--db-dir", folder=True, help="Database folder (default: $SNAPMLA_TUNING_DIR or ~/.config/snapmla/tuning).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Store the new result even when the stored entry is faster (and overwrite an unreadable file).")] = False,
 ) -> None:
     """Tune the decode kernels for this GPU and write the tuning database.

@@ -29,7 +29,7 @@ from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, format_size, parse_int_list, parse_size
-from .common import Device, console, fmt, progress, write_json
+from .common import Device, console, fmt, output_option, progress, write_json
 
 CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
 GPU_BATCH = 4
@@ -59,7 +59,7 @@ def verify_command(
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal MTP masking.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the synthetic data, queries and page layout.")] = 0,
     fp8_kernel: Annotated[str, typer.Option(help="FP8 kernel(s) to check on a GPU, comma-separated: default, v2 (mma.sync), v3 (wgmma at its heuristic), v3-dims / v3-rows / v3-pingpong / v3-alt / v3-rows-m / v3-vt (wgmma in one warpgroup mode), v3-unpromoted / v3-pq / v3-pv (wgmma without float32 promotion of both / of PV / of QK: diagnostics).")] = "default",
-    json_path: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
+    json_path: Annotated[Path | None, output_option("--json", help="Write the results as JSON.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
     gate_emul: Annotated[float, typer.Option(help="FP8 kernel vs emul: max rel_l2.")] = Gates.emul_rel_l2,
     gate_floor_factor: Annotated[float, typer.Option(help="FP8 vs ref64: max rel_l2 = factor * floor + abs.")] = Gates.floor_factor,
@@ -101,7 +101,7 @@ def verify_command(
     if note:
         out.print(note)
     if json_path is not None:
-        write_json(json_path, _as_dict(results, source, dev.type, gates))
+        write_json(json_path, _as_dict(results, source, dev.type, gates), force=force)
         out.print(f"wrote {json_path}")
     if not all(r.passed for r in results):
         raise typer.Exit(1)

@@ -107,6 +107,16 @@ def corner_rows(g: torch.Generator) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def reference_append(kv: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+    """The reference of ``append_kv``: SPEC section 3's bytes of each row written to its slot,
+    padding and out-of-range slots skipped. Not the API's CPU path, which refuses the corner row
+    whose pre-scaled RoPE overflows (``check_quantizable``); the kernels, unchecked, must still
+    write that row's bytes exactly."""
+    flat = cache.view(-1, FP8_TOKEN_BYTES)
+    valid = (slots >= 0) & (slots < flat.shape[0])
+    flat[slots[valid].long()] = quantize_tokens(kv[valid])
+
+
 def poisoned_cache(blocks: int) -> torch.Tensor:
     return nan_token_bytes().expand(blocks, PAGE_SIZE, FP8_TOKEN_BYTES).clone()
 
@@ -208,7 +218,7 @@ def test_append_kv_bytes_and_untouched_slots(n: int) -> None:
     if n > 10:
         slots[5] = num_slots + 10_000
     cache_cpu = poisoned_cache(blocks)
-    append_kv(kv, slots, cache_cpu)  # the reference path
+    reference_append(kv, slots, cache_cpu)
     cache_gpu = poisoned_cache(blocks).to(DEV)
     append_kv(kv.to(DEV), slots.to(DEV), cache_gpu)
     torch.cuda.synchronize()
@@ -223,7 +233,7 @@ def test_append_kv_cache_forms(form: str) -> None:
     kv = wide_rows(70, seed=3)
     slots = torch.arange(70, dtype=torch.int32) * 2
     cache_cpu = poisoned_cache(4)
-    append_kv(kv, slots, cache_cpu)
+    reference_append(kv, slots, cache_cpu)
     cache_gpu = poisoned_cache(4).to(DEV)
     if form == "fp8-4d":
         target = cache_gpu.view(FP8_DTYPE).view(4, PAGE_SIZE, 1, FP8_TOKEN_BYTES)
@@ -245,7 +255,7 @@ def test_append_kv_neighbours_in_separate_calls() -> None:
     got = poisoned_cache(blocks).to(DEV)
     for part in (even, odd[: len(odd) // 2], odd[len(odd) // 2 :]):
         rows = kv[part.long()]
-        append_kv(rows, part, ref)
+        reference_append(rows, part, ref)
         append_kv(rows.to(DEV), part.to(DEV), got)
     assert_bytes_equal("cache", got, ref)
 

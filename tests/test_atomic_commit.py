@@ -1,0 +1,317 @@
+"""Outputs that must not clobber, and outputs that land together (``cache.atomic``): a file that
+appears while a command works is never silently replaced without --force; a group of outputs
+whose moves fail part way is undone (replaced files restored, new ones removed, no temp or
+backup file left), Ctrl-C included; filesystems without hard links still work; an empty output
+path is refused as typed. CPU only, fast; everything happens under tmp_path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from cli_checks import assert_one_line_error
+from typer.testing import CliRunner
+
+from snapmla_cli.cache import atomic
+from snapmla_cli.cache.atomic import (
+    OutputWriteError,
+    check_writable,
+    committed_together,
+    write_atomic,
+    write_text_atomic,
+)
+from snapmla_cli.cli.app import app
+from snapmla_cli.errors import SnapmlaError
+
+runner = CliRunner()
+SYNTH = ("--layers", "1", "--tokens", "64", "--queries", "1", "--heads", "2")
+
+# a file as a test sees it: content, permission bits, inode (a restored file is the same inode)
+Snapshot = dict[str, tuple[bytes, int, int]]
+
+
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def snapshot(folder: Path) -> Snapshot:
+    return {p.name: (p.read_bytes(), stat.S_IMODE(p.stat().st_mode), p.stat().st_ino)
+            for p in folder.iterdir()}
+
+
+def assert_one_line(message: str, *needles: str) -> None:
+    assert "\n" not in message and ".tmp" not in message, message
+    for needle in needles:
+        assert needle in message, message
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def fail_once(real: Callable[..., None], target: Path, failure: BaseException) -> Callable[..., None]:
+    """``os.replace`` / ``os.link`` that raises ``failure`` the first time ``target`` is the
+    destination (the undo renames onto the same names later, which must work)."""
+    state = {"failed": False}
+
+    def fake(src: object, dst: object, *args: object, **kwargs: object) -> None:
+        if not state["failed"] and Path(dst) == target:
+            state["failed"] = True
+            raise failure
+        real(src, dst, *args, **kwargs)
+
+    return fake
+
+
+def no_hard_links(src: object, dst: object, *args: object, **kwargs: object) -> None:
+    raise OSError(errno.EPERM, "Operation not permitted")
+
+
+# --- a file that appears between the check and the write -----------------------------------
+
+
+def test_a_file_that_appears_during_the_work_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+    check_writable(path, force=False)
+
+    def meanwhile(tmp: Path) -> None:
+        tmp.write_text("ours")
+        path.write_text("theirs")  # another process, after the check
+
+    with pytest.raises(OutputWriteError) as caught:
+        write_atomic(path, meanwhile, replace=False)
+    assert_one_line(str(caught.value), str(path), "appeared", "--force")
+    assert path.read_text() == "theirs" and listing(tmp_path) == ["out.json"]
+
+
+def test_a_dangling_symlink_that_appears_counts_as_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+
+    def meanwhile(tmp: Path) -> None:
+        tmp.write_text("ours")
+        path.symlink_to("elsewhere.json")
+
+    with pytest.raises(OutputWriteError, match="appeared"):
+        write_atomic(path, meanwhile, replace=False)
+    assert path.is_symlink() and not (tmp_path / "elsewhere.json").exists()
+    assert listing(tmp_path) == ["out.json"]
+    with pytest.raises(SnapmlaError, match="appeared"):  # refused up front too, nothing written
+        write_text_atomic(path, "x", replace=False)
+    assert listing(tmp_path) == ["out.json"]
+
+
+def test_replace_still_replaces_and_keeps_the_mode(tmp_path: Path, umask_022: None) -> None:
+    path = tmp_path / "out.json"
+    path.write_text("old")
+    path.chmod(0o604)
+
+    def meanwhile(tmp: Path) -> None:
+        tmp.write_text("new")
+        path.write_text("theirs")  # with --force, replaced like the file that was there
+
+    write_atomic(path, meanwhile, replace=True)
+    assert path.read_text() == "new" and stat.S_IMODE(path.stat().st_mode) == 0o604
+    write_text_atomic(path, "newer")  # the default: the kernel cache and tuning database
+    assert path.read_text() == "newer" and stat.S_IMODE(path.stat().st_mode) == 0o604
+    assert listing(tmp_path) == ["out.json"]
+
+
+def test_synth_keeps_a_file_that_appeared_unless_forced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from snapmla_cli.cache import dump_file
+
+    out = tmp_path / "d.st"
+    real = dump_file.save_file
+
+    def save_then_collide(*args, **kwargs):
+        real(*args, **kwargs)
+        out.write_text("another run's output")  # after every check, while the temp is written
+
+    monkeypatch.setattr(dump_file, "save_file", save_then_collide)
+    result = invoke("synth", "-o", out, *SYNTH)
+    assert_one_line_error(result, "--output", str(out), "appeared", "--force")
+    assert out.read_text() == "another run's output" and listing(tmp_path) == ["d.st"]
+    out.unlink()
+    result = invoke("synth", "-o", out, *SYNTH, "--force")
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_size > 100 and listing(tmp_path) == ["d.st"]
+
+
+def test_quantize_json_that_appeared_stops_every_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from snapmla_cli.cli import quantize
+
+    report = tmp_path / "r.json"
+    real = quantize.analyze_layer
+
+    def analyze_then_collide(*args, **kwargs):
+        if not report.exists():
+            report.write_text("theirs")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quantize, "analyze_layer", analyze_then_collide)
+    result = invoke("quantize", "-o", tmp_path / "c.st", "--json", report, "--configs", "snap",
+                    "--layers", "1", "--tokens", "128")
+    assert_one_line_error(result, "--json", str(report), "appeared")
+    assert report.read_text() == "theirs" and listing(tmp_path) == ["r.json"]
+
+
+# --- outputs committed together whose moves fail part way ----------------------------------
+
+
+def three_outputs(folder: Path) -> list[Path]:
+    """a and c exist (a with its own mode), b is new."""
+    a, b, c = folder / "a.txt", folder / "b.txt", folder / "c.txt"
+    a.write_text("old a")
+    a.chmod(0o640)
+    c.write_text("old c")
+    return [a, b, c]
+
+
+@pytest.mark.parametrize("failing", [0, 1, 2])
+def test_a_failed_move_undoes_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int) -> None:
+    outputs = three_outputs(tmp_path)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(atomic.os, "replace", fail_once(os.replace, outputs[failing],
+                                                        OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(OutputWriteError) as caught, committed_together():
+        for path in outputs:
+            write_text_atomic(path, f"new {path.stem}", replace=True)
+    assert_one_line(str(caught.value), f"could not write {outputs[failing]}", "Input/output error")
+    assert snapshot(tmp_path) == before  # same names, contents, modes and inodes
+
+
+def test_a_failed_no_clobber_link_undoes_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, c = three_outputs(tmp_path)
+    c.unlink()  # c is new too, written without --force
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(atomic.os, "link", fail_once(os.link, c, OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(OutputWriteError) as caught, committed_together():
+        write_text_atomic(a, "new a", replace=True)
+        write_text_atomic(b, "new b", replace=False)
+        write_text_atomic(c, "new c", replace=False)
+    assert_one_line(str(caught.value), str(c), "No space left")
+    assert snapshot(tmp_path) == before
+
+
+def test_a_file_that_appears_before_the_group_lands_undoes_it(tmp_path: Path) -> None:
+    a, b, c = three_outputs(tmp_path)
+    c.unlink()
+    with pytest.raises(OutputWriteError) as caught, committed_together():
+        write_text_atomic(a, "new a", replace=True)
+        write_text_atomic(b, "new b", replace=False)
+        write_text_atomic(c, "new c", replace=False)
+        c.write_text("theirs")  # after the checks and the writes, before the moves
+    assert_one_line(str(caught.value), str(c), "appeared", "--force")
+    assert a.read_text() == "old a" and c.read_text() == "theirs"
+    assert listing(tmp_path) == ["a.txt", "c.txt"]
+
+
+def test_a_group_that_lands_leaves_no_backup(tmp_path: Path, umask_022: None) -> None:
+    a, b, c = three_outputs(tmp_path)
+    with committed_together():
+        for path in (a, b, c):
+            write_text_atomic(path, f"new {path.stem}", replace=path.exists())
+    assert [p.read_text() for p in (a, b, c)] == ["new a", "new b", "new c"]
+    assert stat.S_IMODE(a.stat().st_mode) == 0o640 and stat.S_IMODE(b.stat().st_mode) == 0o644
+    assert listing(tmp_path) == ["a.txt", "b.txt", "c.txt"]
+
+
+# --- Ctrl-C --------------------------------------------------------------------------------
+
+
+def test_interrupt_inside_the_group_leaves_nothing(tmp_path: Path) -> None:
+    outputs = three_outputs(tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.raises(KeyboardInterrupt), committed_together():
+        write_text_atomic(outputs[0], "new a", replace=True)
+        write_text_atomic(outputs[1], "new b", replace=False)
+        raise KeyboardInterrupt
+    assert snapshot(tmp_path) == before
+
+
+def test_interrupt_while_landing_undoes_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    outputs = three_outputs(tmp_path)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(atomic.os, "replace", fail_once(os.replace, outputs[2], KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt), committed_together():
+        for path in outputs:
+            write_text_atomic(path, f"new {path.stem}", replace=True)
+    assert snapshot(tmp_path) == before
+
+
+# --- filesystems without hard links --------------------------------------------------------
+
+
+def test_without_hard_links_new_files_are_written_and_existing_ones_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(atomic.os, "link", no_hard_links)
+    path = tmp_path / "out.json"
+    write_text_atomic(path, "first", replace=False)
+    assert path.read_text() == "first" and listing(tmp_path) == ["out.json"]
+    other = tmp_path / "other.json"
+
+    def meanwhile(tmp: Path) -> None:
+        tmp.write_text("ours")
+        other.write_text("theirs")
+
+    with pytest.raises(OutputWriteError, match="appeared"):
+        write_atomic(other, meanwhile, replace=False)
+    assert other.read_text() == "theirs" and listing(tmp_path) == ["other.json", "out.json"]
+
+
+def test_without_hard_links_a_group_still_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(atomic.os, "link", no_hard_links)
+    a, b, c = three_outputs(tmp_path)
+    with committed_together():
+        write_text_atomic(a, "new a", replace=True)
+        write_text_atomic(b, "new b", replace=False)
+    assert a.read_text() == "new a" and b.read_text() == "new b"
+    assert listing(tmp_path) == ["a.txt", "b.txt", "c.txt"]
+    b.unlink()
+    monkeypatch.setattr(atomic.os, "replace", fail_once(os.replace, c, OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(OutputWriteError) as caught, committed_together():
+        write_text_atomic(b, "newer b", replace=False)
+        write_text_atomic(c, "new c", replace=True)
+    # the new file is removed; a replaced file could not have been backed up (none was, here)
+    assert_one_line(str(caught.value), str(c), "Input/output error")
+    assert c.read_text() == "old c" and listing(tmp_path) == ["a.txt", "c.txt"]
+
+
+# --- an empty output path ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("option", "args"), [
+    ("--output", ("synth", "-o", "", *SYNTH)),
+    ("--output", ("synth", "--output=", *SYNTH)),
+    ("--output", ("quantize", "-o", "")),
+    ("--json", ("quantize", "-o", "c.st", "--json", "")),
+    ("--plot", ("quantize", "-o", "c.st", "--plot", "")),
+    ("--json", ("verify", "--json", "")),
+    ("--plot", ("bench", "--cpu-fake", "--plot", "")),
+    ("--json", ("bench", "--cpu-fake", "--json", "")),
+    ("--output", ("dump", "--model", "m", "--prompts", "p.txt", "-o", "")),
+])
+def test_an_empty_output_path_is_named_as_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                option: str, args: tuple[str, ...]) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*args)
+    assert_one_line_error(result, f"{option}: expected a file path, got ''")
+    assert listing(tmp_path) == []
+
+
+def test_an_empty_database_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = invoke("tune", "--dry-run", "--db-dir", "")
+    assert_one_line_error(result, "--db-dir: expected a folder path, got ''")
