@@ -414,7 +414,7 @@ def test_cuda_graph_capture_and_replay() -> None:
     torch.cuda.synchronize()
 
     ref_cache = poisoned_cache(blocks)
-    append_kv(new_kv, new_slots, ref_cache)
+    reference_append(new_kv, new_slots, ref_cache)
     assert_bytes_equal("graph cache", cache, ref_cache)
     ref_q = quantize_rows(new_q)
     assert_bytes_equal("graph q content", q_out.content, ref_q.content)
