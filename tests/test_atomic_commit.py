@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from cli_checks import assert_one_line_error
-from typer.testing import CliRunner
+from cli_checks import SYNTH, assert_one_line_error, invoke, umask
 
 from snapmla_cli.cache import atomic
 from snapmla_cli.cache.atomic import (
@@ -24,18 +23,10 @@ from snapmla_cli.cache.atomic import (
     write_atomic,
     write_text_atomic,
 )
-from snapmla_cli.cli.app import app
 from snapmla_cli.errors import SnapmlaError
-
-runner = CliRunner()
-SYNTH = ("--layers", "1", "--tokens", "64", "--queries", "1", "--heads", "2")
 
 # a file as a test sees it: content, permission bits, inode (a restored file is the same inode)
 Snapshot = dict[str, tuple[bytes, int, int]]
-
-
-def invoke(*args: object):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def listing(folder: Path) -> list[str]:
@@ -55,11 +46,8 @@ def assert_one_line(message: str, *needles: str) -> None:
 
 @pytest.fixture
 def umask_022() -> Iterator[None]:
-    old = os.umask(0o022)
-    try:
+    with umask(0o022):
         yield
-    finally:
-        os.umask(old)
 
 
 def fail_once(real: Callable[..., None], target: Path, failure: BaseException) -> Callable[..., None]:

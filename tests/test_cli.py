@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_checks import assert_one_line_error
+from cli_checks import assert_one_line_error, invoke
 from safetensors.torch import save_file
-from typer.testing import CliRunner
 
 from snapmla_cli.cache.dump_file import DUMP_FORMAT, read_dump
 from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
@@ -17,12 +16,6 @@ from snapmla_cli.cli.app import COMMANDS, app
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK
 from snapmla_cli.sizes import format_size, parse_size, parse_size_list
-
-runner = CliRunner()
-
-
-def invoke(*args: str):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,13 @@ import warnings
 from pathlib import Path
 
 import pytest
-from cli_checks import assert_one_line_error
-from typer.testing import CliRunner
+from cli_checks import assert_one_line_error, invoke
 
 from snapmla_cli import host_memory
 from snapmla_cli.cache.synth import SynthSpec, probe_queries, synth_layer_kv
-from snapmla_cli.cli.app import app
 from snapmla_cli.sizes import MAX_SIZE, parse_int_list, parse_size
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import GpuKey
-
-runner = CliRunner()
-
-
-def invoke(*args: str):
-    return runner.invoke(app, list(args))
 
 
 @pytest.mark.parametrize(("args", "needles"), [

@@ -12,9 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cli_checks import assert_one_line_error
+from cli_checks import SYNTH, assert_one_line_error, invoke, umask
 from safetensors import SafetensorError
-from typer.testing import CliRunner
 
 from snapmla_cli.cache.atomic import (
     OutputWriteError,
@@ -25,15 +24,7 @@ from snapmla_cli.cache.atomic import (
     write_atomic,
     write_text_atomic,
 )
-from snapmla_cli.cli.app import app
 from snapmla_cli.errors import SnapmlaError
-
-runner = CliRunner()
-SYNTH = ("--layers", "1", "--tokens", "64", "--queries", "1", "--heads", "2")
-
-
-def invoke(*args: object):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +37,8 @@ def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def umask_027() -> Iterator[None]:
-    old = os.umask(0o027)
-    try:
+    with umask(0o027):
         yield
-    finally:
-        os.umask(old)
 
 
 def listing(folder: Path) -> list[str]:
