@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cli_checks import SYNTH, assert_one_line_error, invoke, umask
 
-from snapmla_cli.cache import atomic
+from snapmla_cli.cache import atomic, rename_flags
 from snapmla_cli.cache.atomic import (
     OutputWriteError,
     check_writable,
@@ -240,11 +240,28 @@ def test_interrupt_while_landing_undoes_the_group(tmp_path: Path, monkeypatch: p
 
 
 # --- filesystems without hard links --------------------------------------------------------
+# Two kinds: with renameat2's flags (FAT, exFAT, most FUSE on Linux: atomic no-clobber moves and
+# swaps) and without them (other systems, filesystems that reject the flags: the fallbacks).
+
+needs_renameat2 = pytest.mark.skipif(rename_flags._libc_renameat2() is None,
+                                     reason="needs Linux renameat2 (glibc 2.28+)")
+
+
+@pytest.fixture(params=["renameat2", "no renameat2"])
+def without_hard_links(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """os.link fails as on FAT; the second kind also has no renameat2 flags."""
+    monkeypatch.setattr(atomic.os, "link", no_hard_links)
+    if request.param == "renameat2":
+        if rename_flags._libc_renameat2() is None:
+            pytest.skip("needs Linux renameat2 (glibc 2.28+)")
+    else:
+        monkeypatch.setattr(atomic, "rename_noreplace", lambda src, dst: False)
+        monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    return str(request.param)
 
 
 def test_without_hard_links_new_files_are_written_and_existing_ones_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(atomic.os, "link", no_hard_links)
+        tmp_path: Path, without_hard_links: str) -> None:
     path = tmp_path / "out.json"
     write_text_atomic(path, "first", replace=False)
     assert path.read_text() == "first" and listing(tmp_path) == ["out.json"]
@@ -259,22 +276,71 @@ def test_without_hard_links_new_files_are_written_and_existing_ones_refused(
     assert other.read_text() == "theirs" and listing(tmp_path) == ["other.json", "out.json"]
 
 
-def test_without_hard_links_a_group_still_lands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@needs_renameat2
+def test_without_hard_links_no_clobber_has_no_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file created after every existence check (lexists told to see nothing, as if it came a
+    microsecond later) is still kept: the move itself refuses to clobber."""
     monkeypatch.setattr(atomic.os, "link", no_hard_links)
-    a, b, c = three_outputs(tmp_path)
+    monkeypatch.setattr(atomic.os.path, "lexists", lambda path: False)
+    path = tmp_path / "out.json"
+
+    def meanwhile(tmp: Path) -> None:
+        tmp.write_text("ours")
+        path.write_text("theirs")
+
+    with pytest.raises(OutputWriteError, match="appeared"):
+        write_atomic(path, meanwhile, replace=False)
+    assert path.read_text() == "theirs" and listing(tmp_path) == ["out.json"]
+
+
+def test_without_hard_links_a_group_still_lands(tmp_path: Path, without_hard_links: str) -> None:
+    a, b, _ = three_outputs(tmp_path)
+    before = snapshot(tmp_path)
     with committed_together():
         write_text_atomic(a, "new a", replace=True)
         write_text_atomic(b, "new b", replace=False)
     assert a.read_text() == "new a" and b.read_text() == "new b"
     assert listing(tmp_path) == ["a.txt", "b.txt", "c.txt"]
-    b.unlink()
-    monkeypatch.setattr(atomic.os, "replace", fail_once(os.replace, c, OSError(errno.EIO, "Input/output error")))
+    assert stat.S_IMODE(a.stat().st_mode) == before["a.txt"][1]  # a replaced file keeps its mode
+
+
+def test_without_hard_links_a_failed_group_restores_what_it_can(tmp_path: Path, without_hard_links: str) -> None:
+    """The group replaces c, then finds a file at d: with renameat2 c comes back (the same
+    inode: the swap kept the old file under the temp name); without it c was already replaced,
+    and the error says so."""
+    _, _, c = three_outputs(tmp_path)
+    d = tmp_path / "d.txt"
+    before = snapshot(tmp_path)
     with pytest.raises(OutputWriteError) as caught, committed_together():
-        write_text_atomic(b, "newer b", replace=False)
         write_text_atomic(c, "new c", replace=True)
-    # the new file is removed; a replaced file could not have been backed up (none was, here)
-    assert_one_line(str(caught.value), str(c), "Input/output error")
-    assert c.read_text() == "old c" and listing(tmp_path) == ["a.txt", "c.txt"]
+        write_text_atomic(d, "new d", replace=False)
+        d.write_text("theirs")  # after the checks and the writes, before the moves
+    message = str(caught.value)
+    assert_one_line(message, str(d), "appeared")
+    assert d.read_text() == "theirs"
+    if without_hard_links == "renameat2":
+        assert snapshot(tmp_path) == {**before, "d.txt": snapshot(tmp_path)["d.txt"]}
+        assert "already replaced" not in message
+    else:
+        assert c.read_text() == "new c" and f"{c} was already replaced" in message
+    assert listing(tmp_path) == ["a.txt", "c.txt", "d.txt"]
+
+
+@needs_renameat2
+def test_rename_flags_refuse_to_clobber_and_swap(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("A")
+    b.write_text("B")
+    with pytest.raises(FileExistsError):
+        rename_flags.rename_noreplace(a, b)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileExistsError):
+        rename_flags.rename_noreplace(a, dangling)
+    assert rename_flags.exchange(a, b) and a.read_text() == "B" and b.read_text() == "A"
+    assert rename_flags.rename_noreplace(a, tmp_path / "c") and not a.exists()
+    with pytest.raises(FileNotFoundError):
+        rename_flags.exchange(a, b)  # a is gone: a swap needs both names
 
 
 # --- an empty output path ------------------------------------------------------------------

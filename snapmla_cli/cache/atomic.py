@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SnapmlaError
+from .rename_flags import exchange, rename_noreplace
 
 # (what the user called it, e.g. "--json" or "DUMP"; the path, None when the option was not given)
 NamedPath = tuple[str, Path | None]
@@ -45,6 +46,7 @@ class _Landing:
     inode: tuple[int, int] | None = None  # (st_dev, st_ino) of what lands: undo removes only that
     existed: bool = False  # something was at ``target`` before the move
     keep_backup: bool = False  # a backup that could not be renamed back: the only copy left
+    swap: bool = False  # no hard link for a backup: land by an atomic swap, the old file the backup
 
 
 # The moves that wait for the end of a :func:`committed_together` block (None: outside one).
@@ -116,9 +118,10 @@ def write_atomic(path: Path, write: Callable[[Path], None], *, replace: bool = T
     ran before the work, which can take minutes, so a file that appeared at ``path`` meanwhile
     (another run, another user) must not be silently replaced. The final step is then
     ``os.link`` (atomic, fails if anything is at ``path``, a dangling symlink included) and the
-    temp name is removed; on a filesystem without hard links it is an existence check followed
-    by ``os.replace``, which leaves a window of a few microseconds in which a file created by
-    someone else would be replaced. ``replace=True`` (``--force``, the kernel cache, the tuning
+    temp name is removed; on a filesystem without hard links it is a ``renameat2`` with
+    ``RENAME_NOREPLACE`` (just as atomic), and only where that flag is missing too an existence
+    check followed by ``os.replace``, which leaves a window of a few microseconds in which a
+    file created by someone else would be replaced. ``replace=True`` (``--force``, the kernel cache, the tuning
     database) replaces whatever regular file is there.
 
     A symlink is written through when replacing (its target replaced, the link kept). A new
@@ -172,8 +175,10 @@ def committed_together() -> Iterator[None]:
     no-clobber output): before the first move every file about to be replaced is hard-linked to
     a hidden backup name in its folder; if a move fails, the ones already made are undone in
     reverse order (the backup renamed back, a new file removed) and one error names the output
-    that failed. On a filesystem without hard links an entry gets no backup: a file it replaced
-    cannot be brought back (the behaviour before backups existed). Temp and backup files are
+    that failed. On a filesystem without hard links a file to be replaced is instead swapped
+    with its temp file in one ``renameat2(RENAME_EXCHANGE)``, after which the temp name holds the
+    old file as the backup; only where that flag is missing too does an entry get no backup, and
+    a file it replaced cannot be brought back (the error says so). Temp and backup files are
     removed in every case, Ctrl-C included; the one exception is a backup that could not be
     renamed back, which is kept and named in the error since it holds the only copy."""
     pending: list[_Landing] = []
@@ -214,10 +219,17 @@ def _appeared(path: Path) -> OutputWriteError:
 
 
 def _land(entry: _Landing) -> None:
-    """Move ``entry``'s temp file onto its target: ``os.replace``, or with ``replace=False``
+    """Move ``entry``'s temp file onto its target: ``os.replace`` (a group's entry without a
+    hard-link backup: an atomic swap, the temp name then the backup), or with ``replace=False``
     a hard link that fails if anything is there, then the temp name removed. Without hard
-    links: an existence check, then ``os.replace`` (the residual window of :func:`write_atomic`)."""
+    links: ``renameat2(RENAME_NOREPLACE)``, and where that is missing too an existence check,
+    then ``os.replace`` (the residual window of :func:`write_atomic`)."""
     if entry.replace:
+        if entry.swap:
+            entry.backup = entry.tmp  # first: once swapped, the temp name holds the old file
+            if exchange(entry.tmp, entry.target):
+                return
+            entry.backup = None
         os.replace(entry.tmp, entry.target)
         return
     try:
@@ -227,12 +239,22 @@ def _land(entry: _Landing) -> None:
     except OSError as exc:
         if exc.errno not in _NO_HARD_LINKS:
             raise
-        if os.path.lexists(entry.target):
-            raise _appeared(entry.path) from None
-        os.replace(entry.tmp, entry.target)
+        _land_without_links(entry)
         return
     with suppress(FileNotFoundError):
         entry.tmp.unlink()
+
+
+def _land_without_links(entry: _Landing) -> None:
+    """The no-clobber move where ``os.link`` is unsupported."""
+    try:
+        if rename_noreplace(entry.tmp, entry.target):
+            return
+    except FileExistsError:
+        raise _appeared(entry.path) from None
+    if os.path.lexists(entry.target):
+        raise _appeared(entry.path) from None
+    os.replace(entry.tmp, entry.target)
 
 
 def _land_all(pending: list[_Landing]) -> None:
@@ -265,13 +287,15 @@ def _land_all(pending: list[_Landing]) -> None:
 
 def _prepare(entry: _Landing) -> None:
     """Before any move of the group: what lands (to undo a new file, and only that file) and a
-    backup link to the regular file it replaces (none without hard-link support)."""
+    backup link to the regular file it replaces (without hard-link support: a swap at landing
+    time, see :func:`_land`)."""
     try:
         info = os.stat(entry.tmp)
         entry.inode = (info.st_dev, info.st_ino)
         entry.existed = os.path.lexists(entry.target)
         if entry.replace and entry.existed and stat.S_ISREG(os.lstat(entry.target).st_mode):
             entry.backup = _link_backup(entry.target)
+            entry.swap = entry.backup is None
     except OSError as exc:  # nothing has moved yet: the caller removes the temp files
         raise _write_error(entry.path, entry.tmp, exc) from exc
 
@@ -332,10 +356,11 @@ def _drop_backup(entry: _Landing) -> None:
 
 
 def _discard(entry: _Landing) -> None:
-    """After a group, successful or not: its temp file (gone already if it landed by rename)
-    and its backup (unless it is the only copy left)."""
-    with suppress(OSError):
-        entry.tmp.unlink()
+    """After a group, successful or not: its temp file (gone already if it landed by rename;
+    the backup itself if it landed by a swap) and its backup (unless it is the only copy left)."""
+    if entry.tmp != entry.backup:
+        with suppress(OSError):
+            entry.tmp.unlink()
     _drop_backup(entry)
 
 
