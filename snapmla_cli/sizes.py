@@ -52,7 +52,7 @@ def parse_int_list(text: str, what: str, most: int) -> list[int]:
         part = part.strip()
         if not part:
             continue
-        if not part.isdigit() or int(part) < 1:
+        if not (part.isascii() and part.isdigit()) or int(part) < 1:
             raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
         if int(part) > most:
             raise SnapmlaError(f"{what}: {part} is too large (expected at most {most})")

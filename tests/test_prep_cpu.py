@@ -30,6 +30,7 @@ from snapmla_cli.ops.prep import (
     fetch_dequant_slots,
     fetch_dequant_soa,
     quantize_q,
+    row_offsets,
 )
 
 
@@ -175,20 +176,32 @@ def test_fetch_dequant_total_tokens_pads_and_truncates() -> None:
     )
 
 
-def test_fetch_dequant_bad_pages_read_as_zero() -> None:
-    layout, tokens, cache = _paged_problem([70], seed=4)
+def test_fetch_dequant_refuses_a_bad_table() -> None:
+    """A page outside the cache or a length beyond its table row is an error on the CPU (on
+    CUDA under the checks switch), not rows of zeros; negative lengths still count as empty."""
+    layout, _, cache = _paged_problem([70], seed=4)
     table = layout.block_table.clone()
     table[0, 1] = cache.shape[0] + 5  # second page points past the cache
     seqlens = torch.tensor([70], dtype=torch.int32)
-    out = fetch_dequant(cache, table, seqlens)
-    assert _same_bits(out[:64], _ref_dequant(tokens[0][:64]))
-    assert bool((out[64:] == 0).all())
-    # seqlen beyond the table's capacity: the missing pages read as zero too
-    out = fetch_dequant(cache, table[:, :1], torch.tensor([70], dtype=torch.int32))
-    assert bool((out[64:] == 0).all())
-    # negative lengths count as empty requests
+    with pytest.raises(SnapmlaError, match=rf"block_table\[0, 1\]: expected a block index in 0..{cache.shape[0] - 1}"):
+        fetch_dequant(cache, table, seqlens)
+    table[0, 1] = -1
+    with pytest.raises(SnapmlaError, match=r"block_table\[0, 1\].*got -1"):
+        fetch_dequant(cache, table, seqlens, total_tokens=80)
+    with pytest.raises(SnapmlaError, match=r"cache_seqlens\[0\]: expected 0..64"):
+        fetch_dequant(cache, table[:, :1], seqlens)
     out = fetch_dequant(cache, table, torch.tensor([-5], dtype=torch.int32))
     assert out.shape == (0, D_QK)
+
+
+def test_row_offsets_cap_instead_of_wrapping() -> None:
+    """Lengths adding up past int32 (only reachable unchecked on CUDA with total_tokens): the
+    offsets stay ordered at the cap, so the first request's rows stay where they belong."""
+    big = 2**31 - 1
+    offsets = row_offsets(torch.tensor([big, big, 10], dtype=torch.int32))
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, big, big, big]
+    assert row_offsets(torch.tensor([5, 0, 7], dtype=torch.int32)).tolist() == [0, 5, 5, 12]
+    assert row_offsets(torch.zeros(0, dtype=torch.int32)).tolist() == [0]
 
 
 def test_fetch_dequant_rejects() -> None:

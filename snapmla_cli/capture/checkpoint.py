@@ -42,7 +42,7 @@ def import_transformers() -> ModuleType:
 def _version(module: ModuleType) -> tuple[int, ...]:
     parts = []
     for piece in str(getattr(module, "__version__", "0")).split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
+        digits = "".join(ch for ch in piece if ch.isdecimal())
         parts.append(int(digits or 0))
     return tuple(parts)
 

@@ -2,14 +2,16 @@
 
 Errors are handled once, here: a :class:`SnapmlaError` (bad argument, bad file) or an ``OSError``
 (unwritable path, full disk) from any subcommand becomes ``error: <message>`` on one line of
-stderr and exit code 2, never a traceback. To add a subcommand, add a line to ``COMMANDS``;
-optional ones whose module is absent are skipped.
+stderr and exit code 2, never a traceback. Anything else is a bug in snapmla: one line naming
+it, exit code 3, and the traceback only with ``SNAPMLA_TRACEBACK=1``. To add a subcommand, add a
+line to ``COMMANDS``; optional ones whose module is absent are skipped.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 
 import typer
@@ -34,6 +36,11 @@ COMMANDS: list[tuple[str, str, str, bool]] = [
 ]
 
 
+USAGE_EXIT = 2  # a bad argument or input file, an unwritable output
+INTERNAL_EXIT = 3  # a bug: an exception snapmla did not expect
+TRACEBACK_ENV = "SNAPMLA_TRACEBACK"  # set to 1: an internal error shows its traceback
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text or type(exc).__name__
@@ -47,12 +54,14 @@ class SnapmlaGroup(TyperGroup):
         kwargs["standalone_mode"] = False
         try:
             code = super().main(*args, **kwargs)
+        except click_errors.NoArgsIsHelpError:  # the help is on the screen already
+            sys.exit(USAGE_EXIT)
         except click_errors.ClickException as exc:
             where = f"{exc.ctx.command_path}: " if isinstance(exc, click_errors.UsageError) and exc.ctx else ""
             typer.echo(f"error: {where}{_one_line(exc.format_message())}", err=True)
             sys.exit(exc.exit_code)
-        except click_errors.Abort:
-            typer.echo("Aborted!", err=True)
+        except typer.Abort:  # end of input at a prompt
+            typer.echo("aborted", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
@@ -61,7 +70,15 @@ class SnapmlaGroup(TyperGroup):
             return super().invoke(ctx)
         except (SnapmlaError, OSError) as exc:
             typer.echo(f"error: {_one_line(exc)}", err=True)
-            raise typer.Exit(2) from None
+            raise typer.Exit(USAGE_EXIT) from None
+        except (typer.Exit, typer.Abort, click_errors.ClickException, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+                raise
+            typer.echo(f"error: internal error in snapmla ({type(exc).__name__}: {_one_line(exc)}); "
+                       f"please report it with the output of {TRACEBACK_ENV}=1", err=True)
+            raise typer.Exit(INTERNAL_EXIT) from None
 
 
 app = typer.Typer(

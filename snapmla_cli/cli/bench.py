@@ -30,7 +30,7 @@ from ..bench.timing import CLOCKS, STEADY
 from ..cache.atomic import check_outputs, committed_together, naming
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
-from .common import console, output_option, require_at_least, write_json
+from .common import console, output_option, require_at_least, seed_option, write_json
 
 # --model: the names of bench.plan's presets (one table, so the option cannot drift)
 Model = Enum("Model", {name: name for name in PRESETS}, type=str)
@@ -97,7 +97,7 @@ def bench_command(
     bf16_impl: Annotated[Bf16Impl, typer.Option(help="BF16 baseline: FlashMLA if importable (auto), or forced.")] = Bf16Impl.auto,
     roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Measure GEMM/copy ceilings for the roofline column.")] = True,
     clocks: Annotated[ClockState, typer.Option(help="GPU clock state of the timings and ceilings: steady (after 0.2 s of work, power-capped: what a busy server gets) or burst (1 s idle first, then as few steps as the median needs: as near the boost clock as a long step allows).")] = DEFAULT_CLOCKS,
-    seed: Annotated[int, typer.Option(help="Seed of the random caches, queries and page layout.")] = 0,
+    seed: Annotated[int, seed_option(help="Seed of the random caches, queries and page layout.")] = 0,
     json_path: Annotated[Path | None, output_option("--json", help="Write the report as JSON (atomic).")] = None,
     plot: Annotated[Path | None, output_option("--plot", help="Write a Figure-1-style bar chart (.png/.pdf/.svg).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json / --plot files.")] = False,

@@ -109,3 +109,15 @@ def output_option(*names: str, help: str, folder: bool = False) -> Any:
     option. Use as ``Annotated[Path, output_option("--output", "-o", help=...)]``."""
     return typer.Option(*names, help=help, parser=_path_parser("folder" if folder else "file"),
                         metavar="<path>")
+
+
+# torch.Generator.manual_seed takes at most 64 bits; a seed beyond was a traceback
+MAX_SEED = 2**63 - 1
+
+
+def seed_option(help: str) -> Any:
+    """``typer.Option`` for ``--seed``: an integer in 0 .. 2^63 - 1 (what every random generator
+    snapmla seeds accepts), out of range a one-line usage error. Use as
+    ``Annotated[int, seed_option(help=...)]``."""
+    return typer.Option("--seed", help=help, min=0, max=MAX_SEED)
+

@@ -19,7 +19,16 @@ from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
 from ..errors import SnapmlaError
 from ..numerics.configs import CONFIGS, get_configs
 from ..sizes import parse_size
-from .common import Device, console, fmt, output_option, progress, require_at_least, write_json
+from .common import (
+    Device,
+    console,
+    fmt,
+    output_option,
+    progress,
+    require_at_least,
+    seed_option,
+    write_json,
+)
 
 
 def quantize_command(
@@ -33,7 +42,7 @@ def quantize_command(
     device: Annotated[Device, typer.Option(help="Where to quantize and analyse.")] = Device.auto,
     layers: Annotated[int | None, typer.Option(help="Synthetic default only: layers (8).")] = None,
     tokens: Annotated[str | None, typer.Option(help="Synthetic default only: tokens per layer (32k).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic default and of synthetic probes.")] = 0,
+    seed: Annotated[int, seed_option(help="Seed of the synthetic default and of synthetic probes.")] = 0,
 ) -> None:
     """Write the FP8 cache of a KV dump and compare quantization configs layer by layer.
 

@@ -23,13 +23,13 @@ from ..analysis.verify import (
     run_case,
     synthetic_source,
 )
-from ..cache.atomic import check_writable
+from ..cache.atomic import check_outputs
 from ..cache.dump_file import read_dump
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, format_size, parse_int_list, parse_size
-from .common import Device, console, fmt, output_option, progress, write_json
+from .common import Device, console, fmt, output_option, progress, seed_option, write_json
 
 CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
 GPU_BATCH = 4
@@ -57,7 +57,7 @@ def verify_command(
     layer: Annotated[int | None, typer.Option(help="Layer to use (default: the last).")] = None,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal MTP masking.")] = True,
-    seed: Annotated[int, typer.Option(help="Seed of the synthetic data, queries and page layout.")] = 0,
+    seed: Annotated[int, seed_option(help="Seed of the synthetic data, queries and page layout.")] = 0,
     fp8_kernel: Annotated[str, typer.Option(help="FP8 kernel(s) to check on a GPU, comma-separated: default, v2 (mma.sync), v3 (wgmma at its heuristic), v3-dims / v3-rows / v3-pingpong / v3-alt / v3-rows-m / v3-vt (wgmma in one warpgroup mode), v3-unpromoted / v3-pq / v3-pv (wgmma without float32 promotion of both / of PV / of QK: diagnostics).")] = "default",
     json_path: Annotated[Path | None, output_option("--json", help="Write the results as JSON.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
@@ -70,8 +70,7 @@ def verify_command(
 
     On CPU the FP8 pipeline's emulation is checked; on a GPU also the kernels. Exit 0 only
     when every gate passes (SPEC section 6)."""
-    if json_path is not None:
-        check_writable(json_path, force, "--json")
+    check_outputs([("--json", json_path)], force, inputs=[("--dump", dump)])
     dev = resolve_device(device.value)
     head_list = parse_int_list(heads, "--heads", MAX_QUERY_HEADS)
     mtp_list = parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS)

@@ -23,7 +23,7 @@ import torch
 
 from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_tokens
 from ..errors import SnapmlaError
-from ..numerics.decode_args import is_integer
+from ..numerics.decode_args import checked_lengths, is_integer
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
@@ -456,6 +456,10 @@ def fetch_dequant(
     ``total_tokens``: the output's row count, to skip the host sync that reads
     ``sum(cache_seqlens)`` (needed for CUDA graphs); rows beyond the real total are zero and
     tokens beyond ``total_tokens`` are dropped.
+
+    A length beyond its row of the block table, or a page it reads outside the cache, is refused
+    on the CPU always and on CUDA under the checks switch (``SNAPMLA_CHECK_FINITE``, as the
+    decode calls: it reads the lengths back); unchecked, such rows come back as zeros.
     """
     cache = _paged_cache(k_cache)
     block_table = _tensor("block_table", block_table)
@@ -492,9 +496,10 @@ def fetch_dequant(
             raise SnapmlaError(f"cache_seqlens: the lengths add up to {total} tokens, more than the "
                                f"{MAX_ROWS} rows int32 offsets address")
 
-    cu = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    if batch:
-        torch.cumsum(cache_seqlens.clamp(min=0), dim=0, dtype=torch.int32, out=cu[1:])
+    lengths = cache_seqlens.clamp(min=0)
+    if batch and (device.type == "cpu" or (GPU_CHECKS.on and not torch.cuda.is_current_stream_capturing())):
+        checked_lengths(block_table, lengths, batch, cache.shape[0])
+    cu = row_offsets(lengths)
     if device.type == "cpu":
         return _fetch_paged_cpu(cache, block_table, cu, total)
     _aligned("k_cache", cache)
@@ -517,6 +522,17 @@ def fetch_dequant(
             ),
         )
     return out
+
+
+def row_offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """int32 ``[b + 1]`` first output row of each request (and the end) for non-negative
+    ``lengths``, on their device without a host sync. Summed in int64 and capped at
+    :data:`MAX_ROWS`: with ``total_tokens`` given, lengths adding up past the int32 limit would
+    wrap around (rows out of order, wrong tokens); every row past the cap is dropped anyway."""
+    cu = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
+    if lengths.shape[0]:
+        cu[1:].copy_(torch.cumsum(lengths, dim=0, dtype=torch.int64).clamp_(max=MAX_ROWS))
+    return cu
 
 
 def _fetch_paged_cpu(

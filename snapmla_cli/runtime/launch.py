@@ -281,7 +281,7 @@ def _dim3(d: Dim) -> tuple[int, ...]:
 
 @lru_cache(maxsize=16)
 def _arch_at_least_sm90(arch: str) -> bool:
-    digits = "".join(ch for ch in arch if ch.isdigit())
+    digits = "".join(ch for ch in arch if ch.isdecimal())
     return bool(digits) and int(digits) >= 90
 
 

@@ -18,7 +18,7 @@ from snapmla_cli.numerics.problem import random_problem
 from snapmla_cli.numerics.quant import quantize_rows
 from snapmla_cli.ops.decode import decode_fp8, flash_mla_with_kvcache, get_mla_metadata
 from snapmla_cli.ops.finite import GPU_CHECKS, set_gpu_checks
-from snapmla_cli.ops.prep import append_kv, quantize_q
+from snapmla_cli.ops.prep import append_kv, fetch_dequant, quantize_q
 
 pytestmark = pytest.mark.gpu
 
@@ -144,3 +144,15 @@ def test_checks_refuse_a_block_table_that_does_not_cover_the_lengths() -> None:
         outside[1, 0] = cache.shape[0]
         with pytest.raises(SnapmlaError, match=r"^block_table\[1, 0\]: expected a block index"):
             flash_mla_with_kvcache(q, cache, outside, seqlens, 512, m, s, prob.softmax_scale, True)
+
+
+def test_fetch_dequant_refuses_a_bad_table_under_the_switch(checks_on: None) -> None:
+    """As the CPU path always does: a page outside the cache, a length beyond the table row."""
+    cache = torch.zeros(4, 64, 656, dtype=torch.uint8, device=DEV)
+    table = torch.tensor([[0, 9]], dtype=torch.int32, device=DEV)
+    with pytest.raises(SnapmlaError, match=r"block_table\[0, 1\]: expected a block index in 0..3"):
+        fetch_dequant(cache, table, torch.tensor([70], dtype=torch.int32, device=DEV))
+    with pytest.raises(SnapmlaError, match=r"cache_seqlens\[0\]: expected 0..128"):
+        fetch_dequant(cache, table, torch.tensor([129], dtype=torch.int32, device=DEV), total_tokens=200)
+    assert fetch_dequant(cache, table[:, :1], torch.tensor([-3], dtype=torch.int32, device=DEV)).shape == (0, 576)
+
