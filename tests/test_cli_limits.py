@@ -11,6 +11,8 @@ from cli_checks import assert_one_line_error, invoke
 
 from snapmla_cli import host_memory
 from snapmla_cli.cache.synth import SynthSpec, probe_queries, synth_layer_kv
+from snapmla_cli.cli import info
+from snapmla_cli.cli.app import INTERNAL_EXIT, TRACEBACK_ENV
 from snapmla_cli.sizes import MAX_SIZE, parse_int_list, parse_size
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import GpuKey
@@ -52,9 +54,37 @@ def test_more_memory_than_the_host_has_is_refused_before_any_work(tmp_path: Path
     (["info", "extra"], "snapmla info: Got unexpected extra argument"),
     (["info", "--bogus"], "snapmla info: No such option: --bogus"),
     (["bench", "--model", "foo"], "snapmla bench: Invalid value for '--model'"),
+    (["verify", "--seed", "99999999999999999999999"], "snapmla verify: Invalid value for '--seed'"),
+    (["synth", "-o", "x.st", "--seed", "-1"], "snapmla synth: Invalid value for '--seed'"),
+    (["verify", "--heads", "\u00b2"], "--heads: '\u00b2' is not a positive integer"),
+    (["tune", "--dry-run", "--mtp", "1,\u0663"], "--mtp: '\u0663' is not a positive integer"),
 ])
 def test_option_parser_errors_are_one_line(args: list[str], needle: str) -> None:
     assert_one_line_error(invoke(*args), needle)
+
+
+def test_no_command_shows_the_help_without_an_error_line() -> None:
+    result = invoke()
+    assert result.exit_code == 2 and "Usage: snapmla" in result.output
+    assert "error" not in result.stderr
+
+
+def test_an_unexpected_exception_is_one_line_with_exit_code_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug (not a bad input): named in one line, its traceback only on request."""
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(info, "list_gpus", broken)
+    monkeypatch.delenv(TRACEBACK_ENV, raising=False)
+    result = invoke("info")
+    assert result.exit_code == INTERNAL_EXIT, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output, result.stderr
+    assert lines[0].startswith("error: internal error in snapmla (RuntimeError: boom second line)")
+    assert f"{TRACEBACK_ENV}=1" in lines[0]
+    monkeypatch.setenv(TRACEBACK_ENV, "1")
+    result = invoke("info")
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "boom\nsecond line"
 
 
 def test_help_and_a_good_command_still_exit_zero() -> None:

@@ -128,6 +128,16 @@ def test_quantize_outputs_must_differ_from_each_other_and_the_input(dump: Path, 
     assert dump.read_bytes() == before and listing(tmp_path) == ["sub"]
 
 
+def test_verify_json_must_not_replace_its_dump(dump: Path, tmp_path: Path) -> None:
+    before = dump.read_bytes()
+    link = tmp_path / "link.st"
+    link.symlink_to(dump)
+    for path in (dump, link):
+        result = invoke("verify", "--dump", dump, "--json", path, "--force", "--ctx", "64", "--heads", "1", "--mtp", "1")
+        assert_one_line_error(result, "--json and --dump name the same file")
+    assert dump.read_bytes() == before
+
+
 def test_hard_links_and_symlinks_are_the_same_file(tmp_path: Path) -> None:
     a = tmp_path / "a"
     a.write_text("x")
