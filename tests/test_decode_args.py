@@ -13,9 +13,11 @@ from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem
-from snapmla_cli.ops.decode import get_mla_metadata
+from snapmla_cli.numerics.quant import QuantizedRows
+from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
 from snapmla_cli.ops.decode_config import DecodeConfig, checked_config, heuristic_config
 from snapmla_cli.ops.graph_work_list import GraphWorkList
+from snapmla_cli.ops.prep import quantize_q
 from snapmla_cli.ops.schedule import SplitPolicy
 
 SEQLENS = [100, 65, 0]
@@ -143,3 +145,65 @@ def test_explicit_configs_are_checked_where_they_are_given() -> None:
 def test_num_heads_k_message_shows_what_was_passed() -> None:
     with pytest.raises(SnapmlaError, match=r"num_heads_k: expected 1 .* got '1'"):
         get_mla_metadata(torch.tensor([10], dtype=torch.int32), 16, "1")  # type: ignore[arg-type]
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to("meta")
+
+
+@pytest.mark.parametrize("run", [run_reference, run_emulation], ids=["reference", "emulation"])
+@pytest.mark.parametrize("name", ["block_table", "cache_seqlens", "cache"])
+def test_tensors_without_data_are_refused(problem: DecodeProblem, run, name: str) -> None:
+    """A 'meta' tensor has no values: named, not a NotImplementedError from a copy."""
+    if name == "cache":
+        name, value = ("kv_cache", problem.bf16_cache()) if run is run_reference else ("fp8_cache", problem.fp8_cache())
+    else:
+        value = getattr(problem.layout, name)
+    with pytest.raises(SnapmlaError, match=f"{name}: expected a CPU or CUDA tensor, got device meta"):
+        run(problem, **{name: _meta(value)})
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_queries_without_data_or_nested_are_refused(problem: DecodeProblem) -> None:
+    with pytest.raises(SnapmlaError, match="q: expected a CPU or CUDA tensor, got device meta"):
+        run_reference(problem, q=_meta(problem.q))
+    nested = torch.nested.nested_tensor([torch.randn(3, 576), torch.randn(2, 576)])
+    with pytest.raises(SnapmlaError, match="q: expected a regular"):
+        run_reference(problem, q=nested)
+    q = problem.q_quantized()
+    meta_q = QuantizedRows(_meta(q.content), q.scale, q.rope)
+    with pytest.raises(SnapmlaError, match="q.content: expected a CPU or CUDA tensor, got device meta"):
+        run_emulation(problem, q=meta_q)
+    with pytest.raises(SnapmlaError, match="q: expected a regular"):
+        quantize_q(nested)
+    with pytest.raises(SnapmlaError, match="cache_seqlens: expected a CPU or CUDA tensor, got device meta"):
+        get_mla_metadata(_meta(problem.layout.cache_seqlens), 16, 1)
+
+
+def test_work_list_and_metadata_devices_and_bounds() -> None:
+    with pytest.raises(SnapmlaError, match="device: expected 'cpu' or a CUDA device"):
+        GraphWorkList(2, 16, "meta")
+    with pytest.raises(SnapmlaError, match="device: expected 'cpu' or a CUDA device"):
+        get_mla_metadata(torch.tensor([10], dtype=torch.int32), 16, 1, device="meta")
+    with pytest.raises(SnapmlaError, match="max_context: expected .* int32 lengths"):
+        GraphWorkList(2, 16, "cpu", max_context=2**31)
+    assert GraphWorkList(2, 16, "cpu", max_context=2**31 - 1).max_context == 2**31 - 1
+
+
+def test_unhashable_scalars_are_named_not_a_type_error() -> None:
+    """The decode calls look their launch plan up by a key holding softmax_scale and causal: a
+    list there must reach the argument checks (on a machine without a GPU, the device one)."""
+    q = quantize_q(torch.randn(1, 1, 16, 576))
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
+    meta, splits = get_mla_metadata(lens, 16, 1)
+    cache = torch.zeros(2, 64, 656, dtype=torch.uint8)
+    for change in ({"softmax_scale": [0.1]}, {"causal": [True]}):
+        with pytest.raises(SnapmlaError):
+            decode_fp8(q, cache, table, lens, meta, splits, **change)
+
+
+def test_quantize_q_leaves_autograd_alone() -> None:
+    q = torch.randn(1, 1, 4, 576, requires_grad=True)
+    rows = quantize_q(q)
+    assert not any(t.requires_grad for t in (rows.content, rows.scale, rows.rope))
+

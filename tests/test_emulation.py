@@ -4,6 +4,7 @@ its distance from the float64 reference."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -22,11 +23,12 @@ from snapmla_cli.cache.layout import (
     scatter_to_pages,
     unpack_tokens,
 )
+from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
 from snapmla_cli.numerics.formats import D_V, E4M3_MAX, P_BLOCK_TOKENS, P_SCALE_FLOOR
 from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem
-from snapmla_cli.numerics.quant import e4m3_round
+from snapmla_cli.numerics.quant import QuantizedRows, e4m3_round
 
 
 def literal_decode(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +91,35 @@ def test_split_kv_equals_unsplit_to_rounding() -> None:
     split = emulate_fp8_decode(*args, split_bounds=[[0, 64, 192, 300], [0, 128, 129]])
     assert compare(split[0], whole[0]).rel_l2 < 1e-5
     assert compare(split[1], whole[1]).max_abs < 1e-5
+
+
+def test_query_content_as_raw_bytes_is_read_as_e4m3() -> None:
+    """The decode calls take q.content as uint8 bytes too; the emulation and dequantize must read
+    them as E4M3, bit for bit the same result, not as the integers 0..255."""
+    problem = random_problem([130, 7], s_q=2, h_q=3, causal=True, seed=11)
+    q, cache, layout = problem.q_quantized(), problem.fp8_cache(), problem.layout
+    as_bytes = QuantizedRows(q.content.view(torch.uint8), q.scale, q.rope)
+    args = (cache, layout.block_table, layout.cache_seqlens, problem.softmax_scale, True)
+    for a, b in zip(emulate_fp8_decode(q, *args), emulate_fp8_decode(as_bytes, *args)):
+        assert torch.equal(a, b)
+    assert torch.equal(as_bytes.dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize(("part", "bad", "needle"), [
+    ("content", lambda q: q.content.float(), "q.content: expected dtype float8_e4m3fn or uint8, got float32"),
+    ("scale", lambda q: q.scale.double(), "q.scale: expected dtype float32, got float64"),
+    ("rope", lambda q: q.rope.float(), "q.rope: expected dtype bfloat16, got float32"),
+    ("scale", lambda q: q.scale * 0, "q.scale: expected positive scales"),
+    ("scale", lambda q: -q.scale, "q.scale: expected positive scales"),
+])
+def test_emulation_refuses_queries_that_are_not_quantized_rows(part: str, bad, needle: str) -> None:
+    problem = random_problem([70], s_q=1, h_q=2, seed=12)
+    q, layout = problem.q_quantized(), problem.layout
+    parts = {"content": q.content, "scale": q.scale, "rope": q.rope}
+    parts[part] = bad(q)
+    with pytest.raises(SnapmlaError, match=re.escape(needle)):
+        emulate_fp8_decode(QuantizedRows(**parts), problem.fp8_cache(), layout.block_table, layout.cache_seqlens,
+                           problem.softmax_scale)
 
 
 def test_emulation_is_within_the_fp8_storage_floor_on_synthetic_data() -> None:

@@ -49,6 +49,7 @@ def paged_cache(name: str, cache: object, width: int, dtypes: tuple[torch.dtype,
     """``cache`` as ``[num_blocks, 64, width]``; SPEC's ``[num_blocks, 64, 1, width]`` is taken too."""
     if not isinstance(cache, torch.Tensor):
         raise SnapmlaError(f"{name}: expected a tensor, got {type(cache).__name__}")
+    require_readable(name, cache)
     if cache.dim() == 4 and cache.shape[2] == 1:
         cache = cache.squeeze(2)
     if cache.dim() != 3 or cache.shape[1] != PAGE_SIZE or cache.shape[2] != width:
@@ -68,6 +69,7 @@ def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_
     for name, t, rank in (("block_table", block_table, 2), ("cache_seqlens", cache_seqlens, 1)):
         if not isinstance(t, torch.Tensor):
             raise SnapmlaError(f"{name}: expected a tensor, got {type(t).__name__}")
+        require_readable(name, t)
         if t.dim() != rank or t.shape[0] != batch:
             want = "[batch, max_pages]" if rank == 2 else "[batch]"
             raise SnapmlaError(f"{name}: expected shape {want} with batch {batch}, got {tuple(t.shape)}")
@@ -107,6 +109,15 @@ def checked_paged_decode(cache_name: str, cache: object, width: int, dtypes: tup
     cache = paged_cache(cache_name, cache, width, dtypes)
     return PagedDecodeArgs(cache, checked_softmax_scale(softmax_scale), checked_flag("causal", causal),
                            checked_lengths(block_table, cache_seqlens, batch, cache.shape[0]))
+
+
+def require_readable(name: str, t: torch.Tensor) -> None:
+    """A tensor whose values the CPU definitions and the scheduler can read: on the CPU or a CUDA
+    GPU (a 'meta' tensor has no data), and a plain strided one (not nested)."""
+    if t.device.type not in ("cpu", "cuda"):
+        raise SnapmlaError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
+    if t.is_nested:
+        raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got a nested tensor")
 
 
 def require_finite(message: str, *parts: torch.Tensor) -> None:

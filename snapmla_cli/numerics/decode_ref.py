@@ -10,7 +10,7 @@ import torch
 
 from ..cache.layout import gather_from_pages
 from ..errors import SnapmlaError
-from .decode_args import check_finite_keys, checked_paged_decode, require_finite
+from .decode_args import check_finite_keys, checked_paged_decode, require_finite, require_readable
 from .formats import D_QK, D_V
 from .visibility import visibility_mask
 
@@ -28,6 +28,8 @@ def decode_reference(
     dequantized FP8) -> ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]`` in ``dtype``.
     Arguments are checked first (one-line errors naming the argument; non-finite queries or keys
     a request reads are refused)."""
+    if isinstance(q, torch.Tensor):
+        require_readable("q", q)
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[-1] != D_QK or not q.dtype.is_floating_point:
         got = f"{tuple(q.shape)} {q.dtype}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")

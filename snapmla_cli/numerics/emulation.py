@@ -18,7 +18,7 @@ import torch
 
 from ..cache.layout import gather_from_pages, unpack_tokens
 from ..errors import SnapmlaError
-from .decode_args import check_finite_keys, checked_paged_decode, require_finite
+from .decode_args import check_finite_keys, checked_paged_decode, require_finite, require_readable
 from .formats import (
     D_CONTENT,
     D_ROPE,
@@ -29,7 +29,7 @@ from .formats import (
     P_BLOCK_TOKENS,
     P_SCALE_FLOOR,
 )
-from .quant import QuantizedRows, e4m3_round
+from .quant import QuantizedRows, as_e4m3, e4m3_round
 from .visibility import visible_counts
 
 # Rows of one request handled per vectorised step; bounds the [rows, tokens] temporaries.
@@ -134,7 +134,7 @@ def emulate_fp8_decode(
         keys = unpack_tokens(gather_from_pages(fp8_cache, block_table[i], n))
         k_c, k_s, k_r = keys.content.float(), keys.scale.float(), keys.rope.float()
         check_finite_keys("fp8_cache", i, k_c, k_s, k_r)
-        q_c = q.content[i].reshape(s_q * h_q, D_CONTENT).float()
+        q_c = as_e4m3(q.content[i]).reshape(s_q * h_q, D_CONTENT).float()
         q_s = q.scale[i].reshape(s_q * h_q).float()
         q_r = q.rope[i].reshape(s_q * h_q, -1).float()
         visible = visible_counts(n, s_q, causal, device).repeat_interleave(h_q)
@@ -165,20 +165,33 @@ def _check_bounds(bounds: list[int], n: int) -> None:
         raise SnapmlaError(f"split_bounds {bounds}: expected 0 to {n} in increasing multiples of {P_BLOCK_TOKENS}")
 
 
+# the dtypes of quantized query rows, as quantize_q makes them and the FP8 decode call takes them
+# (content also as raw uint8 bytes): anything else is not E4M3 data and would be read as numbers
+_QUERY_DTYPES = {"q.content": (FP8_DTYPE, torch.uint8), "q.scale": (torch.float32,), "q.rope": (torch.bfloat16,)}
+
+
 def _checked_queries(q: object) -> tuple[int, int, int]:
-    """(batch, s_q, h_q) of quantized query rows whose three parts agree in shape and are finite
-    (an E4M3 NaN byte, a NaN or infinite scale or RoPE)."""
+    """(batch, s_q, h_q) of quantized query rows whose three parts agree in shape and dtype, are
+    finite (an E4M3 NaN byte, a NaN or infinite scale or RoPE) and have positive scales."""
     if not isinstance(q, QuantizedRows) or not all(
             isinstance(t, torch.Tensor) for t in (q.content, q.scale, q.rope)):
         raise SnapmlaError(f"q: expected QuantizedRows of tensors (quantize_rows / quantize_q), got {type(q).__name__}")
+    for name, t in (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)):
+        require_readable(name, t)
+        if t.dtype not in _QUERY_DTYPES[name]:
+            want = " or ".join(str(d).removeprefix("torch.") for d in _QUERY_DTYPES[name])
+            raise SnapmlaError(f"{name}: expected dtype {want}, got {str(t.dtype).removeprefix('torch.')}")
     if q.scale.dim() != 3:
         raise SnapmlaError(f"q.scale: expected shape [batch, s_q, h_q], got {tuple(q.scale.shape)}")
     lead = tuple(q.scale.shape)
     for name, t, width in (("q.content", q.content, D_CONTENT), ("q.rope", q.rope, D_ROPE)):
         if tuple(t.shape) != (*lead, width):
             raise SnapmlaError(f"{name}: expected shape {(*lead, width)}, got {tuple(t.shape)}")
-    for name, t in (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)):
+    for name, t in (("q.content", as_e4m3(q.content)), ("q.scale", q.scale), ("q.rope", q.rope)):
         require_finite(f"{name}: expected finite values, found NaN or inf", t)
+    if q.scale.numel() and not bool((q.scale > 0).all()):
+        raise SnapmlaError(f"q.scale: expected positive scales (at least 2^-32, SPEC section 3), "
+                           f"got {float(q.scale.min())}")
     b, s_q, h_q = lead
     return b, s_q, h_q
 

@@ -26,11 +26,18 @@ class QuantizedRows:
     rope: torch.Tensor
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``[..., 576]`` in ``dtype``: content * s and RoPE * s (the values the kernel 'sees')."""
+        """``[..., 576]`` in ``dtype``: content * s and RoPE * s (the values the kernel 'sees').
+        Content given as raw bytes (uint8, as the decode calls accept it) is read as E4M3, not
+        as the integers 0..255."""
         s = self.scale.to(dtype).unsqueeze(-1)
-        content = self.content.to(dtype) * s
+        content = as_e4m3(self.content).to(dtype) * s
         rope = self.rope.to(dtype) * s
         return torch.cat([content, rope], dim=-1)
+
+
+def as_e4m3(content: torch.Tensor) -> torch.Tensor:
+    """E4M3 content as float8_e4m3fn: raw bytes (uint8) viewed, anything else unchanged."""
+    return content.view(FP8_DTYPE) if content.dtype == torch.uint8 else content
 
 
 def e4m3_round(x: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,8 @@ def requested_device(device: torch.device | str) -> torch.device:
         target = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise SnapmlaError(f"device: expected a torch device such as 'cuda:0', got {device!r}") from err
+    if target.type not in ("cpu", "cuda"):
+        raise SnapmlaError(f"device: expected 'cpu' or a CUDA device such as 'cuda:0', got {device!r}")
     if target.type == "cuda":
         if not torch.cuda.is_available():
             raise NoGpuError(f"device: {target} requested, but no CUDA GPU is available")

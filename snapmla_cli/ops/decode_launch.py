@@ -117,7 +117,10 @@ def combine_launch(kernel: Kernel | None, grid: tuple[int, int, int]) -> Program
 
 
 def find_plan(key: tuple[object, ...], metadata: torch.Tensor, config: DecodeConfig | None) -> DecodePlan | None:
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable argument (a list as softmax_scale): the full checks name it
+        return None
     return plan if plan is not None and plan.holds_for(metadata, config) else None
 
 

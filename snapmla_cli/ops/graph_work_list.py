@@ -29,6 +29,7 @@ import torch
 from ..errors import SnapmlaError
 from ..numerics.decode_args import checked_flag, is_integer
 from ..numerics.formats import PAGE_SIZE
+from ..sizes import MAX_SIZE as MAX_SEQLEN
 from .config_choice import MetadataPlan, choose_config, record_plan
 from .decode import check_rows, requested_device
 from .decode_config import DecodeConfig, checked_config, with_balance
@@ -53,8 +54,9 @@ class GraphWorkList:
         if not is_integer(batch) or batch < 1:
             raise SnapmlaError(f"batch: expected >= 1 requests (an integer), got {batch!r}")
         check_rows(num_heads_per_head_k)
-        if max_context is not None and (not is_integer(max_context) or max_context < 0):
-            raise SnapmlaError(f"max_context: expected the most tokens a request holds (>= 0), got {max_context}")
+        if max_context is not None and (not is_integer(max_context) or not 0 <= max_context <= MAX_SEQLEN):
+            raise SnapmlaError(f"max_context: expected the most tokens a request holds (0..{MAX_SEQLEN}, "
+                               f"int32 lengths), got {max_context}")
         self.max_context = max_context
         self.device = requested_device(device)
         fp8 = checked_flag("fp8", fp8)

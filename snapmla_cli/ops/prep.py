@@ -64,6 +64,8 @@ _FETCH_SOA = {
 def _tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got a nested tensor")
     return t
 
 
@@ -165,6 +167,7 @@ def _valid_slots(slots: torch.Tensor, num_slots: int) -> torch.Tensor:
 # ---------------------------------------------------------------- Q-quant
 
 
+@torch.no_grad()  # a quantizer has no gradient: its outputs must not join an autograd graph
 def quantize_q(q: torch.Tensor, out: QuantizedRows | None = None) -> QuantizedRows:
     """Quantize query rows ``q[..., 576]`` (SPEC section 3, per row = per (request, token, head)).
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import SnapmlaError
+from ..numerics.decode_args import require_readable
 from ..numerics.formats import D_V, FP8_TOKEN_BYTES, PAGE_SIZE
 from .cluster_fold import uniform_split_count, work_list_cluster
 
@@ -237,6 +238,7 @@ def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
     uses the list both for the configuration choice (the context) and for the work list."""
     if not isinstance(cache_seqlens, torch.Tensor):
         raise SnapmlaError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
+    require_readable("cache_seqlens", cache_seqlens)
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
         raise SnapmlaError(
             f"cache_seqlens: expected int32 [b], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"

@@ -24,6 +24,7 @@ from ..ops import decode_config as dc
 from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_config
 from ..ops.schedule import SplitPolicy, work_columns
 from ..sizes import MAX_SIZE, format_size, parse_size
+from .fields import DbError, read_int, read_pair, show
 
 FORMATS = ("fp8", "bf16")
 
@@ -109,15 +110,17 @@ class Bucket:
 
     @classmethod
     def from_dict(cls, data: object) -> Bucket:
+        """A database entry's bucket; :class:`DbError` for any malformed field (the loader then
+        skips that entry alone)."""
         if not isinstance(data, dict):
-            raise TypeError("bucket: expected a mapping")
-        bucket = cls(h_q=_int(data, "h_q"), s_q=_int(data, "s_q"), batch=_pair(data, "batch"),
-                     context=_pair(data, "context"), format=str(data.get("format", "")))
-        if bucket.format not in FORMATS:
-            raise ValueError(f"bucket: format {bucket.format!r} is not fp8 or bf16")
-        if bucket.h_q < 1 or bucket.s_q < 1:
-            raise ValueError("bucket: h_q and s_q must be >= 1")
-        return bucket
+            raise DbError(f"bucket: expected a mapping, got {show(data)}")
+        fmt = data.get("format")
+        if fmt not in FORMATS:
+            raise DbError(f"bucket: format {show(fmt)} is not fp8 or bf16")
+        return cls(h_q=read_int(data.get("h_q"), "bucket.h_q"),
+                   s_q=read_int(data.get("s_q"), "bucket.s_q"),
+                   batch=read_pair(data.get("batch"), "bucket.batch"),
+                   context=read_pair(data.get("context"), "bucket.context"), format=fmt)
 
 
 def _geo_mid(r: tuple[int, int]) -> int:
@@ -131,24 +134,6 @@ def _range_id(r: tuple[int, int]) -> str:
 def _range_text(r: tuple[int, int], sizes: bool = False) -> str:
     f = format_size if sizes else str
     return f(r[0]) if r[0] == r[1] else f"{f(r[0])}-{f(r[1])}"
-
-
-def _int(data: dict, key: str) -> int:
-    value = data.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{key}: expected an integer, got {value!r}")
-    return value
-
-
-def _pair(data: dict, key: str) -> tuple[int, int]:
-    value = data.get(key)
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = [value, value]
-    if (not isinstance(value, (list, tuple)) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-            or not 1 <= value[0] <= value[1]):
-        raise ValueError(f"{key}: expected [lo, hi] with 1 <= lo <= hi, got {value!r}")
-    return (value[0], value[1])
 
 
 # The largest batch a bucket may name: planning a work list is linear in the batch (a dry run of
