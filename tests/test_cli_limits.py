@@ -7,7 +7,9 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from cli_checks import assert_one_line_error, invoke
+from safetensors.torch import save_file
 
 from snapmla_cli import host_memory
 from snapmla_cli.cache.synth import SynthSpec, probe_queries, synth_layer_kv
@@ -163,3 +165,18 @@ def test_verify_says_when_a_dumps_queries_are_repeated(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "note: the dump's layer 0 holds 2 queries of 16 heads; h_q 32 repeat its 16 heads" in result.output
     assert "note:" not in invoke("verify", "--dump", str(dump), "--heads", "16", "--mtp", "1").output
+
+
+def test_verify_says_when_fp8_storage_itself_loses_the_output(tmp_path: Path) -> None:
+    """Values that E4M3 flushes to zero (around 1e-30) make the floor 1.0; the gates, relative to
+    the floor, still pass, so verify must say what the floor means."""
+    dump = tmp_path / "tiny.st"
+    kv = torch.randn(200, 576, generator=torch.Generator().manual_seed(0)) * 1e-30
+    save_file({"layers.0.kv": kv}, str(dump), metadata={"format": "snapmla-kv-dump", "version": "1",
+                                                         "kv_lora_rank": "512", "rope_dim": "64", "model": "test"})
+    result = invoke("verify", "--dump", str(dump), "--heads", "2", "--mtp", "1")
+    assert result.exit_code == 0, result.output
+    assert "note: FP8 storage alone is 1 (rel_l2) from float64 at h_q 2 s_q 1, above 0.1" in " ".join(result.output.split())
+    synthetic = invoke("verify", "--ctx", "256", "--heads", "2", "--mtp", "1")
+    assert synthetic.exit_code == 0 and "FP8 storage alone" not in synthetic.output
+
