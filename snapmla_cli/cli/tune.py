@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.table import Table
 
-from ..errors import SnapmlaError
+from ..errors import NoGpuError, SnapmlaError
 from ..sizes import format_size
 from .common import console, output_option, progress
 
@@ -33,7 +33,7 @@ def tune_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the search space and exit (no GPU needed).")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted run and skip buckets already tuned with these kernel sources against this default.")] = True,
     db_dir: Annotated[Path | None, output_option("--db-dir", folder=True, help="Database folder (default: $SNAPMLA_TUNING_DIR or ~/.config/snapmla/tuning).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Store the new result even when the stored entry is faster (and overwrite an unreadable file).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Store the new result even when the stored entry is faster (and overwrite an unreadable file, dropping malformed entries).")] = False,
 ) -> None:
     """Tune the decode kernels for this GPU and write the tuning database.
 
@@ -54,7 +54,6 @@ def tune_command(
 def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry_run: bool,
           resume: bool, db_dir: Path | None, force: bool) -> None:
     from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, parse_int_list
-    from ..tuning.db import user_dir
     from ..tuning.space import (
         MAX_TUNE_BATCH,
         make_buckets,
@@ -68,15 +67,39 @@ def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry
                            parse_ranges(batch, "--batch", MAX_TUNE_BATCH), parse_ranges(ctx, "--ctx"),
                            parse_formats(fmt))
     limit = parse_budget(budget)
-    folder = db_dir.expanduser() if db_dir is not None else user_dir()
-    if folder.exists() and not folder.is_dir():
-        raise SnapmlaError(f"--db-dir: {folder} is not a folder")
+    folder, origin = _database_folder(db_dir)
     command = (f"snapmla tune --heads {heads} --mtp {mtp} --batch {batch} --ctx {ctx} "
                f"--format {fmt} --budget {budget}")
     if dry_run:
         _dry_run(buckets, limit, folder)
     else:
-        _run(buckets, limit, folder, resume, force, command)
+        _run(buckets, limit, folder, origin, resume, force, command)
+
+
+def _database_folder(db_dir: Path | None) -> tuple[Path, str]:
+    """(folder, what named it) for the database: ``--db-dir``, else ``$SNAPMLA_TUNING_DIR``,
+    else the default. A folder that cannot be used is refused up front, naming where it came
+    from: the user who set only the environment variable never typed ``--db-dir``."""
+    from ..tuning.db import expand_folder, folder_problem, user_dir, user_dir_origin
+
+    if db_dir is not None:
+        folder, origin = expand_folder(db_dir), "--db-dir"
+    else:
+        folder, origin = user_dir(), user_dir_origin()
+    problem = folder_problem(folder)
+    if problem:
+        raise SnapmlaError(f"{origin}: {folder} cannot be used as the database folder ({problem})")
+    return folder, origin
+
+
+def _make_folder(folder: Path, origin: str) -> None:
+    """Create the database folder before any measurement, so that a folder that cannot be made
+    (a dangling symlink, a read-only parent) fails in one line, not after the first bucket."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SnapmlaError(f"{origin}: cannot create the database folder {folder} "
+                           f"({exc.strerror or type(exc).__name__})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,19 +177,25 @@ def _dry_run(buckets, limit, folder: Path) -> None:
 # the real run
 
 
-def _run(buckets, limit, folder: Path, resume: bool, force: bool, command: str) -> None:
+def _run(buckets, limit, folder: Path, origin: str, resume: bool, force: bool, command: str
+         ) -> None:
     import torch
 
     from .. import __version__
     from ..runtime.nvrtc import kernel_dir, source_tree_hash
-    from ..tuning.db import find_entry, save_entries
+    from ..tuning.db import db_filename, find_entry, save_entries, sections_to_merge
     from ..tuning.lookup import clear_cache, device_gpu_key
     from ..tuning.measure import GpuMeasurer
     from ..tuning.space import search_space, settled_at
     from ..tuning.tuner import BucketResult, EntryInfo, PartialStore, Tuner, partial_path
 
-    measurer = GpuMeasurer()  # NoGpuError without a GPU
+    try:
+        measurer = GpuMeasurer()
+    except NoGpuError as exc:
+        raise NoGpuError(f"{exc}; --dry-run lists the search space without a GPU") from None
+    _make_folder(folder, origin)
     gpu = device_gpu_key(measurer.device.index)
+    sections_to_merge(folder / db_filename(gpu.name), force)  # refuse a file it would damage now
     kernels = source_tree_hash(kernel_dir())
     out, err = console(), console(stderr=True)
     spaces = [search_space(b, measurer.sm_count) for b in buckets]

@@ -1,6 +1,7 @@
 """Kernel tuning (SPEC section 9, issue 5): the search space (:mod:`.space`), the YAML database
-(:mod:`.db`), its run-time lookup (:mod:`.lookup`), the search loop (:mod:`.tuner`) and its GPU
-side (:mod:`.measure`, :mod:`.compile`). ``snapmla tune`` is :mod:`snapmla_cli.cli.tune`.
+(:mod:`.db`, with its strict field readers in :mod:`.fields`), its run-time lookup
+(:mod:`.lookup`), the search loop (:mod:`.tuner`) and its GPU side (:mod:`.measure`,
+:mod:`.compile`). ``snapmla tune`` is :mod:`snapmla_cli.cli.tune`.
 
 This package file stays import-light (no torch): the compile workers of :mod:`.compile` import
 it, and ``snapmla info`` reaches :func:`describe_database` through it.

@@ -19,14 +19,19 @@ Folders searched: the user's (``$SNAPMLA_TUNING_DIR``, else ``~/.config/snapmla/
 then the shipped ``tuning_db/`` of the repository. Writes go through a temp file and a rename
 (:func:`snapmla_cli.cache.atomic.write_text_atomic`) and merge with what the file holds: per
 bucket the faster entry is kept (``force`` keeps the new one), every other entry is kept.
+
+:class:`DbError` is defined in :mod:`.fields` (whose readers, shared with :mod:`.space`, raise
+it for every malformed value) and imported here, where callers take it from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +40,7 @@ from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import FP8_MMA_SYNC, ROPE_RING_CHOICES, WG_MODES, DecodeConfig
 from ..ops.schedule import SplitPolicy
+from .fields import MAX_FIELD_INT, DbError, clip, is_int, read_int, read_positive_number, show
 from .space import Bucket, config_problem
 
 FORMAT_TAG = "snapmla-tuning"
@@ -42,10 +48,6 @@ VERSION = 1
 TUNING_DIR_ENV = "SNAPMLA_TUNING_DIR"
 HEADER = ("# snapmla tuning database (SPEC section 9), written by `snapmla tune`.\n"
           "# Format: tuning_db/README.md. Entries are measurements: do not edit the times.\n")
-
-
-class DbError(SnapmlaError):
-    """A database file that cannot be read or parsed."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,17 +76,18 @@ class GpuKey:
 
     @classmethod
     def from_dict(cls, data: object) -> GpuKey:
+        """A section's key; :class:`DbError` for any malformed field (the section is skipped)."""
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            raise TypeError("gpu: expected a mapping with a name")
+            raise DbError("gpu: expected a mapping with a name")
         cc = data.get("compute_capability")
-        if (not isinstance(cc, (list, tuple)) or len(cc) != 2
-                or not all(isinstance(v, int) for v in cc)):
-            raise ValueError(f"gpu: compute_capability must be [major, minor], got {cc!r}")
+        if not isinstance(cc, (list, tuple)) or len(cc) != 2:
+            raise DbError(f"gpu: compute_capability must be [major, minor], got {show(cc)}")
+        major = read_int(cc[0], "gpu.compute_capability[0]", lo=0)
+        minor = read_int(cc[1], "gpu.compute_capability[1]", lo=0)
         sms, drv = data.get("sm_count"), data.get("cuda_driver_major")
-        for key, value in (("sm_count", sms), ("cuda_driver_major", drv)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ValueError(f"gpu: {key} must be an integer, got {value!r}")
-        return cls(data["name"], sms, (cc[0], cc[1]), drv)
+        return cls(data["name"], None if sms is None else read_int(sms, "gpu.sm_count"),
+                   (major, minor),
+                   None if drv is None else read_int(drv, "gpu.cuda_driver_major", lo=0))
 
     @classmethod
     def from_facts(cls, facts: Any) -> GpuKey:
@@ -120,7 +123,23 @@ def db_filename(name: str) -> str:
 def user_dir() -> Path:
     """``$SNAPMLA_TUNING_DIR``, else ``~/.config/snapmla/tuning``."""
     env = os.environ.get(TUNING_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".config" / "snapmla" / "tuning"
+    return expand_folder(Path(env) if env else Path("~") / ".config" / "snapmla" / "tuning")
+
+
+def user_dir_origin() -> str:
+    """What chose :func:`user_dir`, for a message about it: the environment variable when it is
+    set (the user never typed ``--db-dir``), else the built-in default."""
+    return f"${TUNING_DIR_ENV}" if os.environ.get(TUNING_DIR_ENV) else "the default database folder"
+
+
+def expand_folder(folder: Path) -> Path:
+    """``folder`` with a leading ``~`` expanded, or as given when that fails (``~nosuchuser``,
+    or no home folder at all: ``Path`` raises ``RuntimeError``); :func:`folder_problem` then
+    says why it cannot be used."""
+    try:
+        return folder.expanduser()
+    except RuntimeError:
+        return folder
 
 
 def shipped_dir() -> Path:
@@ -134,9 +153,28 @@ def search_dirs() -> list[tuple[str, Path]]:
     try:
         if dirs[0][1].resolve() == dirs[1][1].resolve():
             return [("shipped", dirs[1][1])]
-    except OSError:
-        pass
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        pass  # then they are not the same folder; folder_problem names the trouble
     return dirs
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why a database folder cannot be used (None: it can, or it is simply absent, which a
+    machine that never ran ``snapmla tune`` is). ``Path.exists`` / ``is_dir`` answer False for
+    a symlink loop, so ``stat`` is asked directly."""
+    if folder.parts and folder.parts[0].startswith("~"):
+        return f"no home folder for {folder.parts[0]!r}"
+    try:
+        mode = folder.stat().st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "symlink loop"
+        if exc.errno == errno.ENOTDIR:
+            return "a parent is not a folder"
+        return exc.strerror or type(exc).__name__
+    return None if stat.S_ISDIR(mode) else "not a folder"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,33 +201,42 @@ def config_to_dict(cfg: DecodeConfig) -> dict[str, Any]:
     return out
 
 
-def config_from_dict(data: object) -> DecodeConfig:
+def config_from_dict(data: object, name: str = "config") -> DecodeConfig:
     """Inverse of :func:`config_to_dict`; missing fields take their defaults, unknown ones are
-    an error (a parameter this version of the kernels does not have)."""
+    an error (a parameter this version of the kernels does not have). Every malformed value
+    raises :class:`DbError` naming ``name`` (``config`` or ``default_config``)."""
     if not isinstance(data, dict):
-        raise TypeError("config: expected a mapping")
+        raise DbError(f"{name}: expected a mapping, got {show(data)}")
     split_data = data.get("split", {})
     if not isinstance(split_data, dict):
-        raise TypeError("config.split: expected a mapping")
-    unknown = sorted(set(data) - set(_CONFIG_FIELDS) - {"split"})
+        raise DbError(f"{name}.split: expected a mapping, got {show(split_data)}")
+    unknown = sorted(map(str, set(data) - set(_CONFIG_FIELDS) - {"split"}))
     unknown += sorted(f"split.{k}" for k in set(split_data) - set(_SPLIT_FIELDS))
     if unknown:
-        raise ValueError(f"config: unknown parameter(s) {', '.join(map(str, unknown))}")
+        raise DbError(f"{name}: unknown parameter(s) {clip(', '.join(unknown))}")
     for key, value in [*data.items(), *split_data.items()]:
-        if key == "split":
-            continue
-        if key in _FLAG_FIELDS:
-            if not isinstance(value, bool):
-                raise ValueError(f"config: {key} must be true or false, got {value!r}")
-        elif key in _CHOICE_FIELDS:
-            if value not in _CHOICE_FIELDS[key] or isinstance(value, bool):
-                raise ValueError(f"config: {key} must be one of {_CHOICE_FIELDS[key]}, got {value!r}")
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"config: {key} must be a positive integer, got {value!r}")
+        if key != "split":
+            _check_config_value(name, key, value)
     kwargs = {k: v for k, v in data.items() if k != "split"}
     # entries written before the wgmma kernel existed were tuned on the mma.sync kernel
     kwargs.setdefault("kernel_version", FP8_MMA_SYNC)
-    return DecodeConfig(**kwargs, split=SplitPolicy(**split_data))
+    try:
+        return DecodeConfig(**kwargs, split=SplitPolicy(**split_data))
+    except SnapmlaError as exc:  # the dataclasses' own range checks (max_splits_per_request)
+        raise DbError(f"{name}: {exc}") from None
+
+
+def _check_config_value(name: str, key: str, value: object) -> None:
+    """One kernel or split parameter: a flag is true / false, a choice one of its integers (not
+    ``1.0``, which compares equal), anything else an integer in 1 .. MAX_FIELD_INT."""
+    if key in _FLAG_FIELDS:
+        if not isinstance(value, bool):
+            raise DbError(f"{name}: {key} must be true or false, got {show(value)}")
+    elif key in _CHOICE_FIELDS:
+        if not is_int(value) or value not in _CHOICE_FIELDS[key]:
+            raise DbError(f"{name}: {key} must be one of {_CHOICE_FIELDS[key]}, got {show(value)}")
+    elif not is_int(value) or not 1 <= value <= MAX_FIELD_INT:  # type: ignore[operator]
+        raise DbError(f"{name}: {key} must be an integer in 1..{MAX_FIELD_INT}, got {show(value)}")
 
 
 @dataclass(frozen=True)
@@ -239,32 +286,38 @@ class Entry:
 
     @classmethod
     def from_dict(cls, data: object) -> Entry:
+        """An entry as stored; :class:`DbError` for any malformed field, so that the loader
+        skips this entry alone and names it."""
         if not isinstance(data, dict):
-            raise TypeError("entry: expected a mapping")
+            raise DbError(f"entry: expected a mapping, got {show(data)}")
         bucket = Bucket.from_dict(data.get("bucket"))
         config = config_from_dict(data.get("config"))
         why = config_problem(config, bucket.format)
         if why:
-            raise ValueError(f"config invalid for the {bucket.format} kernel: {why}")
-        times = []
-        for key in ("time_us", "default_time_us"):
-            value = data.get(key)
-            if (not isinstance(value, (int, float)) or isinstance(value, bool)
-                    or not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{key}: expected a positive number, got {value!r}")
-            times.append(float(value))
+            raise DbError(f"config invalid for the {bucket.format} kernel: {why}")
         default = data.get("default_config")
-        timed_at = data.get("timed_at") or {}
+        candidates = data.get("candidates")
         return cls(
-            bucket=bucket, config=config, time_us=times[0], default_time_us=times[1],
+            bucket=bucket, config=config,
+            time_us=read_positive_number(data.get("time_us"), "time_us"),
+            default_time_us=read_positive_number(data.get("default_time_us"), "default_time_us"),
             date=str(data.get("date", "")), snapmla_version=str(data.get("snapmla_version", "")),
             command=str(data.get("command", "")),
-            default_config=None if default is None else config_from_dict(default),
+            default_config=None if default is None else config_from_dict(default, "default_config"),
             kernels=str(data.get("kernels", "") or ""),
-            timed_at={str(k): int(v) for k, v in timed_at.items()} if isinstance(
-                timed_at, dict) else {},
-            candidates=int(data.get("candidates", 0) or 0),
+            timed_at=_timed_at(data.get("timed_at")),
+            candidates=0 if candidates is None else read_int(candidates, "candidates", lo=0),
         )
+
+
+def _timed_at(value: object) -> dict[str, int]:
+    """The ``timed_at`` mapping (batch, context actually timed): missing is empty, every value
+    an integer >= 1."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise DbError(f"timed_at: expected a mapping, got {show(value)}")
+    return {str(k): read_int(v, f"timed_at.{clip(str(k), 20)}") for k, v in value.items()}
 
 
 @dataclass
@@ -293,6 +346,11 @@ def parse_text(text: str, path: Path) -> LoadedFile:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise DbError(f"{path}: not valid YAML{where}") from None
+    except RecursionError:  # PyYAML composes nodes recursively: [[[[...]]]] a few 1000 deep
+        raise DbError(f"{path}: nested too deeply to be a tuning database") from None
+    except ValueError as exc:  # past Python's digit limit for int(str); a date like 2026-13-01
+        reason = " ".join(str(exc).split(";")[0].split())
+        raise DbError(f"{path}: not valid YAML ({reason})") from None
     if data is None:
         return LoadedFile(path, [], [])
     if not isinstance(data, dict) or data.get("format") != FORMAT_TAG:
@@ -308,7 +366,7 @@ def parse_text(text: str, path: Path) -> LoadedFile:
     for i, dev in enumerate(devices):
         try:
             gpu = GpuKey.from_dict(dev.get("gpu") if isinstance(dev, dict) else None)
-        except (ValueError, TypeError) as exc:
+        except DbError as exc:
             problems.append(f"devices[{i}]: {exc}")
             continue
         entries: list[Entry] = []
@@ -319,7 +377,7 @@ def parse_text(text: str, path: Path) -> LoadedFile:
         for j, raw in enumerate(raw_entries):
             try:
                 entries.append(Entry.from_dict(raw))
-            except (ValueError, TypeError) as exc:
+            except DbError as exc:
                 problems.append(f"devices[{i}].entries[{j}]: {exc}")
         sections.append(DeviceSection(gpu, entries))
     return LoadedFile(path, sections, problems)
@@ -383,18 +441,11 @@ def merge_entry(entries: list[Entry], new: Entry, force: bool = False
 def save_entries(folder: Path, gpu: GpuKey, new_entries: list[Entry], force: bool = False
                  ) -> tuple[Path, list[MergeOutcome]]:
     """Merge ``new_entries`` into ``folder/<GPU>.yaml`` (created if missing) and write it
-    atomically. A file that exists but cannot be parsed is not overwritten (SnapmlaError)
-    unless ``force``."""
+    atomically. A file that exists but cannot be parsed, or holds malformed entries, is not
+    overwritten (SnapmlaError) unless ``force`` (:func:`sections_to_merge`)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / db_filename(gpu.name)
-    sections: list[DeviceSection] = []
-    if path.exists():
-        try:
-            sections = load_file(path).sections
-        except DbError as exc:
-            if not force:
-                raise SnapmlaError(f"{exc}; not overwriting it (move it away or pass --force)"
-                                   ) from None
+    sections = sections_to_merge(path, force)
     section = next((s for s in sections if s.gpu == gpu), None)
     if section is None:
         section = DeviceSection(gpu, [])
@@ -405,6 +456,28 @@ def save_entries(folder: Path, gpu: GpuKey, new_entries: list[Entry], force: boo
         outcomes.append(outcome)
     write_text_atomic(path, dump_text(sections))
     return path, outcomes
+
+
+def sections_to_merge(path: Path, force: bool = False) -> list[DeviceSection]:
+    """The sections stored in ``path`` that a merge keeps (none: no file). Rewriting a file that
+    cannot be parsed, or one with malformed entries, would drop what this version cannot read
+    (hand edits, or entries of a newer snapmla), so that is a :class:`SnapmlaError` unless
+    ``force``; ``snapmla tune`` asks before it measures anything."""
+    if not path.exists():
+        return []
+    try:
+        loaded = load_file(path)
+    except DbError as exc:
+        if not force:
+            raise SnapmlaError(f"{exc}; not overwriting it (move it away or pass --force)"
+                               ) from None
+        return []
+    if loaded.problems and not force:
+        n = len(loaded.problems)
+        raise SnapmlaError(f"{path}: {n} malformed entr{'y' if n == 1 else 'ies'} "
+                           f"({loaded.problems[0]}); not overwriting it, which would drop "
+                           f"{'it' if n == 1 else 'them'} (fix the file or pass --force)")
+    return loaded.sections
 
 
 def find_entry(folder: Path, gpu: GpuKey, bucket: Bucket) -> Entry | None:

@@ -43,6 +43,11 @@ def show(value: object) -> str:
         return f"a {type(value).__name__}"
 
 
+def clip(text: str, limit: int = 60) -> str:
+    """``text`` cut to ``limit`` characters (a key or list of keys quoted in a warning)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def is_int(value: object) -> bool:
     """A YAML integer: ``true`` / ``false`` are bools, which Python counts as ints."""
     return isinstance(value, int) and not isinstance(value, bool)

@@ -41,6 +41,7 @@ from .db import (
     Entry,
     GpuKey,
     db_filename,
+    folder_problem,
     load_file,
     search_dirs,
 )
@@ -106,8 +107,10 @@ def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Loc
     out: list[Located] = []
     for origin, folder in search_dirs():
         note = folder_problem(folder)
-        if note and (origin != "user" or os.environ.get(TUNING_DIR_ENV)):
-            _warn_once(str(folder), f"snapmla tuning database folder {folder} ({origin}) ignored: {note}")
+        if note:
+            if origin != "user" or os.environ.get(TUNING_DIR_ENV):
+                _warn_once(str(folder), f"snapmla tuning database folder {folder} ({origin}) ignored: {note}")
+            continue
         path = folder / db_filename(gpu_name)
         try:
             exists = path.is_file()
@@ -317,17 +320,6 @@ def entry_line(loc: Located) -> str:
     e = loc.entry
     return (f"{e.bucket.label()}: {config_id(e.config, e.bucket.format)} {e.time_us:.1f} us, "
             f"{e.speedup:.2f}x vs default ({e.date or 'undated'}, {loc.origin})")
-
-
-def folder_problem(folder: Path) -> str | None:
-    """Why a database folder cannot be read (None: it can, or it is simply absent, which a
-    machine that never ran ``snapmla tune`` is)."""
-    try:
-        if folder.exists() and not folder.is_dir():
-            return "not a folder"
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return None
 
 
 def file_problem(path: Path) -> str | None:

@@ -1,0 +1,264 @@
+"""A corrupt tuning database or database folder is a named warning or a one-line error, never a
+traceback: malformed numbers (YAML infinities, NaN, bools, overflowing integers) skip their
+entry alone, a deeply nested file is one bad file, a symlink loop or a file given as the folder
+is named with where it came from (``$SNAPMLA_TUNING_DIR`` or ``--db-dir``), and ``snapmla tune``
+without a GPU points at ``--dry-run``. CPU only and fast."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from cli_checks import assert_one_line_error, invoke
+
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.ops.decode_config import heuristic_config
+from snapmla_cli.tuning import db as tdb
+from snapmla_cli.tuning import describe_database, lookup
+from snapmla_cli.tuning.db import DbError, Entry, GpuKey, find_entry, load_file, save_entries
+from snapmla_cli.tuning.space import Bucket
+
+GPU = GpuKey("Test GPU X100", 132, (9, 0), 13)
+BAD = Bucket(64, 2, (64, 64), (16384, 16384), "fp8")  # the entry the tests corrupt
+GOOD = Bucket(64, 2, (64, 64), (65536, 65536), "fp8")  # its neighbour, which must survive
+DB_NAME = "Test_GPU_X100.yaml"
+
+
+@pytest.fixture(autouse=True)
+def isolated_db(isolated_tuning_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+                ) -> tuple[Path, Path]:
+    """User and shipped folders under tmp_path; the lookup believes CUDA device 0 is GPU."""
+    monkeypatch.setattr(lookup, "_device_key_hook", lambda index: GPU)
+    return isolated_tuning_dirs
+
+
+def make_entry(bucket: Bucket) -> Entry:
+    return Entry(bucket=bucket, config=heuristic_config(bucket.rows), time_us=100.0,
+                 default_time_us=120.0, date="2026-12-01", snapmla_version="0.1.0",
+                 command="snapmla tune", default_config=heuristic_config(bucket.rows),
+                 kernels="abc123", timed_at={"batch": 64, "context": bucket.context[0]},
+                 candidates=7)
+
+
+def write_db(folder: Path, mutate: Callable[[dict[str, Any]], None]) -> Path:
+    """A database with the BAD and GOOD entries, ``mutate`` applied to BAD's mapping, written
+    back by PyYAML (so ``inf`` is stored as ``.inf``, as a hand edit would write it)."""
+    path, _ = save_entries(folder, GPU, [make_entry(BAD), make_entry(GOOD)])
+    data = yaml.safe_load(path.read_text())
+    entries = data["devices"][0]["entries"]
+    index = next(i for i, e in enumerate(entries) if e["bucket"]["context"] == list(BAD.context))
+    mutate(entries[index])
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def cuda0() -> torch.device:
+    return torch.device("cuda", 0)  # never touched: the device key comes from the hook
+
+
+def setter(*keys: Any, value: Any) -> Callable[[dict[str, Any]], None]:
+    """A mutation that sets ``entry[keys[0]][keys[1]]... = value``."""
+    def mutate(entry: dict[str, Any]) -> None:
+        target = entry
+        for key in keys[:-1]:
+            target = target[key]
+        target[keys[-1]] = value
+    return mutate
+
+
+# (label, mutation, what the warning must name)
+MALFORMED = [
+    ("candidates .inf", setter("candidates", value=float("inf")), "candidates"),
+    ("candidates -.inf", setter("candidates", value=float("-inf")), "candidates"),
+    ("candidates .nan", setter("candidates", value=float("nan")), "candidates"),
+    ("candidates true", setter("candidates", value=True), "candidates"),
+    ("candidates 1.5", setter("candidates", value=1.5), "candidates"),
+    ("candidates 10**30", setter("candidates", value=10**30), "candidates"),
+    ("candidates -1", setter("candidates", value=-1), "candidates"),
+    ("timed_at .inf", setter("timed_at", value={"batch": float("inf")}), "timed_at.batch"),
+    ("timed_at true", setter("timed_at", "context", value=True), "timed_at.context"),
+    ("timed_at list", setter("timed_at", value=[64]), "timed_at"),
+    ("time_us 10**400", setter("time_us", value=10**400), "time_us"),
+    ("default_time_us .inf", setter("default_time_us", value=float("inf")), "default_time_us"),
+    ("h_q .inf", setter("bucket", "h_q", value=float("inf")), "bucket.h_q"),
+    ("h_q 10**30", setter("bucket", "h_q", value=10**30), "bucket.h_q"),
+    ("context .inf", setter("bucket", "context", value=[1, float("inf")]), "bucket.context"),
+    ("batch true", setter("bucket", "batch", value=[True, True]), "bucket.batch"),
+    ("stages .inf", setter("config", "stages", value=float("inf")), "config: stages"),
+    ("row_groups 10**30", setter("config", "row_groups", value=10**30), "config: row_groups"),
+    ("qk_promote 1.0", setter("config", "qk_promote", value=1.0), "config: qk_promote"),
+    ("split waves .nan", setter("config", "split", "waves", value=float("nan")), "config: waves"),
+    ("default stages .inf", setter("default_config", "stages", value=float("inf")),
+     "default_config: stages"),
+]
+
+
+@pytest.mark.parametrize("label,mutate,field", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_a_malformed_number_skips_its_entry_alone(isolated_db, label, mutate, field):
+    user, _ = isolated_db
+    path = write_db(user, mutate)
+    loaded = load_file(path)  # no OverflowError: one problem, the neighbour kept
+    assert [e.bucket for s in loaded.sections for e in s.entries] == [GOOD]
+    assert len(loaded.problems) == 1 and "entries[0]" in loaded.problems[0], loaded.problems
+    assert field in loaded.problems[0], loaded.problems
+    with pytest.warns(RuntimeWarning) as record:
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=65536) \
+            == heuristic_config(128)  # the file still answers from its good entry
+    messages = [str(w.message) for w in record if "tuning" in str(w.message)]
+    assert len(messages) == 1 and str(path) in messages[0] and "skipped 1 bad entry" in messages[0]
+    assert field in messages[0] and "\n" not in messages[0]
+    # what `snapmla tune` does with the file: no traceback, the good entry is found
+    assert find_entry(user, GPU, GOOD) == make_entry(GOOD)
+    assert find_entry(user, GPU, BAD) is None
+
+
+INT_FIELDS = [("candidates",), ("timed_at", "batch"), ("bucket", "s_q"), ("config", "stages"),
+              ("config", "split", "ctas_per_sm")]
+
+
+@pytest.mark.parametrize("keys", INT_FIELDS, ids=[".".join(k) for k in INT_FIELDS])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), True, 2.0, 10**30, 2**31, "7"])
+def test_int_fields_raise_the_database_error(keys, value):
+    """Every reader raises DbError (the type the loader skips on), never OverflowError."""
+    data = make_entry(BAD).as_dict()
+    setter(*keys, value=value)(data)
+    with pytest.raises(DbError):
+        Entry.from_dict(data)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), True, 9.0, 10**30, "9"])
+def test_gpu_key_fields_raise_the_database_error(value):
+    for field, bad in (("compute_capability", [9, value]), ("compute_capability", [value, 0]),
+                       ("sm_count", value), ("cuda_driver_major", value)):
+        with pytest.raises(DbError, match=field):
+            GpuKey.from_dict({**GPU.as_dict(), field: bad})
+
+
+def test_an_entry_within_the_bounds_still_loads():
+    """The strict readers accept what `snapmla tune` writes, and the largest int32 context."""
+    data = make_entry(BAD).as_dict()
+    data["bucket"]["context"] = [1, 2**31 - 1]
+    del data["candidates"], data["timed_at"]  # missing: 0 and none, as before
+    entry = Entry.from_dict(data)
+    assert entry.bucket.context == (1, 2**31 - 1) and entry.candidates == 0 and entry.timed_at == {}
+    assert Entry.from_dict(make_entry(GOOD).as_dict()) == make_entry(GOOD)
+
+
+def test_tune_does_not_drop_a_malformed_entry_without_force(isolated_db):
+    """Rewriting the file would lose the entry this version cannot read: refused, one line
+    naming the file and the entry; --force drops it."""
+    user, _ = isolated_db
+    path = write_db(user, setter("candidates", value=float("inf")))
+    before = path.read_text()
+    with pytest.raises(SnapmlaError, match=r"not overwriting") as info:
+        save_entries(user, GPU, [make_entry(GOOD)])
+    assert str(path) in str(info.value) and "entries[0]: candidates" in str(info.value)
+    assert path.read_text() == before
+    save_entries(user, GPU, [make_entry(GOOD)], force=True)
+    assert [e.bucket for e in load_file(path).sections[0].entries] == [GOOD]
+
+
+def test_deeply_nested_yaml_is_one_bad_file(isolated_db):
+    user, shipped = isolated_db
+    path = user / DB_NAME
+    path.write_text("format: snapmla-tuning\nversion: 1\ndevices: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(DbError, match="nested too deeply"):
+        tdb.parse_text(path.read_text(), path)
+    assert find_entry(user, GPU, BAD) is None
+    with pytest.raises(SnapmlaError, match="not overwriting"):
+        save_entries(user, GPU, [make_entry(BAD)])
+    save_entries(shipped, GPU, [make_entry(BAD)])
+    with pytest.warns(RuntimeWarning) as record:
+        cfg = lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0())
+    messages = [str(w.message) for w in record if "tuning" in str(w.message)]
+    assert len(messages) == 1 and str(path) in messages[0] and "nested too deeply" in messages[0]
+    assert cfg == heuristic_config(128)  # the shipped entry answers
+    assert any(f"tuning file {path}: " in line and "nested too deeply" in line
+               for line in describe_database([]))
+
+
+def test_an_integer_past_pythons_digit_limit_is_one_bad_file(isolated_db):
+    user, _ = isolated_db
+    path = user / DB_NAME
+    path.write_text("format: snapmla-tuning\nversion: 1\ndevices: []\nx: " + "1" * 5000 + "\n")
+    with pytest.raises(DbError, match="not valid YAML"):
+        load_file(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# the folders
+
+
+@pytest.fixture
+def loop(tmp_path: Path) -> Path:
+    """A symlink loop: a -> b -> a."""
+    a, b = tmp_path / "loop_a", tmp_path / "loop_b"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    return a
+
+
+def test_a_symlink_loop_as_the_folder_is_a_named_note(isolated_db, loop, monkeypatch):
+    _, shipped = isolated_db
+    save_entries(shipped, GPU, [make_entry(BAD)])
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(loop))
+    assert [o for o, _ in tdb.search_dirs()] == ["user", "shipped"]  # resolve() raised here
+    assert tdb.folder_problem(loop) == "symlink loop"
+    lines = describe_database([])
+    assert f"user {loop} (symlink loop: ignored)" in lines[0]
+    with pytest.warns(RuntimeWarning, match="symlink loop") as record:
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == heuristic_config(128)
+    assert str(loop) in str(record[0].message)
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    assert f"user {loop} (symlink loop: ignored)" in result.output
+
+
+def test_tune_names_the_env_var_for_a_folder_it_did_not_get_from_db_dir(tmp_path, loop, monkeypatch):
+    a_file = tmp_path / "notadir.txt"
+    a_file.write_text("x")
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(a_file))
+    result = invoke("tune", "--dry-run")
+    assert_one_line_error(result, "$SNAPMLA_TUNING_DIR", str(a_file), "not a folder")
+    assert "--db-dir" not in result.stderr
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(loop))
+    assert_one_line_error(invoke("tune", "--dry-run"), "$SNAPMLA_TUNING_DIR", "symlink loop")
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(a_file / "sub"))
+    assert_one_line_error(invoke("tune", "--dry-run"), "$SNAPMLA_TUNING_DIR", "not a folder")
+    # the option, when given, is what the message names (and it wins over the variable)
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(tmp_path))
+    result = invoke("tune", "--dry-run", "--db-dir", str(a_file))
+    assert_one_line_error(result, "--db-dir", str(a_file), "not a folder")
+    assert "SNAPMLA_TUNING_DIR" not in result.stderr
+    assert_one_line_error(invoke("tune", "--dry-run", "--db-dir", str(loop)), "--db-dir", "symlink loop")
+
+
+def test_an_unknown_home_in_the_env_var_is_a_note_not_a_crash(isolated_db, monkeypatch):
+    user = "~snapmla_no_such_user_3141"
+    try:
+        Path(user).expanduser()
+        pytest.skip("this machine expands the made-up user")
+    except RuntimeError:
+        pass
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, f"{user}/tuning")
+    assert "no home folder" in describe_database([])[0]
+    assert_one_line_error(invoke("tune", "--dry-run"), "$SNAPMLA_TUNING_DIR", "no home folder")
+
+
+def test_tune_without_a_gpu_points_at_dry_run(isolated_db, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = invoke("tune", "--heads", "16", "--ctx", "1k")
+    assert_one_line_error(result, "no CUDA GPU", "--dry-run")
+
+
+def test_no_warning_for_clean_folders(isolated_db):
+    user, _ = isolated_db
+    save_entries(user, GPU, [make_entry(BAD), make_entry(GOOD)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is not None
