@@ -64,6 +64,16 @@ def fail_once(real: Callable[..., None], target: Path, failure: BaseException) -
     return fake
 
 
+def colliding(ours: str, someone_else: Callable[[], object]) -> Callable[[Path], None]:
+    """A writer that writes ``ours`` into the temp file, then lets ``someone_else`` create the
+    output (another process, after every check snapmla made)."""
+    def write(tmp: Path) -> None:
+        tmp.write_text(ours)
+        someone_else()
+
+    return write
+
+
 def no_hard_links(src: object, dst: object, *args: object, **kwargs: object) -> None:
     raise OSError(errno.EPERM, "Operation not permitted")
 
@@ -75,10 +85,7 @@ def test_a_file_that_appears_during_the_work_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "out.json"
     check_writable(path, force=False)
 
-    def meanwhile(tmp: Path) -> None:
-        tmp.write_text("ours")
-        path.write_text("theirs")  # another process, after the check
-
+    meanwhile = colliding("ours", lambda: path.write_text("theirs"))
     with pytest.raises(OutputWriteError) as caught:
         write_atomic(path, meanwhile, replace=False)
     assert_one_line(str(caught.value), str(path), "appeared", "--force")
@@ -88,10 +95,7 @@ def test_a_file_that_appears_during_the_work_is_kept(tmp_path: Path) -> None:
 def test_a_dangling_symlink_that_appears_counts_as_a_file(tmp_path: Path) -> None:
     path = tmp_path / "out.json"
 
-    def meanwhile(tmp: Path) -> None:
-        tmp.write_text("ours")
-        path.symlink_to("elsewhere.json")
-
+    meanwhile = colliding("ours", lambda: path.symlink_to("elsewhere.json"))
     with pytest.raises(OutputWriteError, match="appeared"):
         write_atomic(path, meanwhile, replace=False)
     assert path.is_symlink() and not (tmp_path / "elsewhere.json").exists()
@@ -106,10 +110,7 @@ def test_replace_still_replaces_and_keeps_the_mode(tmp_path: Path, umask_022: No
     path.write_text("old")
     path.chmod(0o604)
 
-    def meanwhile(tmp: Path) -> None:
-        tmp.write_text("new")
-        path.write_text("theirs")  # with --force, replaced like the file that was there
-
+    meanwhile = colliding("new", lambda: path.write_text("theirs"))  # with --force: replaced too
     write_atomic(path, meanwhile, replace=True)
     assert path.read_text() == "new" and stat.S_IMODE(path.stat().st_mode) == 0o604
     write_text_atomic(path, "newer")  # the default: the kernel cache and tuning database
@@ -267,10 +268,7 @@ def test_without_hard_links_new_files_are_written_and_existing_ones_refused(
     assert path.read_text() == "first" and listing(tmp_path) == ["out.json"]
     other = tmp_path / "other.json"
 
-    def meanwhile(tmp: Path) -> None:
-        tmp.write_text("ours")
-        other.write_text("theirs")
-
+    meanwhile = colliding("ours", lambda: other.write_text("theirs"))
     with pytest.raises(OutputWriteError, match="appeared"):
         write_atomic(other, meanwhile, replace=False)
     assert other.read_text() == "theirs" and listing(tmp_path) == ["other.json", "out.json"]
@@ -284,10 +282,7 @@ def test_without_hard_links_no_clobber_has_no_window(tmp_path: Path, monkeypatch
     monkeypatch.setattr(atomic.os.path, "lexists", lambda path: False)
     path = tmp_path / "out.json"
 
-    def meanwhile(tmp: Path) -> None:
-        tmp.write_text("ours")
-        path.write_text("theirs")
-
+    meanwhile = colliding("ours", lambda: path.write_text("theirs"))
     with pytest.raises(OutputWriteError, match="appeared"):
         write_atomic(path, meanwhile, replace=False)
     assert path.read_text() == "theirs" and listing(tmp_path) == ["out.json"]
