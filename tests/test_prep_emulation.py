@@ -171,10 +171,13 @@ def test_append_kv(emu: Emu, n: int, slot_dtype: torch.dtype) -> None:
 def test_fetch_dequant_paged(emu: Emu, seqlens: list[int]) -> None:
     layout, _, cache = H.paged_problem(seqlens, seed=len(seqlens))
     table = layout.block_table.clone()
-    if table.shape[1] > 1 and seqlens[0] > PAGE_SIZE:
-        table[0, 1] = cache.shape[0] + 1  # garbage entry: zeros, no read
     total = sum(seqlens) + 70
-    ref = prep.fetch_dequant(cache, table, layout.cache_seqlens, total_tokens=total)
+    # the CPU path refuses a garbage entry, so the reference reads the good table; the kernel
+    # (unchecked) reads the garbage page as zeros, never out of bounds
+    ref = prep.fetch_dequant(cache, layout.block_table, layout.cache_seqlens, total_tokens=total)
+    if table.shape[1] > 1 and seqlens[0] > PAGE_SIZE:
+        table[0, 1] = cache.shape[0] + 1
+        ref[PAGE_SIZE : min(2 * PAGE_SIZE, seqlens[0])] = 0
     cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(layout.cache_seqlens.clamp(min=0), 0)
     out = torch.full((total, D_QK), 5.0, dtype=torch.bfloat16)
