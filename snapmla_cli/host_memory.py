@@ -26,5 +26,12 @@ def require_host_memory(what: str, needed_bytes: int) -> None:
     """A one-line error naming ``what`` when it needs more host memory than is available."""
     available = available_bytes()
     if available is not None and needed_bytes > available:
-        raise SnapmlaError(f"{what}: needs about {needed_bytes / 2**30:,.3g} GiB of host memory, "
+        raise SnapmlaError(f"{what}: needs about {_gib(needed_bytes)} GiB of host memory, "
                            f"{available / 2**30:,.1f} GiB available")
+
+
+def _gib(size: int) -> str:
+    """``size`` in GiB to three digits, 79,473 rather than ``.3g``'s 7.95e+04 for the huge
+    sizes a mistyped option asks for."""
+    gib = size / 2**30
+    return f"{gib:,.0f}" if gib >= 1000 else f"{gib:.3g}"

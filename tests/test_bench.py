@@ -156,6 +156,7 @@ def test_batch_does_not_depend_on_tp() -> None:
     ({"batch": 0}, "--batch"),
     ({"contexts": [1], "mtp": 2}, "shorter than --mtp"),
     ({"layouts": (Layout(1, 3),)}, "--tp 3"),
+    ({"layouts": (Layout(1, 3),), "from_layout_option": True}, "^--layout dp1tp3: 128 heads"),
     ({"kv_mem": GiB, "contexts": [131072]}, "holds no BF16 request of context 128k"),
 ])
 def test_make_plan_rejects(kwargs: dict, needle: str) -> None:
@@ -353,6 +354,7 @@ def invoke(*args: object):
 
 @pytest.mark.parametrize("args, needle", [
     (["--tp", "3"], "--tp 3: 128 heads do not split evenly over 3 ranks"),
+    (["--layout", "dp3tp5"], "--layout dp3tp5: 128 heads do not split evenly over 5 ranks"),
     (["--model", "longcat-flash", "--tp", "128"], "64 heads do not split evenly"),
     (["--layout", "dp1tp8,dp2tp1"], "same number of GPUs"),
     (["--layout", "dp2tp1", "--dp", "2"], "--layout and --dp/--tp"),

@@ -8,6 +8,7 @@ query scale to move the output far past the check's gate.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -366,6 +367,39 @@ def test_cli_dump(models, prompts, tmp_path):
     assert refused.exit_code == 2 and "--trust-remote-code" in refused.output
     trusted = CliRunner().invoke(app, [*args, "--trust-remote-code"])
     assert trusted.exit_code == 0, trusted.output
+
+
+def test_read_prompts_refuses_a_fifo_without_opening_it(tmp_path):
+    """The library path too: opening a fifo would wait forever for a writer."""
+    from snapmla_cli.capture.prompts import read_prompts
+
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SnapmlaError, match="is a fifo, expected a regular file"):
+        read_prompts(fifo)
+    with pytest.raises(SnapmlaError, match="no such file"):
+        read_prompts(tmp_path / "missing.txt")
+
+
+def test_cli_dump_input_errors_are_one_line(prompts, tmp_path):
+    """Refused before any model is loaded (``--model`` is never read in the first three), each
+    on one line: an empty path as typed (typer would read it as the folder ``.``), a fifo named
+    as one (reading it would wait forever for a writer), a path holding a newline."""
+    from cli_checks import assert_one_line_error, invoke
+
+    out = tmp_path / "kv.safetensors"
+
+    def dump(model: str, prompt_file: object, *extra: object):
+        return invoke("dump", "--model", model, "--prompts", prompt_file, "-o", out, *extra)
+
+    assert_one_line_error(dump(str(tmp_path), ""), "--prompts: expected a file path, got ''")
+    fifo = tmp_path / "prompts.fifo"
+    os.mkfifo(fifo)
+    assert_one_line_error(dump(str(tmp_path), fifo), f"--prompts {fifo}: is a fifo, expected a regular file")
+    assert_one_line_error(dump(str(tmp_path), tmp_path / "no\nsuch.txt"), "no such.txt: no such file")
+    out.write_bytes(b"keep me")  # '' is no folder: not "--output would replace a file inside --model ."
+    assert_one_line_error(dump("", prompts, "--force"), "--model", "got ''")
+    assert out.read_bytes() == b"keep me"
 
 
 def test_dump_then_quantize_and_verify_end_to_end(models, prompts, tmp_path):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from cli_checks import assert_one_line_error, invoke
+from cli_checks import SYNTH, assert_one_line_error, invoke
 from safetensors.torch import save_file
 
+from snapmla_cli import host_memory
 from snapmla_cli.cache.dump_file import DUMP_FORMAT, read_dump
 from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
 from snapmla_cli.cli.app import COMMANDS, app
@@ -117,6 +119,45 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "p.st").exists(), "a bad --plot must be refused before any output is written"
     if not torch.cuda.is_available():
         assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--device", "cuda"), "no CUDA GPU")
+
+
+def test_empty_and_special_dump_paths_are_named_as_typed(small_dump: Path, tmp_path: Path) -> None:
+    """typer reads ``''`` as ``Path('.')``; the error must show what was typed, not "dump .: is
+    a folder". A fifo or symlink loop is said to be one, not "no such file"."""
+    out = tmp_path / "out.st"
+    assert_one_line_error(invoke("quantize", "", "-o", out), "DUMP: expected a file path, got ''")
+    assert_one_line_error(invoke("verify", "--dump", ""), "--dump: expected a file path, got ''")
+    fifo = tmp_path / "fifo.st"
+    os.mkfifo(fifo)
+    loop = tmp_path / "loop.st"
+    loop.symlink_to(loop)
+    for path, needle in ((fifo, "is a fifo"), (loop, "is a symlink loop")):
+        assert_one_line_error(invoke("quantize", path, "-o", out), f"dump {path}: {needle}")
+        assert_one_line_error(invoke("verify", "--dump", path), f"dump {path}: {needle}")
+    assert not out.exists()
+
+
+def test_quantize_refuses_more_probe_queries_than_the_host_holds(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dump without queries gets --queries synthetic probes; 10^5 of them (1.6 M rows of 16
+    heads) need far more than 1 GiB, and are refused with the sizes before any output."""
+    dump, out = tmp_path / "noq.st", tmp_path / "out.st"
+    assert invoke("synth", "-o", dump, *SYNTH, "--queries", "0").exit_code == 0
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**30)
+    assert_one_line_error(invoke("quantize", dump, "-o", out, "--queries", "100000"),
+                          "--queries 100000 (1600000 query rows x 64 tokens of layer 0)",
+                          "GiB of host memory", "1.0 GiB available")
+    assert not out.exists()
+    result = invoke("quantize", dump, "-o", out, "--queries", "2", "--configs", "snap")
+    assert result.exit_code == 0, result.output
+
+
+def test_quantize_measures_a_repeated_config_once(small_dump: Path, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    result = invoke("quantize", small_dump, "-o", tmp_path / "c.st", "--json", report,
+                    "--configs", "snap,A,snap")
+    assert result.exit_code == 0, result.output
+    assert json.loads(report.read_text())["configs"] == ["snap", "A"]
 
 
 def test_verify_passes_on_cpu(tmp_path: Path) -> None:

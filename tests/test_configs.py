@@ -80,6 +80,11 @@ def test_unknown_config_is_a_one_line_error() -> None:
         get_configs(["snap", "Z"])
 
 
+def test_repeated_config_names_are_measured_once() -> None:
+    """As ``--heads 16,16`` is one head count: order kept, the repeat dropped."""
+    assert [c.id for c in get_configs(["G", "snap", "G", "A", "snap"])] == ["G", "snap", "A"]
+
+
 def test_snap_beats_a_on_wide_rope_data(report: FidelityReport) -> None:
     deepest = report.layers[-1].metrics["output"]
     assert deepest["snap"].rel_l2 * 2 < deepest["A"].rel_l2

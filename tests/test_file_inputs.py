@@ -3,6 +3,7 @@ with one line naming the file, the tensor or field and what was expected (SPEC s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from snapmla_cli.cache.dump_file import DUMP_FORMAT, FP8_CACHE_FORMAT, MAX_ABS_V
 from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
 from snapmla_cli.cache.layout import dequantize_cache
 from snapmla_cli.errors import NoGpuError, SnapmlaError
-from snapmla_cli.numerics.formats import D_QK, ROPE_OFFSET, SCALE_OFFSET
+from snapmla_cli.numerics.formats import D_QK, PAD_OFFSET, ROPE_OFFSET, SCALE_OFFSET
 
 DUMP_META = {"format": DUMP_FORMAT, "version": "1", "kv_lora_rank": "512", "rope_dim": "64",
              "model": "t"}
@@ -189,6 +190,42 @@ def test_poison_in_the_unused_tail(tmp_path: Path) -> None:
     cache[0, TOKENS + 1, 10] = 0xFF
     _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", f"token {TOKENS + 1}",
              "tail of the last page must be zero")
+
+
+@pytest.mark.parametrize("offset", [PAD_OFFSET, ROPE_OFFSET - 1])
+def test_non_zero_pad_bytes(tmp_path: Path, offset: int) -> None:
+    """SPEC section 3: bytes 516..527 of a token row are zero; the first bad token is named."""
+    cache = quantize_layer_cache(_kv())
+    for token in (3, 6):
+        cache[0, token, offset] = 1
+    message = _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 3 of seqlen",
+                       "pad bytes 516..527 are not zero")
+    assert "token 6" not in message
+
+
+def test_pad_bytes_are_checked_on_every_page(tmp_path: Path) -> None:
+    """The check covers all used tokens, not only the first page (token 64 + 5 of three pages)."""
+    cache = quantize_layer_cache(_kv(150))
+    cache[1, 5, PAD_OFFSET + 4] = 0x80
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache, torch.tensor(150)), "token 69", "pad bytes")
+
+
+@pytest.mark.parametrize("read, what", [(read_dump, "dump"), (read_fp8_cache, "FP8 cache")])
+def test_inputs_that_are_not_regular_files(tmp_path: Path, read, what: str) -> None:
+    """Each names what is there instead of "no such file"; a fifo is never opened (it would
+    wait for a writer)."""
+    fifo = tmp_path / "fifo.st"
+    os.mkfifo(fifo)
+    _refused(read, fifo, f"{what} ", "is a fifo, expected a", "file (.safetensors)")
+    loop_a, loop_b = tmp_path / "a.st", tmp_path / "b.st"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    _refused(read, loop_a, "is a symlink loop")
+    dangling = tmp_path / "dangling.st"
+    dangling.symlink_to(tmp_path / "gone.st")
+    _refused(read, dangling, "is a dangling symlink", "gone.st")
+    _refused(read, tmp_path / "missing.st", "no such file")
+    _refused(read, tmp_path, "is a folder")
 
 
 # --- quantize_layer_cache -------------------------------------------------------------------

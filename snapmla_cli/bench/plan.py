@@ -139,15 +139,17 @@ def format_bytes(value: float) -> str:
     return f"{value:.0f} B"
 
 
-def heads_per_rank(heads: int, tp: int) -> int:
-    """Query heads on each rank of a TP group; TP must split the heads evenly."""
+def heads_per_rank(heads: int, tp: int, given_as: str | None = None) -> int:
+    """Query heads on each rank of a TP group; TP must split the heads evenly. ``given_as`` is
+    how the user typed the TP size (default ``--tp N``; ``--layout dp3tp5`` for a layout), so
+    that the error names the option on the command line."""
     if heads < 1:
         raise SnapmlaError(f"--heads: expected at least 1, got {heads}")
     if tp < 1:
         raise SnapmlaError(f"--tp: expected at least 1, got {tp}")
     if heads % tp:
         raise SnapmlaError(
-            f"--tp {tp}: {heads} heads do not split evenly over {tp} ranks "
+            f"{given_as or f'--tp {tp}'}: {heads} heads do not split evenly over {tp} ranks "
             f"(use a TP size that divides {heads})"
         )
     return heads // tp
@@ -268,11 +270,13 @@ def make_plan(
     batch: int | None = None,
     kv_mem: int | None = None,
     seed: int = 0,
+    from_layout_option: bool = False,
 ) -> BenchPlan:
     """Check every argument and build the plan; raises a one-line :class:`SnapmlaError`.
 
     ``kv_mem`` None means: the default budget (60 GiB) when ``batch`` is None, no budget (no
-    equal-memory comparison) when ``batch`` is given."""
+    equal-memory comparison) when ``batch`` is given. ``from_layout_option``: the layouts were
+    typed as ``--layout`` (not ``--dp``/``--tp``), which their errors then name."""
     preset = PRESETS.get(model)
     if preset is None:
         raise SnapmlaError(f"--model: {model!r} is not a preset (expected one of {', '.join(PRESETS)})")
@@ -296,7 +300,7 @@ def make_plan(
     for layout in layouts:
         if layout.dp < 1:
             raise SnapmlaError(f"--dp: expected at least 1, got {layout.dp}")
-        heads_per_rank(heads, layout.tp)
+        heads_per_rank(heads, layout.tp, f"--layout {layout.name}" if from_layout_option else None)
     if len({layout.world for layout in layouts}) > 1:
         raise SnapmlaError("--layout: layouts run together must use the same number of GPUs")
     if kv_mem is None and batch is None:

@@ -8,7 +8,10 @@ layer and the problem rather than deep inside a decode.
 
 from __future__ import annotations
 
+import errno
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from ..errors import SnapmlaError
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE
-from .atomic import check_writable, write_atomic
+from .atomic import SPECIAL_KINDS, check_writable, write_atomic
 
 DUMP_FORMAT = "snapmla-kv-dump"
 FP8_CACHE_FORMAT = "snapmla-fp8-cache"
@@ -68,16 +71,38 @@ class KVDump:
         return meta
 
 
-def _read_metadata(path: Path) -> dict[str, str]:
-    if path.is_dir():
-        raise SnapmlaError(f"dump {path}: is a folder, expected a KV dump file (.safetensors)")
-    if not path.is_file():
-        raise SnapmlaError(f"dump {path}: no such file")
+def check_input_file(path: Path, what: str, expected: str = "a regular file") -> None:
+    """Refuse, with one line naming ``what`` and ``path``, an input that is not a readable
+    regular file, saying what it is instead: a missing path, a dangling symlink, a symlink loop,
+    a folder, a fifo or device. ``Path.is_file`` would call all but the folder "no such file",
+    and opening a fifo would wait forever for a writer."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        if os.path.islink(path):
+            raise SnapmlaError(f"{what} {path}: is a dangling symlink (to {os.readlink(path)}), "
+                               f"expected {expected}") from None
+        raise SnapmlaError(f"{what} {path}: no such file") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise SnapmlaError(f"{what} {path}: is a symlink loop, expected {expected}") from None
+        raise SnapmlaError(f"{what} {path}: cannot read it ({exc.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise SnapmlaError(f"{what} {path}: is a folder, expected {expected}")
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in SPECIAL_KINDS if test(mode)), "special file")
+        raise SnapmlaError(f"{what} {path}: is a {kind}, expected {expected}")
+
+
+def _read_metadata(path: Path, what: str = "dump", expected: str = "a KV dump file (.safetensors)") -> dict[str, str]:
+    """The safetensors metadata of the input file ``path`` (``what``: how errors name it)."""
+    check_input_file(path, what, expected)
     try:
         with safe_open(str(path), framework="pt") as handle:
             return dict(handle.metadata() or {})
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise SnapmlaError(f"dump {path}: not a safetensors file ({_first_line(exc)})") from None
+        raise SnapmlaError(f"{what} {path}: not a safetensors file ({_first_line(exc)})") from None
 
 
 def _first_line(exc: BaseException) -> str:

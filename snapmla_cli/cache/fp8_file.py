@@ -17,7 +17,16 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import SnapmlaError
-from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_TOKEN_BYTES, KV_SCALE_FLOOR, PAGE_SIZE
+from ..numerics.formats import (
+    D_CONTENT,
+    D_QK,
+    D_ROPE,
+    FP8_TOKEN_BYTES,
+    KV_SCALE_FLOOR,
+    PAD_OFFSET,
+    PAGE_SIZE,
+    ROPE_OFFSET,
+)
 from .atomic import check_writable, write_atomic
 from .dump_file import (
     FORMAT_VERSION,
@@ -105,15 +114,18 @@ def _validate(path: Path, layer: FP8CacheLayer) -> None:
 
 def _check_tokens(where: str, tokens: torch.Tensor, seqlen: int) -> None:
     """The used tokens ``[:seqlen]`` must decode to finite values with a scale the quantizer can
-    produce (finite, >= 2^-32), and the tail of the last page must be zero (SPEC section 8): a
-    NaN byte would poison every decode over the layer, and a non-zero tail means ``seqlen`` is
-    not where the quantizer stopped."""
+    produce (finite, >= 2^-32) and zero pad bytes (SPEC section 3), and the tail of the last page
+    must be zero (SPEC section 8): a NaN byte would poison every decode over the layer, non-zero
+    pad bytes mean a writer that is not SPEC's (another layout, or a corrupted row), and a
+    non-zero tail means ``seqlen`` is not where the quantizer stopped."""
     used = unpack_tokens(tokens[:seqlen])
     content_nan = (used.content.view(torch.uint8) & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
     scale_ok = torch.isfinite(used.scale) & (used.scale >= KV_SCALE_FLOOR)
     checks = (
         (content_nan.any(dim=1), "content holds an E4M3 NaN byte"),
         (~scale_ok, f"scale is not a finite value >= {KV_SCALE_FLOOR:g}"),
+        (tokens[:seqlen, PAD_OFFSET:ROPE_OFFSET].ne(0).any(dim=1),
+         f"pad bytes {PAD_OFFSET}..{ROPE_OFFSET - 1} are not zero"),
         (~torch.isfinite(used.rope).all(dim=1), "RoPE holds NaN/inf"),
     )
     for bad, what in checks:
@@ -158,7 +170,7 @@ def write_fp8_cache(cache_file: FP8CacheFile, path: Path, force: bool = False) -
 def read_fp8_cache(path: Path) -> FP8CacheFile:
     """Load and validate a quantized-cache file; every problem is a one-line :class:`SnapmlaError`."""
     path = Path(path)
-    meta = _read_metadata(path)
+    meta = _read_metadata(path, "FP8 cache", "an FP8 cache file (.safetensors)")
     _check_format(path, meta, FP8_CACHE_FORMAT)
     by_layer = load_layers(path, _KEY, "an FP8 cache file")
     layers = []

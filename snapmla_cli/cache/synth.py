@@ -264,13 +264,17 @@ def _temperature_for(logits: torch.Tensor, target: torch.Tensor, steps: int = 20
 KV_BYTES_PER_TOKEN = D_QK * 2
 BUILD_BYTES_PER_TOKEN = 4 * D_QK * 4
 PROBE_BYTES_PER_LOGIT = 4 * 8
+# per probe row, while probe_queries builds it: the gathered content of the QUERY_MIX_KEYS keys it
+# mixes (float32, with int64 indices) and its float64 copies (content, RoPE, the two logit rows'
+# inputs); a large --queries x --heads at few tokens is bound by this, not by the logits
+PROBE_BUILD_BYTES_PER_ROW = QUERY_MIX_KEYS * (D_CONTENT * 4 + 8) + 4 * D_QK * 8
 
 
 def synth_bytes(spec: SynthSpec) -> int:
     """About how much host memory :func:`synth_dump` takes at its peak."""
     rows = spec.queries * spec.heads
     return (spec.layers * spec.tokens * KV_BYTES_PER_TOKEN + spec.tokens * BUILD_BYTES_PER_TOKEN
-            + rows * spec.tokens * PROBE_BYTES_PER_LOGIT)
+            + rows * (spec.tokens * PROBE_BYTES_PER_LOGIT + PROBE_BUILD_BYTES_PER_ROW))
 
 
 def synth_dump(spec: SynthSpec = DEFAULT_SPEC) -> KVDump:

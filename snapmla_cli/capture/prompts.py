@@ -7,16 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..cache.dump_file import check_input_file
 from ..errors import SnapmlaError
 
 
 def read_prompts(path: Path) -> list[str]:
     """The prompts of ``path`` in file order; an empty or unreadable file is a one-line error."""
     path = Path(path)
+    check_input_file(path, "--prompts")  # also: a fifo would block the read forever
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SnapmlaError(f"--prompts {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise SnapmlaError(f"--prompts {path}: cannot read it ({exc})") from None
     lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]

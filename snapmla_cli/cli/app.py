@@ -23,6 +23,7 @@ except ImportError:  # pragma: no cover (the pinned environments have the copy)
     from click import exceptions as click_errors
 
 from ..errors import SnapmlaError
+from .common import one_line
 
 # (name, module under snapmla_cli.cli, function, required). Optional modules may be absent.
 COMMANDS: list[tuple[str, str, str, bool]] = [
@@ -41,11 +42,6 @@ INTERNAL_EXIT = 3  # a bug: an exception snapmla did not expect
 TRACEBACK_ENV = "SNAPMLA_TRACEBACK"  # set to 1: an internal error shows its traceback
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
-
-
 class SnapmlaGroup(TyperGroup):
     """Turns user-facing errors of every subcommand into one line and exit code 2, the option
     parser's too (typer would draw them as a multi-line box)."""
@@ -58,7 +54,7 @@ class SnapmlaGroup(TyperGroup):
             sys.exit(USAGE_EXIT)
         except click_errors.ClickException as exc:
             where = f"{exc.ctx.command_path}: " if isinstance(exc, click_errors.UsageError) and exc.ctx else ""
-            typer.echo(f"error: {where}{_one_line(exc.format_message())}", err=True)
+            typer.echo(f"error: {where}{one_line(exc.format_message())}", err=True)
             sys.exit(exc.exit_code)
         except typer.Abort:  # end of input at a prompt
             typer.echo("aborted", err=True)
@@ -69,14 +65,14 @@ class SnapmlaGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except (SnapmlaError, OSError) as exc:
-            typer.echo(f"error: {_one_line(exc)}", err=True)
+            typer.echo(f"error: {one_line(exc)}", err=True)
             raise typer.Exit(USAGE_EXIT) from None
         except (typer.Exit, typer.Abort, click_errors.ClickException, KeyboardInterrupt):
             raise
         except Exception as exc:
             if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
                 raise
-            typer.echo(f"error: internal error in snapmla ({type(exc).__name__}: {_one_line(exc)}); "
+            typer.echo(f"error: internal error in snapmla ({type(exc).__name__}: {one_line(exc)}); "
                        f"please report it with the output of {TRACEBACK_ENV}=1", err=True)
             raise typer.Exit(INTERNAL_EXIT) from None
 

@@ -30,7 +30,7 @@ from ..bench.timing import CLOCKS, STEADY
 from ..cache.atomic import check_outputs, committed_together, naming
 from ..errors import SnapmlaError
 from ..sizes import parse_size_list
-from .common import console, output_option, require_at_least, seed_option, write_json
+from .common import console, one_line, output_option, require_at_least, seed_option, write_json
 
 # --model: the names of bench.plan's presets (one table, so the option cannot drift)
 Model = Enum("Model", {name: name for name in PRESETS}, type=str)
@@ -48,11 +48,6 @@ class Bf16Impl(str, Enum):
 # --clocks: the names of bench.timing's clock states (one list, so the option cannot drift)
 ClockState = Enum("ClockState", {name: name for name in CLOCKS}, type=str)
 DEFAULT_CLOCKS = ClockState(STEADY.name)
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
 
 
 def print_progress(message: str) -> None:
@@ -77,6 +72,7 @@ def build_plan(
         model=model, heads=heads, layers=layers, mtp=mtp,
         contexts=parse_size_list(ctx, "--ctx"), layouts=layouts, batch=batch,
         kv_mem=None if kv_mem is None else parse_bytes(kv_mem, "--kv-mem"), seed=seed,
+        from_layout_option=layout is not None,
     )
 
 
@@ -115,7 +111,7 @@ def bench_command(
                graphs, bf16_impl.value, roofline, clocks.value, seed, json_path, plot, force, progress,
                cpu_fake)
     except (SnapmlaError, OSError) as exc:
-        typer.echo(f"error: {_one_line(exc)}", err=True)
+        typer.echo(f"error: {one_line(exc)}", err=True)
         raise typer.Exit(2) from None
 
 

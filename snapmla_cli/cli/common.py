@@ -87,6 +87,8 @@ class _EmptyPath(BadParameter):
     then what was expected) rather than click's "Invalid value for ..."."""
 
     def format_message(self) -> str:
+        if self.param is not None and self.param.param_type_name == "argument":  # DUMP, as in the usage
+            return f"{self.param.metavar or (self.param.name or 'path').upper()}: {self.message}"
         opts = self.param.opts if self.param is not None else []
         return f"{opts[0] if opts else 'path'}: {self.message}"
 
@@ -109,6 +111,28 @@ def output_option(*names: str, help: str, folder: bool = False) -> Any:
     option. Use as ``Annotated[Path, output_option("--output", "-o", help=...)]``."""
     return typer.Option(*names, help=help, parser=_path_parser("folder" if folder else "file"),
                         metavar="<path>")
+
+
+def input_option(*names: str, help: str) -> Any:
+    """``typer.Option`` for a file the command reads (``--dump``, ``--prompts``): the empty string
+    is a one-line usage error naming the option, where typer would read ``Path('.')`` and the
+    reader then report that ``.`` is a folder. Use as
+    ``Annotated[Path | None, input_option("--dump", help=...)]``."""
+    return typer.Option(*names, help=help, parser=_path_parser("file"), metavar="<path>")
+
+
+def input_argument(name: str, help: str) -> Any:
+    """``typer.Argument`` for a file the command reads (quantize's ``DUMP``), with the empty
+    string refused as :func:`input_option` refuses it, the error naming ``name``."""
+    return typer.Argument(help=help, parser=_path_parser("file"), metavar=name)
+
+
+def one_line(exc: BaseException) -> str:
+    """The message of ``exc`` on one line (runs of whitespace, newlines included, become one
+    space: a path may hold a newline), or its type's name when it has none. For commands that
+    print their own errors; the app's handler does the same for the others."""
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 # torch.Generator.manual_seed takes at most 64 bits; a seed beyond was a traceback

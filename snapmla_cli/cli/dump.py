@@ -19,9 +19,10 @@ from rich.progress import (
 from rich.table import Table
 
 from ..cache.atomic import check_outputs
+from ..cache.dump_file import check_input_file
 from ..capture import Capture, DumpOptions, dump_model, parse_layers
 from ..errors import SnapmlaError
-from .common import output_option
+from .common import input_option, one_line, output_option
 
 
 def dump_command(
@@ -33,7 +34,7 @@ def dump_command(
     ],
     prompts: Annotated[
         Path,
-        typer.Option(
+        input_option(
             "--prompts", help="Prompt file: one prompt per line, or .jsonl with 'prompt'/'text'."
         ),
     ],
@@ -85,6 +86,7 @@ def dump_command(
     out = Console()
     err = Console(stderr=True)
     try:
+        check_input_file(prompts, "--prompts")
         _check_output(output, force, model, prompts)
         options = DumpOptions(
             model=model,
@@ -100,7 +102,7 @@ def dump_command(
         )
         capture = _run(options, output, force, err)
     except SnapmlaError as exc:
-        err.print(f"error: {escape(str(exc))}", highlight=False, soft_wrap=True)
+        err.print(f"error: {escape(one_line(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     _render(capture, output, out)
     failed = [c.layer for c in capture.checks if not c.ok]
@@ -111,8 +113,9 @@ def dump_command(
 
 def _check_output(output: Path, force: bool, model: str, prompts: Path) -> None:
     """Refuse a bad ``--output`` before loading the model (minutes), including one that would
-    replace the prompt file or a file of a local checkpoint folder."""
-    local_model = Path(model) if Path(model).exists() else None  # else a hub id
+    replace the prompt file or a file of a local checkpoint folder. An empty ``--model`` is no
+    folder (``Path('')`` is the current one), and is refused with the other options."""
+    local_model = Path(model) if model and Path(model).exists() else None  # else a hub id
     check_outputs([("--output", output)], force, inputs=[("--prompts", prompts), ("--model", local_model)])
 
 

@@ -10,19 +10,28 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from ..analysis.fidelity import FidelityReport, analyze_layer, layer_queries
+from ..analysis.fidelity import (
+    PROBE_HEADS,
+    PROBE_QUERIES,
+    FidelityReport,
+    analyze_layer,
+    layer_queries,
+)
 from ..analysis.verify import resolve_device
 from ..cache.atomic import check_outputs, committed_together, naming
-from ..cache.dump_file import KVDump, read_dump
+from ..cache.dump_file import KVDump, LayerDump, read_dump
 from ..cache.fp8_file import FP8CacheFile, FP8CacheLayer, quantize_layer_cache, write_fp8_cache
-from ..cache.synth import DEFAULT_SPEC, SynthSpec, synth_dump
+from ..cache.synth import DEFAULT_SPEC, PROBE_BUILD_BYTES_PER_ROW, SynthSpec, synth_dump
 from ..errors import SnapmlaError
+from ..host_memory import require_host_memory
 from ..numerics.configs import CONFIGS, get_configs
+from ..numerics.formats import D_QK
 from ..sizes import parse_size
 from .common import (
     Device,
     console,
     fmt,
+    input_argument,
     output_option,
     progress,
     require_at_least,
@@ -32,7 +41,7 @@ from .common import (
 
 
 def quantize_command(
-    dump: Annotated[Path | None, typer.Argument(help="KV dump (safetensors); omitted: the synthetic default.")] = None,
+    dump: Annotated[Path | None, input_argument("DUMP", help="KV dump (safetensors); omitted: the synthetic default.")] = None,
     output: Annotated[Path, output_option("--output", "-o", help="FP8 cache file to write.")] = ...,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT, --json, --plot files.")] = False,
     json_path: Annotated[Path | None, output_option("--json", help="Write the fidelity report as JSON.")] = None,
@@ -59,6 +68,7 @@ def quantize_command(
     require_at_least("--queries", queries)
     dev = resolve_device(device.value)
     source = _load(dump, layers, tokens, seed)
+    _check_host_memory(source, queries)
     out, err = console(), console(stderr=True)
     report = FidelityReport([c.id for c in chosen], [])
     pages = []
@@ -87,6 +97,42 @@ def quantize_command(
     for path in (json_path, plot):
         if path is not None:
             out.print(f"wrote {path}")
+
+
+# Host bytes of analysing one layer (the layers are done one at a time): per synthetic probe row,
+# what building it takes (cache.synth); per (query row, token), the float64 logits and
+# probabilities of the float64 attention (four arrays, as in synth and verify); per token, the
+# fake-quantized float32 copy and the float64 keys of the reference attention.
+BYTES_PER_LOGIT = 4 * 8
+ANALYSIS_BYTES_PER_TOKEN = D_QK * (4 + 2 * 8)
+
+
+def _probe_rows(layer: LayerDump, queries: int | None) -> tuple[int, bool]:
+    """(query rows ``layer`` is probed with, whether they are synthetic, i.e. built here), as
+    ``analysis.fidelity.layer_queries`` picks them (which refuses more than the dump holds)."""
+    if layer.queries is not None:
+        n, heads = layer.queries.shape[:2]
+        return min(n, queries or n) * heads, False
+    return (queries or PROBE_QUERIES) * PROBE_HEADS, True
+
+
+def _layer_bytes(layer: LayerDump, queries: int | None) -> int:
+    """About how much host memory analysing ``layer`` takes (the estimate behind the check)."""
+    rows, synthetic = _probe_rows(layer, queries)
+    tokens = layer.kv.shape[0]
+    build = rows * PROBE_BUILD_BYTES_PER_ROW if synthetic else 0
+    return build + rows * tokens * BYTES_PER_LOGIT + tokens * ANALYSIS_BYTES_PER_TOKEN
+
+
+def _check_host_memory(source: KVDump, queries: int | None) -> None:
+    """Refuse, before the first layer is quantized, probes that the host cannot hold: a
+    ``--queries`` with a few zeros too many would otherwise end in an allocation error or
+    minutes of swapping. The message names the option and the largest layer's sizes."""
+    layer = max(source.layers, key=lambda entry: _layer_bytes(entry, queries))
+    rows, _ = _probe_rows(layer, queries)
+    label = f"--queries {queries}" if queries is not None else "the probe queries"
+    require_host_memory(f"{label} ({rows} query rows x {layer.kv.shape[0]} tokens of layer {layer.index})",
+                        _layer_bytes(layer, queries))
 
 
 def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int) -> KVDump:

@@ -29,7 +29,16 @@ from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, format_size, parse_int_list, parse_size
-from .common import Device, console, fmt, output_option, progress, seed_option, write_json
+from .common import (
+    Device,
+    console,
+    fmt,
+    input_option,
+    output_option,
+    progress,
+    seed_option,
+    write_json,
+)
 
 CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
 GPU_BATCH = 4
@@ -53,7 +62,7 @@ def verify_command(
     batch: Annotated[int | None, typer.Option(help=f"Requests per case (default {CPU_BATCH} on CPU, {GPU_BATCH} on GPU).")] = None,
     heads: Annotated[str, typer.Option(help="Query heads h_q, comma-separated.")] = "16,64,128",
     mtp: Annotated[str, typer.Option(help="Query tokens per request s_q, comma-separated.")] = "1,2",
-    dump: Annotated[Path | None, typer.Option(help="Take KV (and queries) from this KV dump.")] = None,
+    dump: Annotated[Path | None, input_option("--dump", help="Take KV (and queries) from this KV dump.")] = None,
     layer: Annotated[int | None, typer.Option(help="Layer to use (default: the last).")] = None,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal MTP masking.")] = True,

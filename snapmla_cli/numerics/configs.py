@@ -115,8 +115,10 @@ CONFIGS: dict[str, QuantConfig] = {
 
 
 def get_configs(ids: list[str] | None = None, what: str | None = None) -> list[QuantConfig]:
-    """The named configurations in the given order (all of them by default); an empty list or an
-    unknown name is a one-line error, prefixed with ``what`` (the option that gave the names)."""
+    """The named configurations in the given order (all of them by default), a repeated name
+    once (as ``--heads 16,16`` is one head count: measuring a config twice only repeats its
+    table column and its JSON key); an empty list or an unknown name is a one-line error,
+    prefixed with ``what`` (the option that gave the names)."""
     if ids is None:
         return list(CONFIGS.values())
     prefix = f"{what}: " if what else ""
@@ -125,4 +127,4 @@ def get_configs(ids: list[str] | None = None, what: str | None = None) -> list[Q
     unknown = [i for i in ids if i not in CONFIGS]
     if unknown:
         raise SnapmlaError(f"{prefix}unknown quantization config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
-    return [CONFIGS[i] for i in ids]
+    return [CONFIGS[i] for i in dict.fromkeys(ids)]
