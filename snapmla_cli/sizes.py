@@ -17,6 +17,9 @@ MAX_SIZE = 2**31 - 1
 MAX_QUERY_HEADS = 1024
 MAX_QUERY_TOKENS = 16
 _SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
+# digits a size or count may have before it is refused as too large without being converted
+# (int() of a string past Python's 4300-digit limit raises, and no real size has 20 digits)
+MAX_DIGITS = 19
 
 
 def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE) -> int:
@@ -28,6 +31,8 @@ def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE) -> int
         match = _SIZE.match(str(text))
         if match is None:
             raise SnapmlaError(f"{what}: {text!r} is not a size (expected e.g. 2048, 32k or 1m)")
+        if len(match.group(1).lstrip("0")) > MAX_DIGITS:
+            raise SnapmlaError(f"{what}: {shorten(str(text))!r} is too large (expected at most {format_size(most)})")
         value = int(match.group(1)) * _SUFFIX[match.group(2).lower()]
     if value < 1:
         raise SnapmlaError(f"{what}: {text!r} must be at least 1")
@@ -52,6 +57,8 @@ def parse_int_list(text: str, what: str, most: int) -> list[int]:
         part = part.strip()
         if not part:
             continue
+        if part.isascii() and part.isdigit() and len(part.lstrip("0")) > MAX_DIGITS:
+            raise SnapmlaError(f"{what}: {shorten(part)!r} is too large (expected at most {most})")
         if not (part.isascii() and part.isdigit()) or int(part) < 1:
             raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
         if int(part) > most:
@@ -69,3 +76,10 @@ def format_size(value: int) -> str:
         if value >= unit and value % unit == 0:
             return f"{value // unit}{suffix}"
     return str(value)
+
+
+def shorten(text: str, limit: int = 24) -> str:
+    """``text`` cut to ``limit`` characters for an error message (a 5,000-digit typo stays one
+    readable line)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+

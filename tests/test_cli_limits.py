@@ -7,13 +7,14 @@ import warnings
 from pathlib import Path
 
 import pytest
+import rich.console
 import torch
 from cli_checks import assert_one_line_error, invoke
 from safetensors.torch import save_file
 
 from snapmla_cli import host_memory
 from snapmla_cli.cache.synth import SynthSpec, probe_queries, synth_layer_kv
-from snapmla_cli.cli import info
+from snapmla_cli.cli import common, info
 from snapmla_cli.cli.app import INTERNAL_EXIT, TRACEBACK_ENV
 from snapmla_cli.sizes import MAX_SIZE, parse_int_list, parse_size
 from snapmla_cli.tuning import lookup
@@ -28,6 +29,10 @@ from snapmla_cli.tuning.db import GpuKey
     (["tune", "--dry-run", "--ctx", "99999999999999999999999"], ["--ctx", "too large"]),
     (["tune", "--dry-run", "--batch", "1-100000"], ["--batch", "at most 4k"]),
     (["synth", "-o", "never.st", "--tokens", "100000000m"], ["--tokens", "too large"]),
+    (["verify", "--ctx", "9" * 5000], ["--ctx", "too large"]),
+    (["tune", "--dry-run", "--heads", "9" * 5000], ["--heads", "too large"]),
+    (["tune", "--dry-run", "--budget", "9" * 5000], ["--budget", "too large"]),
+    (["bench", "--cpu-fake", "--kv-mem", "9" * 5000 + "G"], ["--kv-mem", "too large"]),
 ])
 def test_sizes_beyond_the_int32_lengths_or_the_named_maxima(args: list[str], needles: list[str], tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -179,4 +184,19 @@ def test_verify_says_when_fp8_storage_itself_loses_the_output(tmp_path: Path) ->
     assert "note: FP8 storage alone is 1 (rel_l2) from float64 at h_q 2 s_q 1, above 0.1" in " ".join(result.output.split())
     synthetic = invoke("verify", "--ctx", "256", "--heads", "2", "--mtp", "1")
     assert synthetic.exit_code == 0 and "FP8 storage alone" not in synthetic.output
+
+
+def test_bench_takes_the_largest_seed_the_option_allows(tmp_path: Path) -> None:
+    """The per-rank seed (seed x 1,000,003 + DP index) stays within torch's 64 bits."""
+    result = invoke("bench", "--cpu-fake", "--ctx", "1k", "--seed", str(2**63 - 1), "--json", tmp_path / "b.json")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("columns", ["0", "1", "20"])
+def test_a_tiny_terminal_width_still_shows_the_tables(columns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$COLUMNS of 0 printed nothing in a terminal, 1 a column of letters: the console is made at
+    least 80 wide there (a pipe keeps its fixed width)."""
+    monkeypatch.setenv("COLUMNS", columns)
+    monkeypatch.setattr(rich.console.Console, "is_terminal", property(lambda self: True))
+    assert common.console().width == 80
 

@@ -786,6 +786,34 @@ def test_resume_skips_a_candidate_that_crashed(tmp_path):
     assert any(m.cid == crashed and not m.ok and "earlier run" in m.detail for m in result.measured)
 
 
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda d, b: d["buckets"][b]["results"].update(x={"status": "ok", "time_s": float("nan")}), "time_s nan"),
+    (lambda d, b: d["buckets"][b]["results"].update(x={"status": "ok", "time_s": 0}), "time_s 0"),
+    (lambda d, b: d["buckets"][b].update(elapsed_s=-5.0), "elapsed_s"),
+    (lambda d, b: d["buckets"][b].update(elapsed_s=10**400), "elapsed_s"),
+    (lambda d, b: d["buckets"].update({b: []}), "is malformed"),
+    (lambda d, b: d["buckets"][b].update(results=None), "is malformed"),
+    (lambda d, b: d.update(buckets=[]), "not a mapping"),
+    (lambda d, b: d.update(version=99), "version 99"),
+    (lambda d, b: d.pop("version"), "version None"),
+])
+def test_a_corrupt_partial_file_starts_over_instead_of_feeding_the_search(tmp_path, edit, needle):
+    """A NaN time would sort a slower candidate first; a negative elapsed time would never use up
+    the budget; a malformed bucket raised AttributeError; another version may mean other timings."""
+    space = small_space()
+    path = partial_path(tmp_path, GPU)
+    store = PartialStore(path, GPU, "k1")
+    store.started(space.bucket.id, space.ids()[1], 1.0)
+    assert PartialStore(path, GPU, "k1").buckets  # the clean file resumes
+    data = json.loads(path.read_text())
+    edit(data, space.bucket.id)
+    path.write_text(json.dumps(data))
+    resumed = PartialStore(path, GPU, "k1")
+    assert resumed.buckets == {} and needle in resumed.note and "starting over" in resumed.note
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert "unreadable (RecursionError)" in PartialStore(path, GPU, "k1").note
+
+
 def test_partial_file_for_other_gpu_or_kernels_is_ignored(tmp_path):
     space = small_space()
     path = partial_path(tmp_path, GPU)

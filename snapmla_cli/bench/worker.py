@@ -69,10 +69,14 @@ class LocalComm:
         return [obj]
 
 
+# a rank's seed stays within what torch.Generator.manual_seed takes (the option allows 2^63 - 1)
+SEED_RANGE = 2**63
+
+
 def rank_seed(plan: BenchPlan, dp_index: int) -> int:
     """Different requests (page layout, data) in every DP group; the same within a TP group,
     whose ranks decode the same requests."""
-    return plan.seed * 1_000_003 + dp_index
+    return (plan.seed * 1_000_003 + dp_index) % SEED_RANGE  # torch generators take 64 bits
 
 
 def run_rank(

@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover (the pinned environments have the copy)
     from click.exceptions import BadParameter
 
 _PIPE_WIDTH = 160  # rich's width when the output is not a terminal (pipes, files, CI logs)
+_MIN_WIDTH = 80  # the narrowest a terminal console is made: the tables need about that much
 
 
 class Device(str, Enum):
@@ -34,7 +35,11 @@ def console(stderr: bool = False) -> Console:
     """A console on stdout (tables) or stderr (progress); wide enough for the tables in logs.
     Markup is off (paths may hold brackets): style with ``rich.text.Text``."""
     probe = Console(stderr=stderr)
-    return Console(stderr=stderr, markup=False, width=None if probe.is_terminal else _PIPE_WIDTH)
+    if not probe.is_terminal:
+        width = _PIPE_WIDTH
+    else:  # a terminal's width, or $COLUMNS: 0 or 1 there printed nothing or a column of letters
+        width = None if probe.width >= _MIN_WIDTH else _MIN_WIDTH
+    return Console(stderr=stderr, markup=False, width=width)
 
 
 def require_at_least(option: str, value: int | None, least: int = 1) -> None:

@@ -341,12 +341,12 @@ def describe_database(gpus: list[Any]) -> list[str]:
                                             and os.environ.get(TUNING_DIR_ENV) else None) for o, p in dirs}
     lines = ["tuning database folders: " + ", ".join(
         f"{o} {p}" + (f" ({notes[str(p)]}: ignored)" if notes[str(p)] else "") for o, p in dirs)]
-    for _, folder in dirs:
-        if folder.is_dir():
-            for path in sorted(folder.glob("*.yaml")):
-                problem = file_problem(path)
-                if problem:
-                    lines.append(f"tuning file {path}: {problem}")
+    usable = [folder for _, folder in dirs if not folder_problem(folder) and folder.is_dir()]
+    for folder in usable:  # (a folder with a problem is named above; stat()ing it again may raise)
+        for path in sorted(folder.glob("*.yaml")):
+            problem = file_problem(path)
+            if problem:
+                lines.append(f"tuning file {path}: {problem}")
     for g in gpus:
         found = matching_entries(g)
         if not found:
@@ -356,6 +356,6 @@ def describe_database(gpus: list[Any]) -> list[str]:
         lines.append(f"tuning entries for {g.name}: {len(found)} ({', '.join(files)})")
         lines += ["  " + entry_line(loc) for loc in found]
     if not gpus:
-        names = sorted({p.name for _, d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+        names = sorted({p.name for d in usable for p in d.glob("*.yaml")})
         lines.append("tuning files: " + (", ".join(names) if names else "none"))
     return lines

@@ -115,6 +115,39 @@ def partial_path(folder: Path, gpu: GpuKey) -> Path:
     return folder / (db_filename(gpu.name)[: -len(".yaml")] + ".partial.json")
 
 
+def _is_time(value: object) -> bool:
+    """A measured time or elapsed seconds: a finite number >= 0 (not a bool, not an integer too
+    large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and number >= 0
+
+
+def _partial_problem(buckets: object) -> str | None:
+    """Why the stored buckets cannot be resumed (None: they can). A hand-edited or corrupt file
+    must not feed the search a NaN or negative time (the sort would pick a slower winner, the
+    budget would never run out): every bucket is a mapping with finite elapsed seconds and
+    results whose times, where given, are finite and positive."""
+    if not isinstance(buckets, dict):
+        return "buckets is not a mapping"
+    for bucket_id, state in buckets.items():
+        if not isinstance(state, dict) or not isinstance(state.get("results", {}), dict):
+            return f"bucket {str(bucket_id)[:40]!r} is malformed"
+        if not _is_time(state.get("elapsed_s", 0.0)):
+            return f"bucket {str(bucket_id)[:40]!r}: elapsed_s is not a finite number >= 0"
+        for cid, result in state.get("results", {}).items():
+            if not isinstance(result, dict):
+                return f"result {str(cid)[:40]!r} is malformed"
+            t = result.get("time_s")
+            if t is not None and not (_is_time(t) and float(t) > 0):
+                return f"result {str(cid)[:40]!r}: time_s {t!r} is not a positive time"
+    return None
+
+
 class PartialStore:
     """``<db dir>/<GPU>.partial.json``: per bucket, every candidate measured so far (or started
     and never finished: a crash), and the tuning seconds spent. Keyed by the GPU key and the hash
@@ -131,19 +164,27 @@ class PartialStore:
     def _load(self) -> None:
         try:
             data = json.loads(self.path.read_text())
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             self.note = (f"partial results {self.path} unreadable ({type(exc).__name__}); "
                          "starting over")
             return
         if not isinstance(data, dict) or data.get("format") != PARTIAL_FORMAT:
             self.note = f"partial results {self.path}: not a partial-results file; starting over"
             return
+        if data.get("version") != PARTIAL_VERSION:
+            self.note = (f"partial results {self.path}: version {data.get('version')!r}, this snapmla "
+                         f"writes {PARTIAL_VERSION}; starting over")
+            return
         if data.get("gpu") != self.gpu.as_dict() or data.get("kernels") != self.kernels:
             self.note = (f"partial results {self.path} are for another GPU or other kernel "
                          "sources; starting over")
             return
         buckets = data.get("buckets")
-        self.buckets = buckets if isinstance(buckets, dict) else {}
+        problem = _partial_problem(buckets)
+        if problem:
+            self.note = f"partial results {self.path}: {problem}; starting over"
+            return
+        self.buckets = buckets
 
     def bucket(self, bucket_id: str) -> dict[str, Any]:
         state = self.buckets.setdefault(bucket_id, {"elapsed_s": 0.0, "results": {}})
