@@ -200,3 +200,13 @@ def test_a_tiny_terminal_width_still_shows_the_tables(columns: str, monkeypatch:
     monkeypatch.setattr(rich.console.Console, "is_terminal", property(lambda self: True))
     assert common.console().width == 80
 
+
+def test_the_synthetic_default_takes_more_probe_queries_than_its_own(tmp_path: Path) -> None:
+    """Without a DUMP, --queries sizes the synthetic default's probes; it used to fail with "layer
+    0 of the dump holds 4 queries" although no dump was given."""
+    out = tmp_path / "c.st"
+    result = invoke("quantize", "-o", out, "--layers", "1", "--tokens", "128", "--queries", "6",
+                    "--configs", "snap", "--json", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    assert out.exists() and "dump holds" not in result.output
+

@@ -67,7 +67,7 @@ def quantize_command(
     require_at_least("--layers", layers)
     require_at_least("--queries", queries)
     dev = resolve_device(device.value)
-    source = _load(dump, layers, tokens, seed)
+    source = _load(dump, layers, tokens, seed, queries)
     _check_host_memory(source, queries)
     out, err = console(), console(stderr=True)
     report = FidelityReport([c.id for c in chosen], [])
@@ -135,7 +135,9 @@ def _check_host_memory(source: KVDump, queries: int | None) -> None:
                         _layer_bytes(layer, queries))
 
 
-def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int) -> KVDump:
+def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int, queries: int | None) -> KVDump:
+    """The dump given, or the synthetic default made with ``--queries`` probe queries per layer
+    (so that asking the default for more than its own 4 is not an error about "the dump")."""
     if dump is not None:
         if layers is not None or tokens is not None:
             raise SnapmlaError("--layers/--tokens apply only to the synthetic default (no DUMP given)")
@@ -143,6 +145,7 @@ def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int) 
     spec = SynthSpec(
         layers=DEFAULT_SPEC.layers if layers is None else layers,
         tokens=DEFAULT_SPEC.tokens if tokens is None else parse_size(tokens, "--tokens"),
+        queries=DEFAULT_SPEC.queries if queries is None else queries,
         seed=seed,
     )
     return synth_dump(spec)

@@ -192,7 +192,7 @@ class Budget:
     def __str__(self) -> str:
         if self.seconds is not None:
             return f"{self.seconds:g}s per bucket"
-        return f"{self.count} candidates per bucket"
+        return f"{self.count} candidate{'' if self.count == 1 else 's'} per bucket"
 
 
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min)?\s*$", re.IGNORECASE)
