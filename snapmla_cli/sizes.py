@@ -22,6 +22,14 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
 MAX_DIGITS = 19
 
 
+def refuse_long_number(number: str, what: str, text: object, expected: str = "") -> None:
+    """A one-line "too large" error for a decimal ``number`` (the digits a pattern matched in
+    ``text``, a fraction allowed) of more than :data:`MAX_DIGITS` integer digits, raised before
+    anything converts it; ``expected`` is appended (e.g. " (expected at most 1024)")."""
+    if len(number.split(".")[0].lstrip("0")) > MAX_DIGITS:
+        raise SnapmlaError(f"{what}: {shorten(str(text))!r} is too large{expected}")
+
+
 def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE) -> int:
     """``"32k"`` -> 32768, ``"1m"`` -> 1048576, ``"4096"`` -> 4096 (k = 1024, m = 1024*1024),
     between 1 and ``most``."""
@@ -31,8 +39,7 @@ def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE) -> int
         match = _SIZE.match(str(text))
         if match is None:
             raise SnapmlaError(f"{what}: {text!r} is not a size (expected e.g. 2048, 32k or 1m)")
-        if len(match.group(1).lstrip("0")) > MAX_DIGITS:
-            raise SnapmlaError(f"{what}: {shorten(str(text))!r} is too large (expected at most {format_size(most)})")
+        refuse_long_number(match.group(1), what, text, f" (expected at most {format_size(most)})")
         value = int(match.group(1)) * _SUFFIX[match.group(2).lower()]
     if value < 1:
         raise SnapmlaError(f"{what}: {text!r} must be at least 1")
@@ -57,8 +64,8 @@ def parse_int_list(text: str, what: str, most: int) -> list[int]:
         part = part.strip()
         if not part:
             continue
-        if part.isascii() and part.isdigit() and len(part.lstrip("0")) > MAX_DIGITS:
-            raise SnapmlaError(f"{what}: {shorten(part)!r} is too large (expected at most {most})")
+        if part.isascii() and part.isdigit():
+            refuse_long_number(part, what, part, f" (expected at most {most})")
         if not (part.isascii() and part.isdigit()) or int(part) < 1:
             raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
         if int(part) > most:
@@ -79,7 +86,7 @@ def format_size(value: int) -> str:
 
 
 def shorten(text: str, limit: int = 24) -> str:
-    """``text`` cut to ``limit`` characters for an error message (a 5,000-digit typo stays one
-    readable line)."""
+    """``text`` cut to ``limit`` characters for an error message (a 5,000-digit typo, a long key
+    of a database file: the message stays one readable line)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import SnapmlaError
 from ..numerics.formats import BF16_TOKEN_BYTES, FP8_TOKEN_BYTES, PAGE_SIZE
-from ..sizes import MAX_DIGITS, format_size, shorten
+from ..sizes import format_size, refuse_long_number
 
 FP8, BF16 = "fp8", "bf16"
 IMPLS = (FP8, BF16)
@@ -124,8 +124,7 @@ def parse_bytes(text: str | int, what: str = "--kv-mem") -> int:
         if match is None:
             raise SnapmlaError(f"{what}: {text!r} is not a memory size (expected e.g. 60GiB, 80G or 500MB)")
         number, prefix, binary, unit_b = match.groups()
-        if len(number.split(".")[0].lstrip("0")) > MAX_DIGITS:  # float() of it would be inf
-            raise SnapmlaError(f"{what}: {shorten(str(text))!r} is too large")
+        refuse_long_number(number, what, text)  # float() of it would be inf
         power = _POWERS[prefix.lower()]
         decimal = bool(unit_b) and not binary and power > 0
         value = int(float(number) * (1000**power if decimal else 1024**power))

@@ -52,7 +52,7 @@ class _Landing:
 # The moves that wait for the end of a :func:`committed_together` block (None: outside one).
 _PENDING: ContextVar[list[_Landing] | None] = ContextVar("snapmla_pending_outputs", default=None)
 
-SPECIAL_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
+_KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
           (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
 
 
@@ -378,9 +378,15 @@ def _existing_kind(target: Path, what: str, path: Path) -> str | None:
         return None
     except OSError as exc:  # a symlink loop, a folder we may not search
         raise SnapmlaError(f"{what} {path}: cannot check it: {exc.strerror}") from None
+    return file_kind(mode)
+
+
+def file_kind(mode: int) -> str:
+    """What an ``os.stat`` mode is: "file" for a regular file, else "directory", "fifo",
+    "socket", "character device", "block device" or "special file"."""
     if stat.S_ISREG(mode):
         return "file"
-    return next((name for test, name in SPECIAL_KINDS if test(mode)), "special file")
+    return next((name for test, name in _KINDS if test(mode)), "special file")
 
 
 def _refuse_special(kind: str | None, path: Path, what: str) -> None:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from ..errors import SnapmlaError
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE
-from .atomic import SPECIAL_KINDS, check_writable, write_atomic
+from .atomic import check_writable, file_kind, write_atomic
 
 DUMP_FORMAT = "snapmla-kv-dump"
 FP8_CACHE_FORMAT = "snapmla-fp8-cache"
@@ -91,8 +91,7 @@ def check_input_file(path: Path, what: str, expected: str = "a regular file") ->
     if stat.S_ISDIR(mode):
         raise SnapmlaError(f"{what} {path}: is a folder, expected {expected}")
     if not stat.S_ISREG(mode):
-        kind = next((name for test, name in SPECIAL_KINDS if test(mode)), "special file")
-        raise SnapmlaError(f"{what} {path}: is a {kind}, expected {expected}")
+        raise SnapmlaError(f"{what} {path}: is a {file_kind(mode)}, expected {expected}")
 
 
 def _read_metadata(path: Path, what: str = "dump", expected: str = "a KV dump file (.safetensors)") -> dict[str, str]:

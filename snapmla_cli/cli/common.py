@@ -123,7 +123,7 @@ def input_option(*names: str, help: str) -> Any:
     is a one-line usage error naming the option, where typer would read ``Path('.')`` and the
     reader then report that ``.`` is a folder. Use as
     ``Annotated[Path | None, input_option("--dump", help=...)]``."""
-    return typer.Option(*names, help=help, parser=_path_parser("file"), metavar="<path>")
+    return output_option(*names, help=help)  # the same parser: only the name says which way
 
 
 def input_argument(name: str, help: str) -> Any:

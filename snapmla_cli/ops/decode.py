@@ -29,7 +29,7 @@ from ..numerics.formats import (
     FP8_TOKEN_BYTES,
     PAGE_SIZE,
 )
-from ..numerics.quant import QuantizedRows
+from ..numerics.quant import QuantizedRows, as_e4m3
 from ..runtime.cluster_launch import ClusterLaunch
 from .cluster_fold import cluster_defines, holds_a_wave, planned_cluster
 from .config_choice import (
@@ -374,7 +374,7 @@ def _check_quantized_finite(q: QuantizedRows) -> None:
     """The ``SNAPMLA_CHECK_FINITE`` check of an already quantized Q (its E4M3 content as well:
     a hand-built ``QuantizedRows`` may hold NaN bytes), one read-back for the three parts."""
     parts = [(f"q.{name}", getattr(q, name)) for name in ("content", "scale", "rope")]
-    check_all_finite(*((name, (t.view(FP8_DTYPE) if t.dtype == torch.uint8 else t).float())
+    check_all_finite(*((name, as_e4m3(t).float())
                        for name, t in parts if isinstance(t, torch.Tensor)))  # (others fail below)
 
 

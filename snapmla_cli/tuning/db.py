@@ -40,7 +40,8 @@ from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import FP8_MMA_SYNC, ROPE_RING_CHOICES, WG_MODES, DecodeConfig
 from ..ops.schedule import SplitPolicy
-from .fields import MAX_FIELD_INT, DbError, clip, is_int, read_int, read_positive_number, show
+from ..sizes import shorten
+from .fields import MAX_FIELD_INT, DbError, is_int, read_int, read_positive_number, show
 from .space import Bucket, config_problem
 
 FORMAT_TAG = "snapmla-tuning"
@@ -213,7 +214,7 @@ def config_from_dict(data: object, name: str = "config") -> DecodeConfig:
     unknown = sorted(map(str, set(data) - set(_CONFIG_FIELDS) - {"split"}))
     unknown += sorted(f"split.{k}" for k in set(split_data) - set(_SPLIT_FIELDS))
     if unknown:
-        raise DbError(f"{name}: unknown parameter(s) {clip(', '.join(unknown))}")
+        raise DbError(f"{name}: unknown parameter(s) {shorten(', '.join(unknown), 60)}")
     for key, value in [*data.items(), *split_data.items()]:
         if key != "split":
             _check_config_value(name, key, value)
@@ -317,7 +318,7 @@ def _timed_at(value: object) -> dict[str, int]:
         return {}
     if not isinstance(value, dict):
         raise DbError(f"timed_at: expected a mapping, got {show(value)}")
-    return {str(k): read_int(v, f"timed_at.{clip(str(k), 20)}") for k, v in value.items()}
+    return {str(k): read_int(v, f"timed_at.{shorten(str(k), 20)}") for k, v in value.items()}
 
 
 @dataclass

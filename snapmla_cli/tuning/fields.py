@@ -43,11 +43,6 @@ def show(value: object) -> str:
         return f"a {type(value).__name__}"
 
 
-def clip(text: str, limit: int = 60) -> str:
-    """``text`` cut to ``limit`` characters (a key or list of keys quoted in a warning)."""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def is_int(value: object) -> bool:
     """A YAML integer: ``true`` / ``false`` are bools, which Python counts as ints."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -74,14 +69,21 @@ def read_pair(value: object, name: str) -> tuple[int, int]:
     return (value[0], value[1])
 
 
+def finite_number(value: object) -> float | None:
+    """``value`` as a finite float, or None for anything else: a bool, a non-number, NaN, an
+    infinity, an integer too large for a float (where ``float()`` itself raises ``OverflowError``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def read_positive_number(value: object, name: str) -> float:
-    """A finite number > 0 (a time): an integer too large for a float is refused too, where
-    ``math.isfinite`` itself would raise ``OverflowError``."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if math.isfinite(number) and number > 0:
-            return number
-    raise DbError(f"{name}: expected a positive number, got {show(value)}")
+    """A finite number > 0 (a time)."""
+    number = finite_number(value)
+    if number is None or number <= 0:
+        raise DbError(f"{name}: expected a positive number, got {show(value)}")
+    return number

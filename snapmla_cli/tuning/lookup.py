@@ -341,7 +341,7 @@ def describe_database(gpus: list[Any]) -> list[str]:
                                             and os.environ.get(TUNING_DIR_ENV) else None) for o, p in dirs}
     lines = ["tuning database folders: " + ", ".join(
         f"{o} {p}" + (f" ({notes[str(p)]}: ignored)" if notes[str(p)] else "") for o, p in dirs)]
-    usable = [folder for _, folder in dirs if not folder_problem(folder) and folder.is_dir()]
+    usable = [folder for _, folder in dirs if not notes[str(folder)] and folder.is_dir()]
     for folder in usable:  # (a folder with a problem is named above; stat()ing it again may raise)
         for path in sorted(folder.glob("*.yaml")):
             problem = file_problem(path)

@@ -23,7 +23,7 @@ from ..ops import cluster_fold
 from ..ops import decode_config as dc
 from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_config
 from ..ops.schedule import SplitPolicy, work_columns
-from ..sizes import MAX_DIGITS, MAX_SIZE, format_size, parse_size, shorten
+from ..sizes import MAX_SIZE, format_size, parse_size, refuse_long_number
 from .fields import DbError, read_int, read_pair, show
 
 FORMATS = ("fp8", "bf16")
@@ -204,8 +204,7 @@ def parse_budget(text: str) -> Budget:
     if m is None:
         raise SnapmlaError(f"--budget: {text!r} is neither seconds (120s, 2m) nor a count (40)")
     number, unit = m.group(1), (m.group(2) or "").lower()
-    if len(number.split(".")[0].lstrip("0")) > MAX_DIGITS:  # no budget has 20 digits; int() of 4300 raises
-        raise SnapmlaError(f"--budget: {shorten(str(text))!r} is too large")
+    refuse_long_number(number, "--budget", text)
     if not unit:
         if "." in number or int(number) < 1:
             raise SnapmlaError(

@@ -30,6 +30,7 @@ from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import DecodeConfig
 from .db import Entry, GpuKey, db_filename, strip_sms
+from .fields import finite_number
 from .space import Bucket, Budget, SearchSpace, config_id, same_kernel
 
 PARTIAL_FORMAT = "snapmla-tune-partial"
@@ -115,18 +116,6 @@ def partial_path(folder: Path, gpu: GpuKey) -> Path:
     return folder / (db_filename(gpu.name)[: -len(".yaml")] + ".partial.json")
 
 
-def _is_time(value: object) -> bool:
-    """A measured time or elapsed seconds: a finite number >= 0 (not a bool, not an integer too
-    large for a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        number = float(value)
-    except OverflowError:
-        return False
-    return math.isfinite(number) and number >= 0
-
-
 def _partial_problem(buckets: object) -> str | None:
     """Why the stored buckets cannot be resumed (None: they can). A hand-edited or corrupt file
     must not feed the search a NaN or negative time (the sort would pick a slower winner, the
@@ -137,13 +126,15 @@ def _partial_problem(buckets: object) -> str | None:
     for bucket_id, state in buckets.items():
         if not isinstance(state, dict) or not isinstance(state.get("results", {}), dict):
             return f"bucket {str(bucket_id)[:40]!r} is malformed"
-        if not _is_time(state.get("elapsed_s", 0.0)):
+        elapsed = finite_number(state.get("elapsed_s", 0.0))
+        if elapsed is None or elapsed < 0:
             return f"bucket {str(bucket_id)[:40]!r}: elapsed_s is not a finite number >= 0"
         for cid, result in state.get("results", {}).items():
             if not isinstance(result, dict):
                 return f"result {str(cid)[:40]!r} is malformed"
             t = result.get("time_s")
-            if t is not None and not (_is_time(t) and float(t) > 0):
+            seconds = finite_number(t)
+            if t is not None and (seconds is None or seconds <= 0):
                 return f"result {str(cid)[:40]!r}: time_s {t!r} is not a positive time"
     return None
 
