@@ -232,14 +232,47 @@ def test_measurement_work_accounting_follows_spec_section_7() -> None:
 # ---------------------------------------------------------------- launch checks
 
 
+RENDEZVOUS = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def launched(**ranks: str) -> dict[str, str]:
+    """A launcher's environment: the ranks' variables and rank 0's address."""
+    return {**RENDEZVOUS, **ranks}
+
+
 def test_torchrun_env() -> None:
     assert torchrun_env({}) is None
-    assert torchrun_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}).local_rank == 1
-    assert torchrun_env({"RANK": "2", "WORLD_SIZE": "4"}).local_rank == 2
+    assert torchrun_env(launched(RANK="3", WORLD_SIZE="8", LOCAL_RANK="1")).local_rank == 1
+    assert torchrun_env(launched(RANK="2", WORLD_SIZE="4")).local_rank == 2
     with pytest.raises(SnapmlaError, match="not integers"):
-        torchrun_env({"RANK": "x", "WORLD_SIZE": "2"})
+        torchrun_env(launched(RANK="x", WORLD_SIZE="2"))
     with pytest.raises(SnapmlaError, match="do not fit"):
-        torchrun_env({"RANK": "2", "WORLD_SIZE": "2"})
+        torchrun_env(launched(RANK="2", WORLD_SIZE="2"))
+
+
+@pytest.mark.parametrize("environ, needle", [
+    ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT is not"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "MASTER_ADDR is not"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT: expected"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "port"}, "MASTER_PORT: expected"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9" * 5000}, "MASTER_PORT: expected"),
+])
+def test_torchrun_env_needs_the_rendezvous_address(environ: dict[str, str], needle: str) -> None:
+    """Without rank 0's address torch.distributed's env:// store fails with a traceback deep in
+    its C++ side; the launch names the missing variable first."""
+    with pytest.raises(SnapmlaError, match=needle):
+        torchrun_env(environ)
+
+
+def test_a_launchers_single_rank_runs_without_a_process_group() -> None:
+    """RANK=0 WORLD_SIZE=1 needs no rendezvous: the plan runs in this process."""
+    env = torchrun_env({"RANK": "0", "WORLD_SIZE": "1"})
+    assert env is not None and env.world == 1
+    plan = make_plan(heads=8, layers=2, contexts=[1024], layouts=(Layout(1, 1),), batch=2, kv_mem=None)
+    report = run_benchmark(plan, RunnerSpec(kind="cpu-fake", steps=1, warmup=0),
+                           environ={"RANK": "0", "WORLD_SIZE": "1"})
+    assert report is not None and report.meta["launcher"] == "torchrun" and report.meta["world"] == 1
 
 
 def test_preflight() -> None:
@@ -253,10 +286,10 @@ def test_preflight() -> None:
         preflight(plan, gpu, None, cuda_available=True, have_cupy=True, device_count=1)
     preflight(plan, gpu, None, cuda_available=True, have_cupy=True, device_count=8)
     # torchrun: the world must match; each node only needs its local ranks' GPUs
-    env = torchrun_env({"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"})
+    env = torchrun_env(launched(RANK="9", WORLD_SIZE="16", LOCAL_RANK="1"))
     with pytest.raises(SnapmlaError, match="torchrun started 16 processes but dp4tp2 needs 8"):
         preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=8)
-    env = torchrun_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"})
+    env = torchrun_env(launched(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1"))
     preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=4)
     # the CPU fake needs no GPU
     preflight(plan, RunnerSpec(kind="cpu-fake"), None, cuda_available=False, device_count=0)
@@ -335,6 +368,17 @@ def test_inline_run_and_rendering(inline_report, tmp_path: Path) -> None:
     assert doc["format"] == "snapmla-bench" and doc["plan"]["layouts"] == ["dp1tp1"]
 
 
+def test_a_narrow_terminal_folds_figures_instead_of_cropping_them() -> None:
+    """A cropped figure ("18,305,1…") reads as another number; folded, every digit stays."""
+    plan = make_plan(heads=8, layers=2, contexts=[1024], batch=2**31 - 1)
+    report = run_benchmark(plan, RunnerSpec(kind="cpu-fake", steps=1, warmup=0), environ={})
+    out = Console(record=True, width=80)
+    render_report(out, report)
+    text = out.export_text()
+    assert "2147483647" in text.replace(" ", "").replace("│", "")
+    assert "…" not in text
+
+
 # ---------------------------------------------------------------- the command
 
 
@@ -373,6 +417,14 @@ def test_cli_without_gpu_fails_before_anything_starts(monkeypatch: pytest.Monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert_one_line_error(invoke("--ctx", "16k"), "needs CUDA GPUs")
     assert_one_line_error(invoke("--dp", "2", "--tp", "4"), "needs CUDA GPUs")
+
+
+def test_cli_under_a_launcher_without_its_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    assert_one_line_error(invoke("--cpu-fake", "--dp", "2"), "MASTER_ADDR and MASTER_PORT")
 
 
 def test_cli_refuses_to_overwrite(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
 from snapmla_cli.cli.app import COMMANDS, app
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK
-from snapmla_cli.sizes import format_size, parse_size, parse_size_list
+from snapmla_cli.sizes import counted, format_size, parse_size, parse_size_list
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +218,14 @@ def test_sizes() -> None:
     for bad in ("", "k", "1.5k", "-3", "0", "4g"):
         with pytest.raises(SnapmlaError):
             parse_size(bad, "--ctx")
+
+
+def test_counts_take_the_right_number(tmp_path: Path) -> None:
+    assert counted(1, "layer") == "1 layer" and counted(0, "layer") == "0 layers"
+    assert counted(1, "query", "queries") == "1 query" and counted(3, "query", "queries") == "3 queries"
+    result = invoke("synth", "-o", tmp_path / "one.st", "--layers", 1, "--tokens", 64, "--queries", 1, "--heads", 4)
+    assert result.exit_code == 0, result.output
+    assert "(1 layer x 64 tokens," in result.stdout
 
 
 def test_verify_explains_a_short_context_miss() -> None:

@@ -41,6 +41,7 @@ PG_TIMEOUT = timedelta(minutes=10)  # GPU ranks: compiles, cache fills and long 
 FAKE_PG_TIMEOUT = timedelta(seconds=60)  # CPU fake: a hang fails CI in a minute
 RUNNER_KINDS = ("gpu", "cpu-fake")
 BF16_IMPLS = ("auto", "snapmla", "flashmla")
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,26 @@ def torchrun_env(environ: Mapping[str, str] | None = None) -> TorchrunEnv | None
         ) from None
     if not 0 <= rank < world or local < 0:
         raise SnapmlaError(f"RANK {rank} / LOCAL_RANK {local} do not fit WORLD_SIZE {world}")
+    if world > 1:
+        _check_rendezvous(env)
     return TorchrunEnv(rank, world, local)
+
+
+def _check_rendezvous(env: Mapping[str, str]) -> None:
+    """The ``env://`` rendezvous of more than one rank needs rank 0's address and port; without
+    them torch.distributed fails deep inside its store with a traceback, so say so first."""
+    missing = [key for key in ("MASTER_ADDR", "MASTER_PORT") if not env.get(key)]
+    if missing:
+        raise SnapmlaError(
+            f"RANK and WORLD_SIZE are set but {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not: the ranks meet at rank 0's "
+            "MASTER_ADDR:MASTER_PORT (start the ranks with torchrun, or unset RANK and WORLD_SIZE "
+            "to run without a launcher)"
+        )
+    port = env["MASTER_PORT"]
+    if not (port.isascii() and port.isdigit() and len(port) <= len(str(MAX_PORT))
+            and 1 <= int(port) <= MAX_PORT):
+        raise SnapmlaError(f"MASTER_PORT: expected a TCP port 1..{MAX_PORT}, got {port!r}")
 
 
 def preflight(
@@ -219,6 +239,9 @@ def run_benchmark(plan: BenchPlan, spec: RunnerSpec, progress: Progress | None =
     when a rank fails."""
     env = torchrun_env(environ)
     preflight(plan, spec, env)
+    if env is not None and env.world == 1:
+        # a launcher's single rank has nobody to meet: no process group
+        return _rank_body(plan, spec, env.local_rank, LocalComm(), progress, "torchrun")
     if env is not None:
         device = env.local_rank if spec.kind == "gpu" else None
         comm = DistComm.start(spec.backend, "env://", env.rank, env.world, device)

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from ..cache.atomic import write_atomic
 from ..plot_files import check_plot_output
-from ..sizes import format_size
+from ..sizes import counted, format_size
+from ..tables import figure_table
 from .plan import PRESETS, BenchPlan, format_bytes
 from .results import BenchReport, CaseResult
 from .timing import STEADY
@@ -31,7 +32,7 @@ def describe_plan(plan: BenchPlan) -> str:
     model = plan.model if (plan.heads, plan.layers) == (preset.heads, preset.layers) else f"{plan.model} (custom)"
     batch = f"batch {plan.batch}" if plan.batch is not None else "batch from the KV budget"
     budget = f", KV budget {format_bytes(plan.kv_mem)}/GPU" if plan.kv_mem is not None else ""
-    return (f"{model}: {plan.heads} heads x {plan.layers} MLA layers, s_q {plan.s_q}; "
+    return (f"{model}: {counted(plan.heads, 'head')} x {counted(plan.layers, 'MLA layer')}, s_q {plan.s_q}; "
             f"{', '.join(layout.name for layout in plan.layouts)} on {plan.world} "
             f"rank{'s' if plan.world > 1 else ''}; ctx {','.join(format_size(c) for c in plan.contexts)}; "
             f"{batch}{budget}")
@@ -41,7 +42,7 @@ def plot_title(report: BenchReport) -> str:
     plan = report.plan
     budget = f", KV budget {format_bytes(plan.kv_mem)}/GPU" if plan.kv_mem is not None else ""
     batch = f", batch {plan.batch}/DP" if plan.batch is not None else ""
-    return (f"{plan.model}: {plan.heads} heads x {plan.layers} MLA layers, s_q {plan.s_q}{batch}{budget}"
+    return (f"{plan.model}: {counted(plan.heads, 'head')} x {counted(plan.layers, 'MLA layer')}, s_q {plan.s_q}{batch}{budget}"
             f"\n{_devices(report)}")
 
 
@@ -55,13 +56,12 @@ def _devices(report: BenchReport) -> str:
 
 def throughput_table(report: BenchReport) -> Table:
     plan = report.plan
-    table = Table(title=f"snapmla bench: decode tokens/s of the attention stack, all GPUs "
-                        f"({describe_plan(plan)}; {_devices(report)})", title_justify="left")
-    for name in ("layout", "ctx", "heads/rank", "batch/DP"):
-        table.add_column(name, justify="right")
-    for name in ("BF16 tok/s", "FP8 tok/s", "x same batch", "batch FP8/BF16 same mem",
-                 "FP8 tok/s same mem", "x same mem", "FP8 tok/s/GPU same mem"):
-        table.add_column(name, justify="right")
+    table = figure_table(
+        f"snapmla bench: decode tokens/s of the attention stack, all GPUs ({describe_plan(plan)}; "
+        f"{_devices(report)})",
+        ("layout", "ctx", "heads/rank", "batch/DP", "BF16 tok/s", "FP8 tok/s", "x same batch",
+         "batch FP8/BF16 same mem", "FP8 tok/s same mem", "x same mem", "FP8 tok/s/GPU same mem"),
+        title_justify="left")
     for c in report.comparisons:
         mem = c.fp8_mem is not None and c.bf16_mem is not None
         table.add_row(
@@ -87,13 +87,12 @@ def _cases(report: BenchReport) -> list[CaseResult]:
 
 def kernel_table(report: BenchReport) -> Table:
     clocks = report.meta.get("runner", {}).get("clocks", STEADY.name)
-    table = Table(title="per rank (mean over ranks): one step = every layer's Q-quant/append + "
-                        "decode; TFLOPS and GB/s per SPEC section 7 over the whole step; "
-                        f"{clocks} clocks",
-                  title_justify="left")
-    for name in ("layout", "ctx", "format", "kernel", "batch/DP", "heads/rank", "ms/step",
-                 "us/layer", "TFLOPS/GPU", "GB/s/GPU", "roofline %", "timed"):
-        table.add_column(name, justify="left" if name in ("format", "kernel", "timed") else "right")
+    table = figure_table(
+        "per rank (mean over ranks): one step = every layer's Q-quant/append + decode; TFLOPS and "
+        f"GB/s per SPEC section 7 over the whole step; {clocks} clocks",
+        ("layout", "ctx", "format", "kernel", "batch/DP", "heads/rank", "ms/step", "us/layer",
+         "TFLOPS/GPU", "GB/s/GPU", "roofline %", "timed"),
+        left=("format", "kernel", "timed"), title_justify="left")
     for case in _cases(report):
         world = case.layout.world
         table.add_row(

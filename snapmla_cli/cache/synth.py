@@ -32,6 +32,7 @@ import torch
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, default_softmax_scale
+from ..sizes import counted
 from .dump_file import KVDump, LayerDump
 
 # RoPE frequencies (DeepSeek-V3 config.json: rope_theta, rope_scaling).
@@ -284,8 +285,8 @@ def synth_dump(spec: SynthSpec = DEFAULT_SPEC) -> KVDump:
             f"synth: need layers, tokens, heads >= 1 and queries >= 0; got layers={spec.layers}, "
             f"tokens={spec.tokens}, heads={spec.heads}, queries={spec.queries}"
         )
-    require_host_memory(f"synthetic dump of {spec.layers} layers x {spec.tokens} tokens, {spec.queries} "
-                        f"queries x {spec.heads} heads", synth_bytes(spec))
+    require_host_memory(f"synthetic dump of {counted(spec.layers, 'layer')} x {counted(spec.tokens, 'token')}, "
+                        f"{counted(spec.queries, 'query', 'queries')} x {counted(spec.heads, 'head')}", synth_bytes(spec))
     layers = []
     for index in range(spec.layers):
         kv, positions = synth_layer_kv(spec.tokens, spec.depth(index), spec.seed, index)

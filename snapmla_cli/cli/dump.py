@@ -16,12 +16,13 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
-from rich.table import Table
 
 from ..cache.atomic import check_outputs
 from ..cache.dump_file import check_input_file
 from ..capture import Capture, DumpOptions, dump_model, parse_layers
 from ..errors import SnapmlaError
+from ..sizes import counted
+from ..tables import figure_table
 from .common import input_option, one_line, output_option
 
 
@@ -142,7 +143,7 @@ def _render(capture: Capture, output: Path, console: Console) -> None:
     first = dump.layers[0]
     meta = dump.extra_metadata
     console.print(
-        f"wrote {escape(str(output))}: {len(dump.layers)} layers x {first.kv.shape[0]} tokens "
+        f"wrote {escape(str(output))}: {counted(len(dump.layers), 'layer')} x {counted(first.kv.shape[0], 'token')} "
         f"({len(capture.segments)} prompts), {meta.get('dtype')}, model {escape(dump.model)}",
         highlight=False,
     )
@@ -153,9 +154,8 @@ def _render(capture: Capture, output: Path, console: Console) -> None:
     )
     if not capture.checks:
         return
-    table = Table(title="attention recomputed from the dump vs the model")
-    for name in ("layer", "queries", "tokens", "rel_l2", "max_abs", "gate", "result"):
-        table.add_column(name, justify="right")
+    table = figure_table("attention recomputed from the dump vs the model",
+                         ("layer", "queries", "tokens", "rel_l2", "max_abs", "gate", "result"))
     for c in capture.checks:
         verdict = "[green]ok[/green]" if c.ok else "[red]FAIL[/red]"
         table.add_row(

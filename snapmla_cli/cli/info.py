@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-
 from ..runtime.gpu_facts import GpuFacts, list_gpus, toolchain_facts
+from ..tables import figure_table
 from .common import console
 
 
@@ -27,9 +26,8 @@ def info_command() -> None:
     out = console()
     listing = list_gpus()
     if listing.gpus:
-        table = Table(title="GPUs")
-        for column in ("#", "name", "SMs", "cc", "memory GiB", "max SM MHz", "max mem MHz", "driver", "CUDA driver"):
-            table.add_column(column, justify="right")
+        table = figure_table("GPUs", ("#", "name", "SMs", "cc", "memory GiB", "max SM MHz", "max mem MHz", "driver",
+                                      "CUDA driver"))
         for g in listing.gpus:
             table.add_row(str(g.index), g.name, "n/a" if g.sm_count is None else str(g.sm_count),
                           f"{g.compute_capability[0]}.{g.compute_capability[1]}",

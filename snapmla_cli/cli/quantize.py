@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from ..analysis.fidelity import (
@@ -26,7 +25,8 @@ from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.configs import CONFIGS, get_configs
 from ..numerics.formats import D_QK
-from ..sizes import parse_size
+from ..sizes import counted, parse_size
+from ..tables import figure_table
 from .common import (
     Device,
     console,
@@ -93,7 +93,7 @@ def quantize_command(
             with naming("--plot"):
                 plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}", force=force)
     _render(out, report)
-    out.print(f"wrote {output} ({len(pages)} layers, {output.stat().st_size / 2**20:.1f} MiB)")
+    out.print(f"wrote {output} ({counted(len(pages), 'layer')}, {output.stat().st_size / 2**20:.1f} MiB)")
     for path in (json_path, plot):
         if path is not None:
             out.print(f"wrote {path}")
@@ -153,18 +153,16 @@ def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int, 
 
 def _render(out, report: FidelityReport) -> None:
     rows = report.layers
-    per_layer = Table(title="attention output rel L2 vs float64 on the original cache, per layer")
-    per_layer.add_column("layer", justify="right")
-    per_layer.add_column("tokens", justify="right")
-    for config in report.configs:
-        per_layer.add_column(config, justify="right")
+    per_layer = figure_table("attention output rel L2 vs float64 on the original cache, per layer",
+                             ("layer", "tokens", *report.configs))
     for layer in rows:
         per_layer.add_row(str(layer.layer), str(layer.tokens),
                           *(fmt(layer.metrics["output"][c].rel_l2) for c in report.configs))
     out.print(per_layer)
-    mean = Table(title=f"mean over {len(rows)} layers ({rows[0].query_rows} probe rows/layer, {rows[0].probes} queries)")
-    for column in ("config", "out rmse", "out cos_diff", "out rel_l2", "kv rel_l2", "content rel_l2", "RoPE rel_l2"):
-        mean.add_column(column, justify="right")
+    mean = figure_table(
+        f"mean over {counted(len(rows), 'layer')} ({rows[0].query_rows} probe rows/layer, "
+        f"{counted(rows[0].probes, 'query', 'queries')})",
+        ("config", "out rmse", "out cos_diff", "out rel_l2", "kv rel_l2", "content rel_l2", "RoPE rel_l2"))
     best = min(report.configs, key=lambda c: report.mean("output", c, "rel_l2"))
     for config in report.configs:
         cells = [report.mean("output", config, m) for m in ("rmse", "cos_diff", "rel_l2")]

@@ -6,12 +6,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from ..cache.atomic import check_writable, naming
 from ..cache.dump_file import write_dump
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, layer_stats, synth_dump
-from ..sizes import format_size, parse_size
+from ..sizes import counted, format_size, parse_size
+from ..tables import figure_table
 from .common import console, output_option, require_at_least, seed_option
 
 
@@ -37,9 +37,8 @@ def synth_command(
     dump = synth_dump(spec)
     with naming("--output"):
         write_dump(dump, output, force=force)
-    table = Table(title=f"synthetic KV dump, seed {seed}")
-    for column in ("layer", "tokens", "|content| max", "content rms", "|RoPE| p99.9", "|RoPE| max", "queries"):
-        table.add_column(column, justify="right")
+    table = figure_table(f"synthetic KV dump, seed {seed}",
+                         ("layer", "tokens", "|content| max", "content rms", "|RoPE| p99.9", "|RoPE| max", "queries"))
     for layer in dump.layers:
         st = layer_stats(layer.kv)
         shape = "-" if layer.queries is None else "x".join(str(d) for d in layer.queries.shape)
@@ -48,4 +47,4 @@ def synth_command(
     out = console()
     out.print(table)
     size_mb = output.stat().st_size / 2**20
-    out.print(f"wrote {output} ({spec.layers} layers x {spec.tokens} tokens, bf16, {size_mb:.1f} MiB)")
+    out.print(f"wrote {output} ({counted(spec.layers, 'layer')} x {counted(spec.tokens, 'token')}, bf16, {size_mb:.1f} MiB)")

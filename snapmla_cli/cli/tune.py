@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
 from ..errors import NoGpuError, SnapmlaError
-from ..sizes import format_size
+from ..sizes import counted, format_size
+from ..tables import figure_table
 from .common import console, output_option, progress
 
 if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays quick)
@@ -138,10 +138,9 @@ def _dry_run(buckets, limit, folder: Path) -> None:
         if (b.format, b.rows) in shown:
             continue
         shown.add((b.format, b.rows))
-        table = Table(title=f"{b.format} kernel variants for {b.rows} rows (h_q x s_q)")
-        for column in ("kernel", "row groups", "kv split", "stages", "block_n", "CTAs/SM",
-                       "smem B", "split policies"):
-            table.add_column(column, justify="right")
+        table = figure_table(f"{b.format} kernel variants for {b.rows} rows (h_q x s_q)",
+                             ("kernel", "row groups", "kv split", "stages", "block_n", "CTAs/SM",
+                              "smem B", "split policies"))
         for k in space.kernels:
             kid = config_id(k, b.format).split("/")[0]
             table.add_row(kid + (" (default)" if k == space.kernels[0] else ""),
@@ -152,16 +151,14 @@ def _dry_run(buckets, limit, folder: Path) -> None:
         out.print(table)
         reasons = Counter(why.rule for _, why in space.pruned)
         if space.pruned:
-            out.print(f"pruned {len(space.pruned)} variants: "
+            out.print(f"pruned {counted(len(space.pruned), 'variant')}: "
                       + "; ".join(f"{n} x {r}" for r, n in sorted(reasons.items())))
     policies = split_policies(spaces[0].default, spaces[0].default.split, spaces[0].bucket.fp8)
     out.print("split policies (target CTAs per SM x waves, bal(anced columns) or auto (the planner's choice "
               "of the two per batch) / min blocks per split): "
               + ", ".join(config_id(replace(spaces[0].default, split=p), spaces[0].bucket.format).split("/", 1)[1]
                           for p in policies))
-    table = Table(title="buckets")
-    for column in ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default"):
-        table.add_column(column, justify="right")
+    table = figure_table("buckets", ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default"))
     for space in spaces:
         b = space.bucket
         table.add_row(b.label(), f"batch {b.timed_batch} x ctx {format_size(b.timed_context)}",
@@ -169,7 +166,7 @@ def _dry_run(buckets, limit, folder: Path) -> None:
                       config_id(space.default, b.format))
     out.print(table)
     total = sum(len(s.candidates) for s in spaces)
-    out.print(f"{len(spaces)} buckets, {total} candidates; budget {limit}; GPU: {gpu_text}; "
+    out.print(f"{counted(len(spaces), 'bucket')}, {counted(total, 'candidate')}; budget {limit}; GPU: {gpu_text}; "
               f"database: {where}")
 
 
@@ -285,10 +282,9 @@ def _render(out, results, gpu, folder: Path, wall: float) -> None:
     from ..tuning.db import db_filename
     from ..tuning.space import config_id
 
-    table = Table(title=f"snapmla tune on {gpu.label()}")
-    for column in ("bucket", "default us", "tuned us", "speed-up", "tuned config", "timed",
-                   "failed", "note"):
-        table.add_column(column, justify="right")
+    table = figure_table(f"snapmla tune on {gpu.label()}",
+                         ("bucket", "default us", "tuned us", "speed-up", "tuned config", "timed",
+                          "failed", "note"))
     for r in results:
         tuned = config_id(r.entry.config, r.bucket.format) if r.entry else "-"
         speed = f"{r.speedup:.3f}x" if r.speedup else "-"

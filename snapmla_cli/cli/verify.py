@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from ..analysis.verify import (
@@ -28,7 +27,15 @@ from ..cache.dump_file import read_dump
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
-from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, format_size, parse_int_list, parse_size
+from ..sizes import (
+    MAX_QUERY_HEADS,
+    MAX_QUERY_TOKENS,
+    counted,
+    format_size,
+    parse_int_list,
+    parse_size,
+)
+from ..tables import figure_table
 from .common import (
     Device,
     console,
@@ -156,7 +163,7 @@ def _repeated_queries_note(source: ProblemSource, heads: list[int], mtps: list[i
         parts.append(f"h_q {', '.join(map(str, repeated_heads))} repeat its {h} heads")
     if repeated_rows:
         parts.append(f"batch x s_q beyond {n} repeats its queries")
-    return f"note: the dump's layer {source.layer} holds {n} queries of {h} heads; " + "; ".join(parts)
+    return f"note: the dump's layer {source.layer} holds {counted(n, 'query', 'queries')} of {counted(h, 'head')}; " + "; ".join(parts)
 
 
 # The floor's rel_l2 above which verify says that FP8 storage itself loses much of the output: the
@@ -180,10 +187,8 @@ def _render(out, results: list[CaseResult], source: ProblemSource, device: str, 
     first = results[0]
     title = (f"verify: {source.label}, ctx {format_size(first.ctx)}, batch {first.batch}, "
              f"{'causal' if first.causal else 'non-causal'}, {device}")
-    table = Table(title=title)
-    for column in ("h_q", "s_q", "impl", "rel_l2", "floor", "limit", "cos_diff", "rmse", "lse max_abs",
-                   "vs emul", "time s", "gates"):
-        table.add_column(column, justify="right")
+    table = figure_table(title, ("h_q", "s_q", "impl", "rel_l2", "floor", "limit", "cos_diff", "rmse",
+                                 "lse max_abs", "vs emul", "time s", "gates"))
     for case in results:
         for r in case.impls:
             limit = next((c.limit for c in r.checks if c.name.endswith("ref64")), None)
