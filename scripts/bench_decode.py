@@ -102,7 +102,7 @@ def main() -> None:
         for h in map(int, args.heads.split(",")):
             for s in map(int, args.mtp.split(",")):
                 for ctx in map(int, args.ctx.split(",")):
-                    sweep_fp8(DecodeWork(args.batch, s, h, ctx), args.sweep, device, timer, CLOCKS[args.clocks])
+                    sweep_fp8(DecodeWork(args.batch, s, h, ctx, causal=True), args.sweep, device, timer, CLOCKS[args.clocks])
         return
     clocks = CLOCKS[args.clocks]
     c = measure_ceilings(device, clocks)
@@ -113,7 +113,7 @@ def main() -> None:
     for h in map(int, args.heads.split(",")):
         for s in map(int, args.mtp.split(",")):
             for ctx in map(int, args.ctx.split(",")):
-                r = run_case(DecodeWork(args.batch, s, h, ctx), c, device, timer, clocks)
+                r = run_case(DecodeWork(args.batch, s, h, ctx, causal=True), c, device, timer, clocks)
                 rows.append(r)
                 print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
                       f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "

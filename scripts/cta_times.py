@@ -132,7 +132,7 @@ def main() -> None:
     for h in map(int, args.heads.split(",")):
         for s in map(int, args.mtp.split(",")):
             for ctx in map(int, args.ctx.split(",")):
-                report(DecodeWork(args.batch, s, h, ctx), device, args.copy_tbs * 1e12, args.raw_dir)
+                report(DecodeWork(args.batch, s, h, ctx, causal=True), device, args.copy_tbs * 1e12, args.raw_dir)
 
 
 if __name__ == "__main__":

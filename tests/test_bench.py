@@ -43,6 +43,7 @@ from snapmla_cli.bench.plan import (
 )
 from snapmla_cli.bench.render import plot_report, render_report
 from snapmla_cli.bench.results import Measurement, aggregate, compare
+from snapmla_cli.bench.roofline import DecodeWork
 from snapmla_cli.cli.bench import bench_command
 from snapmla_cli.errors import NoGpuError, SnapmlaError
 
@@ -227,6 +228,14 @@ def test_measurement_work_accounting_follows_spec_section_7() -> None:
     assert math.isclose(m.gbs, 61 * (kv + q + out) / 0.1 / 1e9)
     assert math.isclose(m.us_per_layer, 1e5 / 61)
     assert Measurement.from_dict(m.to_dict()) == m
+
+
+def test_causal_work_counts_the_visible_keys() -> None:
+    """SPEC section 7 counts visible keys; a causal query token t sees n - s_q + t + 1 of them."""
+    assert DecodeWork(1, 4, 16, 64, causal=True).flops == 2 * (61 + 62 + 63 + 64) * 16 * (576 + 512)
+    assert DecodeWork(1, 4, 16, 64).flops == 2 * 4 * 64 * 16 * (576 + 512)
+    assert DecodeWork(2, 1, 8, 100, causal=True).row_keys == DecodeWork(2, 1, 8, 100).row_keys
+    assert DecodeWork(1, 3, 1, 1, causal=True).row_keys == 1  # tokens 0 and 1 see nothing
 
 
 # ---------------------------------------------------------------- launch checks

@@ -178,7 +178,7 @@ def test_decode_runs_the_metadata_config(launch_probe, monkeypatch):
     q16 = torch.zeros(BATCH, S_Q, H_Q, 576, dtype=torch.bfloat16)
     cache16 = torch.zeros(1, PAGE_SIZE, 1, 576, dtype=torch.bfloat16)
     decode_bf16(q16, cache16, table, lens128, meta128, splits128)
-    assert choices == [(ROWS, False, CPU, BATCH, 131072.0)]
+    assert choices == [(ROWS, False, CPU, BATCH, 131072.0, S_Q)]  # the decode knows its s_q
     assert launch_probe[-1] == heuristic_config(ROWS, False)  # no BF16 entries
 
 
@@ -278,6 +278,27 @@ def test_graph_work_list_looks_the_configuration_up_at_its_max_context():
     assert metadata_plan(blind.metadata).requested == choose_config(ROWS, True, CPU, BATCH)
 
 
+def test_s_q_picks_the_entry_of_its_own_shape(isolated_tuning_dirs):
+    """h_q 128 s_q 1 has the rows of the database's h_q 64 s_q 2: given s_q, get_mla_metadata
+    and GraphWorkList take the entry of the caller's own shape; without it the rows decide."""
+    from snapmla_cli.ops.graph_work_list import GraphWorkList
+
+    user, _ = isolated_tuning_dirs
+    own = _split_variant(3, 4)
+    save_entries(user, GPU, [replace(_entry(16384, own), bucket=Bucket(128, 1, (BATCH, BATCH), (16384, 16384), "fp8"))])
+    lookup.clear_cache()
+    lens = _lens(16384)
+    assert metadata_plan(get_mla_metadata(lens, ROWS, 1, s_q=1)[0]).requested == own
+    assert metadata_plan(get_mla_metadata(lens, ROWS, 1, s_q=2)[0]).requested == C16K
+    assert metadata_plan(get_mla_metadata(lens, ROWS, 1)[0]).requested == own  # h128-s1 sorts first
+    assert metadata_plan(GraphWorkList(BATCH, ROWS, "cpu", max_context=16384, s_q=2).metadata).requested == C16K
+    for bad in (0, 3, 1.0, True):
+        with pytest.raises(SnapmlaError, match="^s_q: expected the query tokens per request"):
+            get_mla_metadata(lens, ROWS, 1, s_q=bad)
+    with pytest.raises(SnapmlaError, match="^s_q: expected"):
+        GraphWorkList(BATCH, ROWS, "cpu", s_q=5)
+
+
 @pytest.mark.parametrize("lengths,rows,needle", [
     ([1, 2], ROWS, "^cache_seqlens: expected a torch.Tensor, got list"),
     (torch.tensor([1, 2], dtype=torch.int32), 16.0, "^num_heads_per_head_k: expected an integer"),
@@ -297,3 +318,25 @@ def test_flash_mla_with_kvcache_names_a_host_q():
     with pytest.raises(NoGpuError, match="^q: expected a CUDA tensor"):
         decode.flash_mla_with_kvcache(q, cache, torch.zeros(2, 2, dtype=torch.int32),
                                       torch.tensor([100, 10], dtype=torch.int32), 512, meta, splits)
+
+
+def test_host_tensors_with_the_checks_switch_on_are_named_not_a_torch_error():
+    """With SNAPMLA_CHECK_FINITE on, the block-table check ran before the device check and asked
+    a CPU-only torch whether a stream was capturing (a RuntimeError deep in torch)."""
+    from snapmla_cli.ops.finite import GPU_CHECKS, set_gpu_checks
+
+    before = GPU_CHECKS.on
+    meta, splits = get_mla_metadata(torch.tensor([100, 10], dtype=torch.int32), 16, 1)
+    lens = torch.tensor([100, 10], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    q8 = QuantizedRows(torch.zeros(2, 1, 16, 512, dtype=torch.uint8), torch.ones(2, 1, 16),
+                       torch.zeros(2, 1, 16, 64, dtype=torch.bfloat16))
+    set_gpu_checks(True)
+    try:
+        with pytest.raises(NoGpuError, match="expected a CUDA tensor"):
+            decode_fp8(q8, torch.zeros(4, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8), table, lens, meta, splits)
+        with pytest.raises(NoGpuError, match="expected a CUDA tensor"):
+            decode_bf16(torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16),
+                        torch.zeros(4, PAGE_SIZE, 1, 576, dtype=torch.bfloat16), table, lens, meta, splits)
+    finally:
+        set_gpu_checks(before)

@@ -24,6 +24,7 @@ from snapmla_cli.cache.layout import (
     unpack_tokens,
 )
 from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
 from snapmla_cli.numerics.formats import D_V, E4M3_MAX, P_BLOCK_TOKENS, P_SCALE_FLOOR
 from snapmla_cli.numerics.metrics import compare
@@ -103,6 +104,21 @@ def test_query_content_as_raw_bytes_is_read_as_e4m3() -> None:
     for a, b in zip(emulate_fp8_decode(q, *args), emulate_fp8_decode(as_bytes, *args)):
         assert torch.equal(a, b)
     assert torch.equal(as_bytes.dequantize(), q.dequantize())
+
+
+def test_the_cache_as_an_e4m3_view_and_the_default_scale() -> None:
+    """SPEC section 2: the FP8 cache may come as a float8_e4m3fn view, and softmax_scale defaults
+    to 576 ** -0.5; the CPU definitions take both as the decode calls do."""
+    problem = random_problem([70, 3], s_q=2, h_q=3, causal=True, seed=12)
+    q, cache, layout = problem.q_quantized(), problem.fp8_cache(), problem.layout
+    tables = (layout.block_table, layout.cache_seqlens)
+    plain = emulate_fp8_decode(q, cache, *tables, 576**-0.5, True)
+    for a, b in zip(plain, emulate_fp8_decode(q, cache.view(torch.float8_e4m3fn).unsqueeze(2), *tables, causal=True)):
+        assert torch.equal(a, b)
+    dense = problem.bf16_cache()
+    default = decode_reference(problem.q, dense, *tables, causal=True)
+    for a, b in zip(default, decode_reference(problem.q, dense, *tables, 576**-0.5, True)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(("part", "bad", "needle"), [

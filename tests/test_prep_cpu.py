@@ -252,6 +252,36 @@ def test_fetch_dequant_soa_cpu() -> None:
         fetch_dequant_soa(content[:, :256], rows.scale, rows.rope, slots)
 
 
+def _as_soa(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The paged cache's tokens as SGLang-FluentLLM's structure of arrays, slot for slot."""
+    rows = unpack_tokens(as_token_bytes(cache).reshape(-1, FP8_TOKEN_BYTES))
+    return rows.content.view(torch.uint8), rows.scale, rows.rope
+
+
+def test_fetch_dequant_takes_the_structure_of_arrays_form() -> None:
+    """SPEC section 3: fetch_dequant also reads SGLang-FluentLLM's (content, scale, rope); the block
+    table addresses its slots as a paged cache's, so both forms give the same bits."""
+    seqlens = [70, 0, 1, 128, 5]
+    layout, _, cache = _paged_problem(seqlens, seed=8)
+    soa = _as_soa(cache)
+    paged = fetch_dequant(cache, layout.block_table, layout.cache_seqlens)
+    assert _same_bits(fetch_dequant(soa, layout.block_table, layout.cache_seqlens), paged)
+    assert bool(torch.isfinite(paged.float()).all())  # NaN slots past the ends were never read
+    padded = fetch_dequant(list(soa), layout.block_table, layout.cache_seqlens, total_tokens=210)
+    assert _same_bits(padded[:204], paged) and bool((padded[204:] == 0).all())
+    assert _same_bits(fetch_dequant(soa, layout.block_table, layout.cache_seqlens, total_tokens=9), paged[:9])
+    table = layout.block_table.clone()
+    table[0, 1] = cache.shape[0]  # one page past the slot arrays
+    with pytest.raises(SnapmlaError, match=r"block_table\[0, 1\]: expected a block index"):
+        fetch_dequant(soa, table, layout.cache_seqlens)
+    with pytest.raises(SnapmlaError, match="k_cache: expected the paged FP8 cache or a structure of arrays"):
+        fetch_dequant(soa[:2], layout.block_table, layout.cache_seqlens)
+    with pytest.raises(SnapmlaError, match="rope: expected dtype bfloat16"):
+        fetch_dequant((soa[0], soa[1], soa[2].float()), layout.block_table, layout.cache_seqlens)
+    empty = torch.zeros(0, 1, dtype=torch.int32)
+    assert fetch_dequant(soa, empty, torch.zeros(0, dtype=torch.int32), total_tokens=3).shape == (3, D_QK)
+
+
 def test_dequant_reference_is_float32_multiply_then_bf16() -> None:
     """The kernels' rule, bf16(float32(x) * s), is what dequantize(float32).to(bf16) computes."""
     rows = quantize_rows(_kv(4, seed=7))

@@ -528,6 +528,26 @@ def test_nearest_bucket(isolated_db):
     assert narrowed is not None and narrowed.row_groups == 2
 
 
+def test_the_querys_own_s_q_wins_among_equal_rows(isolated_db):
+    """h_q 64 s_q 2 and h_q 128 s_q 1 are both 128 rows: a caller that knows s_q gets its own
+    shape's entry; one that does not (FlashMLA's get_mla_metadata) gets the first in sort order."""
+    user, _ = isolated_db
+    two, one = alt_config(2), alt_config(3)
+    save_entries(user, GPU, [entry(h_q=64, s_q=2, cfg=two), entry(h_q=128, s_q=1, cfg=one)])
+
+    def get(**kw):
+        return lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=16384, **kw)
+
+    assert get(s_q=1) == one and get(s_q=2) == two
+    assert get() == one and get(s_q=4) == one  # unknown or no exact shape: sort order
+    # s_q only breaks ties: a nearer context of the other s_q still wins
+    save_entries(user, GPU, [entry(h_q=128, s_q=1, context=CTX[2], cfg=one),
+                             entry(h_q=64, s_q=2, context=CTX[0], cfg=two)], force=True)
+    lookup.clear_cache()
+    assert get(s_q=1) == one  # the exact 16k entry of s_q 1 is still there
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=CTX[2][0], s_q=2) == one
+
+
 def test_user_dir_wins_and_env_override(isolated_db, monkeypatch, tmp_path):
     user, shipped = isolated_db
     save_entries(shipped, GPU, [entry(cfg=alt_config(2))])

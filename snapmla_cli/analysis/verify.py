@@ -72,7 +72,7 @@ def _run_kernel(problem: DecodeProblem, fp8: bool) -> tuple[torch.Tensor, torch.
 
     layout = problem.layout
     _b, s_q, h_q, _ = problem.q.shape
-    meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, fp8=fp8)
+    meta, splits = get_mla_metadata(layout.cache_seqlens, s_q * h_q, 1, fp8=fp8, s_q=s_q)
     cache = problem.fp8_cache() if fp8 else problem.bf16_cache()
     return flash_mla_with_kvcache(problem.q, cache, layout.block_table, layout.cache_seqlens, 512,
                                   meta, splits, problem.softmax_scale, problem.causal)

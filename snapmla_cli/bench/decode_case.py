@@ -69,12 +69,12 @@ class DecodeCase:
 
     def fp8(self, config: DecodeConfig | None = None) -> DecodeCall:
         """The FP8 decode (config None: the tuning database's or the heuristic's choice)."""
-        meta, splits = get_mla_metadata(self.lens, self.rows, 1, fp8=True, config=config)
+        meta, splits = get_mla_metadata(self.lens, self.rows, 1, fp8=True, config=config, s_q=self.s_q)
         return DecodeCall(lambda: decode_fp8(self.q8, self.cache8, self.table, self.lens, meta, splits, None,
                                              True, config=config), meta.shape[0], self)
 
     def bf16(self, config: DecodeConfig | None = None) -> DecodeCall:
-        meta, splits = get_mla_metadata(self.lens, self.rows, 1, fp8=False, config=config)
+        meta, splits = get_mla_metadata(self.lens, self.rows, 1, fp8=False, config=config, s_q=self.s_q)
         return DecodeCall(lambda: decode_bf16(self.q, self.cache16, self.table, self.lens, meta, splits, None,
                                               True, config=config), meta.shape[0], self)
 

@@ -139,7 +139,7 @@ class GpuStepRunner:
         from ..ops.decode import decode_fp8, get_mla_metadata
         from ..ops.prep import append_kv, quantize_q
 
-        meta, splits = get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1, fp8=True)
+        meta, splits = get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1, fp8=True, s_q=spec.s_q)
         n = len(caches)
 
         def step() -> None:
@@ -171,7 +171,7 @@ class GpuStepRunner:
         n = len(caches)
         flat = [cache.view(-1, D_QK) for cache in caches]
         slots = x.slots.long()
-        meta, splits = get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1, fp8=False)
+        meta, splits = get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1, fp8=False, s_q=spec.s_q)
 
         def step() -> None:
             for layer in range(spec.layers):
@@ -238,7 +238,7 @@ class GpuStepRunner:
         notes.append(time_note)
         t_min = None
         if self.ceilings is not None:
-            work = DecodeWork(spec.batch, spec.s_q, spec.heads, spec.context)
+            work = DecodeWork(spec.batch, spec.s_q, spec.heads, spec.context, causal=True)
             t_min = spec.layers * work.t_min(fp8, self.ceilings)
         return StepTiming(seconds, kernel, graphed, t_min, "; ".join(n for n in notes if n))
 

@@ -55,7 +55,7 @@ class Measurement:
 
     @property
     def work(self) -> DecodeWork:
-        return DecodeWork(self.batch, self.s_q, self.heads, self.context)
+        return DecodeWork(self.batch, self.s_q, self.heads, self.context, causal=True)  # the step decodes causally
 
     @property
     def tokens_per_s(self) -> float:

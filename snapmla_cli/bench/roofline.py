@@ -19,15 +19,23 @@ class Ceilings:
 
 @dataclass(frozen=True)
 class DecodeWork:
+    """One decode call of ``batch`` requests of ``context`` cached tokens each. ``causal`` as the
+    call's flag: query token t then sees ``context - s_q + t + 1`` keys (SPEC section 2), which
+    section 7's FLOPs count; the benchmarks decode causally, as MTP engines do."""
+
     batch: int
     s_q: int
     h_q: int
     context: int
+    causal: bool = False
 
     @property
     def row_keys(self) -> int:
         """sum over query rows of visible keys (non-causal: every row sees the context)."""
-        return self.batch * self.s_q * self.h_q * self.context
+        if not self.causal:
+            return self.batch * self.s_q * self.h_q * self.context
+        visible = sum(min(max(self.context - self.s_q + t + 1, 0), self.context) for t in range(self.s_q))
+        return self.batch * self.h_q * visible
 
     @property
     def flops(self) -> float:

@@ -20,12 +20,13 @@ def decode_reference(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    softmax_scale: float | None,
+    softmax_scale: float | None = None,
     causal: bool = False,
     dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[b, s_q, h_q, 576]`` and a dense ``[num_blocks, 64, 576]`` cache (bf16, or
-    dequantized FP8) -> ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]`` in ``dtype``.
+    dequantized FP8) -> ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]`` in ``dtype``;
+    ``softmax_scale`` None is ``576 ** -0.5`` (SPEC section 2).
     Arguments are checked first (one-line errors naming the argument; non-finite queries or keys
     a request reads are refused)."""
     if isinstance(q, torch.Tensor):

@@ -110,19 +110,22 @@ def emulate_fp8_decode(
     fp8_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    softmax_scale: float | None,
+    softmax_scale: float | None = None,
     causal: bool = False,
     split_bounds: list[list[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Emulate the FP8 kernel. ``q`` holds quantized rows of shape ``[b, s_q, h_q]``;
-    ``fp8_cache`` is ``[num_blocks, 64, 656]`` bytes. ``split_bounds[i]`` optionally lists
+    ``fp8_cache`` is ``[num_blocks, 64, 656]`` (or ``[num_blocks, 64, 1, 656]``) bytes, uint8 or a
+    float8_e4m3fn view as the decode kernels take it (SPEC section 2). ``softmax_scale`` None is
+    ``576 ** -0.5``. ``split_bounds[i]`` optionally lists
     the token boundaries (multiples of 64, from 0 to ``n_i``) of request ``i``'s KV splits.
     Returns ``out`` ``[b, s_q, h_q, 512]`` and ``lse`` ``[b, h_q, s_q]``, float64. Arguments are
     checked first: a NaN here would otherwise read as a block with no visible key."""
     b, s_q, h_q = _checked_queries(q)
     fp8_cache, softmax_scale, causal, seqlens = checked_paged_decode(
-        "fp8_cache", fp8_cache, FP8_TOKEN_BYTES, (torch.uint8,), block_table, cache_seqlens, b,
+        "fp8_cache", fp8_cache, FP8_TOKEN_BYTES, (torch.uint8, FP8_DTYPE), block_table, cache_seqlens, b,
         softmax_scale, causal)
+    fp8_cache = fp8_cache.view(torch.uint8)  # the token bytes, whichever view was given
     if split_bounds is not None and len(split_bounds) != b:
         raise SnapmlaError(f"split_bounds: expected one list of bounds per request ({b}), got {len(split_bounds)}")
     device = q.scale.device

@@ -15,12 +15,14 @@ from .split_fold import SplitFold
 
 
 def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None = None,
-                  context: float | None = None) -> DecodeConfig:
+                  context: float | None = None, s_q: int | None = None) -> DecodeConfig:
     """Tuning-database entry for this GPU and shape if any, else the heuristic; with this
     GPU's SM count filled in. Cached lookups, no I/O on the hot path. ``context`` is the mean
     cached tokens per request (:func:`mean_context`); None (unknown) lets the lookup take the
-    configuration most of the shape's context buckets agree on."""
-    tuned = lookup.lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch, context=context)
+    configuration most of the shape's context buckets agree on. ``s_q`` (None: unknown) picks
+    the entry of the query's own shape among those of the same rows."""
+    tuned = lookup.lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch, context=context,
+                                        s_q=s_q)
     cfg = tuned if tuned is not None else heuristic_config(rows, fp8)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else cfg.split.num_sms
     return cfg.with_sms(sms)
@@ -79,7 +81,7 @@ def metadata_plan(tile_scheduler_metadata: object) -> MetadataPlan | None:
 
 
 def decode_config_for(config: DecodeConfig | None, tile_scheduler_metadata: object, rows: int,
-                      fp8: bool, device: torch.device, batch: int) -> DecodeConfig:
+                      fp8: bool, device: torch.device, batch: int, s_q: int | None = None) -> DecodeConfig:
     """The decode call's configuration: an explicit ``config`` wins; else the one the metadata
     was built for (same row tile and split policy, context-aware); else, for metadata built for
     other rows or the other format (e.g. FlashMLA-style ``get_mla_metadata`` defaulting to FP8
@@ -97,7 +99,7 @@ def decode_config_for(config: DecodeConfig | None, tile_scheduler_metadata: obje
         return settle_blind(config)
     plan = metadata_plan(tile_scheduler_metadata)
     if plan is None:
-        return settle_blind(choose_config(rows, fp8, device, batch))
+        return settle_blind(choose_config(rows, fp8, device, batch, s_q=s_q))
     if plan.rows == rows and plan.fp8 == fp8:
         return plan.config
-    return settle_blind(choose_config(rows, fp8, device, batch, plan.context))
+    return settle_blind(choose_config(rows, fp8, device, batch, plan.context, s_q))

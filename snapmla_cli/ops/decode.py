@@ -85,9 +85,13 @@ def get_mla_metadata(
     fp8: bool = True,
     config: DecodeConfig | None = None,
     device: torch.device | str | None = None,
+    s_q: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV work list and cumulative split counts (see :mod:`snapmla_cli.ops.schedule`).
     ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA; ``num_heads_k`` must be 1.
+    ``s_q`` (optional, not in FlashMLA's signature): the query tokens per request, so that the
+    configuration choice takes the tuning entry of this very shape where two shapes have the
+    same rows (h_q 32 s_q 1 and h_q 16 s_q 2); without it the rows alone decide.
 
     ``cache_seqlens`` is read to the host once; its mean length is the context of the
     configuration choice (unless ``config`` is given), and it settles an automatic split
@@ -103,12 +107,13 @@ def get_mla_metadata(
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k!r}")
     check_rows(num_heads_per_head_k)
+    check_s_q(s_q, num_heads_per_head_k)
     fp8 = checked_flag("fp8", fp8)
     config = checked_config(config, fp8)
     seqlens = host_seqlens(cache_seqlens)  # (checks that it is an int32 [b] tensor)
     target = _metadata_device(cache_seqlens, device)
     context = mean_context(seqlens)
-    requested = config or choose_config(num_heads_per_head_k, fp8, target, len(seqlens), context)
+    requested = config or choose_config(num_heads_per_head_k, fp8, target, len(seqlens), context, s_q)
     cfg = settle_balance(requested, seqlens, num_heads_per_head_k, fp8)
     work = build_work_list(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split, seqlens,
                            runs_columns(cfg, fp8), target)
@@ -124,6 +129,15 @@ def check_rows(num_heads_per_head_k: int) -> None:
                            f"got {type(num_heads_per_head_k).__name__}")
     if num_heads_per_head_k < 1:
         raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
+
+
+def check_s_q(s_q: int | None, num_heads_per_head_k: int) -> None:
+    """An optional ``s_q`` is a positive integer that divides the rows (``s_q * h_q``)."""
+    if s_q is None:
+        return
+    if not is_integer(s_q) or s_q < 1 or num_heads_per_head_k % s_q:
+        raise SnapmlaError(f"s_q: expected the query tokens per request, a positive divisor of "
+                           f"num_heads_per_head_k={num_heads_per_head_k} (s_q * h_q), got {s_q!r}")
 
 
 def _metadata_device(cache_seqlens: torch.Tensor, device: torch.device | str | None) -> torch.device:
@@ -365,7 +379,9 @@ def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b
     reads a block of ``k_cache``. The kernels index the table without bounds (a bounds test per page
     would not tell the caller anything: the output would still be wrong), and reading the lengths
     back is a synchronization, so it runs with the NaN checks and not on the hot path."""
-    if torch.cuda.is_current_stream_capturing():
+    # (CPU tensors are checked too, and refused as not CUDA right after: a CPU-only torch cannot
+    # even ask whether a stream is capturing)
+    if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # the finite checks refuse capture with the switch on, naming it
     checked_lengths(block_table, cache_seqlens, batch, k_cache.shape[0])
 
@@ -420,7 +436,7 @@ def decode_fp8(
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
     cache = _fp8_cache_rows(k_cache)
     _require_cuda(cache, "k_cache", device)
-    cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b)
+    cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
     if cfg.wgmma:
         from ..runtime.tensor_map import fp8_cache_tensor_maps
 
@@ -467,7 +483,8 @@ def decode_bf16(
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
-    cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b)
+    cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,
+                            s_q)
     cache: torch.Tensor = k_cache
     if cfg.wgmma:
         from ..runtime.tensor_map import bf16_cache_tensor_map

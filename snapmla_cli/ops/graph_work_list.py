@@ -31,7 +31,7 @@ from ..numerics.decode_args import checked_flag, is_integer
 from ..numerics.formats import PAGE_SIZE
 from ..sizes import MAX_SIZE as MAX_SEQLEN
 from .config_choice import MetadataPlan, choose_config, record_plan
-from .decode import check_rows, requested_device
+from .decode import check_rows, check_s_q, requested_device
 from .decode_config import DecodeConfig, checked_config, with_balance
 from .schedule import WORK_FIELDS, graph_capacity, graph_work_tables, host_seqlens
 from .split_fold import fixed_fold
@@ -47,13 +47,16 @@ class GraphWorkList:
     plan tighter than the GPU's size alone (fewer empty places at small batches), and without
     ``config`` it is the context the configuration is looked up at (the tuning buckets are per
     context; with neither, the configuration most buckets agree on, which at small batches can
-    be a long context's)."""
+    be a long context's). ``s_q``, when given, picks the entry of this very shape among those of
+    the same rows, as in :func:`get_mla_metadata`."""
 
     def __init__(self, batch: int, num_heads_per_head_k: int, device: torch.device | str, *, fp8: bool = True,
-                 config: DecodeConfig | None = None, max_context: int | None = None) -> None:
+                 config: DecodeConfig | None = None, max_context: int | None = None,
+                 s_q: int | None = None) -> None:
         if not is_integer(batch) or batch < 1:
             raise SnapmlaError(f"batch: expected >= 1 requests (an integer), got {batch!r}")
         check_rows(num_heads_per_head_k)
+        check_s_q(s_q, num_heads_per_head_k)
         if max_context is not None and (not is_integer(max_context) or not 0 <= max_context <= MAX_SEQLEN):
             raise SnapmlaError(f"max_context: expected the most tokens a request holds (0..{MAX_SEQLEN}, "
                                f"int32 lengths), got {max_context}")
@@ -63,7 +66,7 @@ class GraphWorkList:
         config = checked_config(config, fp8)
         self.batch, self.rows, self.fp8 = batch, num_heads_per_head_k, fp8
         context = None if max_context is None else float(max_context)
-        requested = config or choose_config(num_heads_per_head_k, fp8, self.device, batch, context)
+        requested = config or choose_config(num_heads_per_head_k, fp8, self.device, batch, context, s_q)
         self.config = with_balance(requested, False)  # the split plan: a fixed shape
         max_blocks = None if max_context is None else -(-max_context // PAGE_SIZE)
         self.capacity = graph_capacity(batch, num_heads_per_head_k, self.config.block_m, self.config.split,

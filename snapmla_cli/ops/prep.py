@@ -447,7 +447,7 @@ MAX_ROWS = 2**31 - 1
 
 
 def fetch_dequant(
-    k_cache: torch.Tensor,
+    k_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
     total_tokens: int | None = None,
@@ -455,6 +455,10 @@ def fetch_dequant(
     """Dequantize every cached token of every request to bf16 ``[sum(n_i), 576]`` (request 0's
     tokens first). ``block_table`` int32 ``[b, max_blocks]``, ``cache_seqlens`` int32 ``[b]``
     (negative lengths count as 0).
+
+    ``k_cache`` is the paged FP8 cache, or SGLang-FluentLLM's structure of arrays ``(content,
+    scale, rope)`` (SPEC section 3; :func:`fetch_dequant_soa`'s tensors), whose slots the block
+    table addresses as a paged cache's: token ``j`` of a request at slot ``page * 64 + j % 64``.
 
     ``total_tokens``: the output's row count, to skip the host sync that reads
     ``sum(cache_seqlens)`` (needed for CUDA graphs); rows beyond the real total are zero and
@@ -464,7 +468,10 @@ def fetch_dequant(
     on the CPU always and on CUDA under the checks switch (``SNAPMLA_CHECK_FINITE``, as the
     decode calls: it reads the lengths back); unchecked, such rows come back as zeros.
     """
-    cache = _paged_cache(k_cache)
+    soa = _soa_arrays(k_cache) if isinstance(k_cache, (tuple, list)) else None
+    cache = _paged_cache(k_cache) if soa is None else soa[0]
+    # whole pages only: a page that runs past the slot arrays' end is refused like a missing one
+    num_blocks = cache.shape[0] if soa is None else cache.shape[0] // PAGE_SIZE
     block_table = _tensor("block_table", block_table)
     cache_seqlens = _tensor("cache_seqlens", cache_seqlens)
     _dtype("block_table", block_table, (torch.int32,))
@@ -501,8 +508,10 @@ def fetch_dequant(
 
     lengths = cache_seqlens.clamp(min=0)
     if batch and (device.type == "cpu" or (GPU_CHECKS.on and not torch.cuda.is_current_stream_capturing())):
-        checked_lengths(block_table, lengths, batch, cache.shape[0])
+        checked_lengths(block_table, lengths, batch, num_blocks)
     cu = row_offsets(lengths)
+    if soa is not None:
+        return fetch_dequant_soa(*soa, _token_slots(block_table, cu, total, num_blocks * PAGE_SIZE))
     if device.type == "cpu":
         return _fetch_paged_cpu(cache, block_table, cu, total)
     _aligned("k_cache", cache)
@@ -538,24 +547,35 @@ def row_offsets(lengths: torch.Tensor) -> torch.Tensor:
     return cu
 
 
+def _token_slots(block_table: torch.Tensor, cu: torch.Tensor, total: int, num_slots: int) -> torch.Tensor:
+    """int64 ``[total]``: the cache slot of each output row (``cu`` its requests' first rows),
+    -1 for a row past the last request's tokens or a token whose page is missing or outside
+    ``num_slots``. Tensor operations on the table's device: no host sync."""
+    slots = torch.full((total,), -1, dtype=torch.int64, device=block_table.device)
+    batch, max_blocks = block_table.shape
+    if total == 0 or batch == 0 or max_blocks == 0:
+        return slots
+    t = torch.arange(total, dtype=torch.int64, device=block_table.device)
+    ends = cu[1:].to(torch.int64)
+    req = torch.searchsorted(ends, t, right=True).clamp_(max=batch - 1)
+    j = t - cu[req].to(torch.int64)
+    blk = j // PAGE_SIZE
+    page = block_table[req, blk.clamp(max=max_blocks - 1)].to(torch.int64)
+    slot = page * PAGE_SIZE + j % PAGE_SIZE
+    valid = (t < cu[-1].to(torch.int64)) & (blk < max_blocks) & (page >= 0) & (slot < num_slots)
+    return torch.where(valid, slot, slots)
+
+
 def _fetch_paged_cpu(
     cache: torch.Tensor, block_table: torch.Tensor, cu: torch.Tensor, total: int
 ) -> torch.Tensor:
     out = torch.zeros((total, D_QK), dtype=torch.bfloat16)
-    m = min(total, int(cu[-1]))
-    max_blocks, num_slots = block_table.shape[1], cache.shape[0] * PAGE_SIZE
-    if m == 0 or max_blocks == 0:
-        return out
-    t = torch.arange(m, dtype=torch.int64)
-    req = torch.searchsorted(cu[1:].to(torch.int64), t, right=True)
-    j = t - cu[req].to(torch.int64)
-    blk = j // PAGE_SIZE
-    in_table = blk < max_blocks
-    page = block_table[req, blk.clamp(max=max_blocks - 1)].to(torch.int64)
-    slot = page * PAGE_SIZE + j % PAGE_SIZE
-    valid = in_table & (page >= 0) & (slot < num_slots)
-    flat = cache.view(num_slots, FP8_TOKEN_BYTES)
-    out[:m][valid] = _dequant_rows(unpack_tokens(flat[slot[valid]]))
+    num_slots = cache.shape[0] * PAGE_SIZE
+    slot = _token_slots(block_table, cu, total, num_slots)
+    valid = slot >= 0
+    if bool(valid.any()):
+        flat = cache.view(num_slots, FP8_TOKEN_BYTES)
+        out[valid] = _dequant_rows(unpack_tokens(flat[slot[valid]]))
     return out
 
 
@@ -584,12 +604,16 @@ def fetch_dequant_slots(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Ten
     return out
 
 
-def fetch_dequant_soa(
-    content: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor
-) -> torch.Tensor:
-    """Dequantize the tokens at ``slots`` of a structure-of-arrays cache (SGLang-FluentLLM:
-    content uint8/float8_e4m3fn ``[S, 512]``, scale float32 ``[S]``, rope bf16 ``[S, 64]``) to
-    bf16 ``[n, 576]``; an out-of-range slot gives a row of zeros."""
+def _soa_arrays(k_cache: tuple | list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(content, scale, rope)`` of a structure-of-arrays cache given as ``k_cache``."""
+    if len(k_cache) != 3:
+        raise SnapmlaError(f"k_cache: expected the paged FP8 cache or a structure of arrays (content, scale, "
+                           f"rope), got a {type(k_cache).__name__} of {len(k_cache)}")
+    content, scale, rope = k_cache
+    return _checked_soa(content, scale, rope)
+
+
+def _checked_soa(content: object, scale: object, rope: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     content = _tensor("content", content)
     scale = _tensor("scale", scale)
     rope = _tensor("rope", rope)
@@ -600,9 +624,20 @@ def fetch_dequant_soa(
     num_slots = content.shape[0]
     _shape("scale", scale, (num_slots,), f"[{num_slots}]")
     _shape("rope", rope, (num_slots, D_ROPE), f"[{num_slots}, {D_ROPE}]")
-    slots = _slots("slots", slots)
     for name, t in (("content", content), ("scale", scale), ("rope", rope)):
         _contiguous(name, t)
+    return content, scale, rope
+
+
+def fetch_dequant_soa(
+    content: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Dequantize the tokens at ``slots`` of a structure-of-arrays cache (SGLang-FluentLLM:
+    content uint8/float8_e4m3fn ``[S, 512]``, scale float32 ``[S]``, rope bf16 ``[S, 64]``) to
+    bf16 ``[n, 576]``; an out-of-range slot gives a row of zeros."""
+    content, scale, rope = _checked_soa(content, scale, rope)
+    num_slots = content.shape[0]
+    slots = _slots("slots", slots)
     device = _same_device(
         [("content", content), ("scale", scale), ("rope", rope), ("slots", slots)]
     )

@@ -15,8 +15,10 @@ Distance between a query ``(rows, batch, context)`` and an entry (all in log2 un
 2. batch + context: 0 inside the entry's range, else the log2 distance to the nearest end of the
    range; an unknown value (``None``) counts 0.
 
-The smallest (rows distance, shape distance) wins; on a tie the user's database beats the
-shipped one, then a section with the same CUDA driver major beats another, then the
+The smallest (rows distance, shape distance) wins; on a tie an entry of the query's own
+``s_q`` beats one of another ``s_q`` with the same rows (h_q 32 s_q 1 against h_q 16 s_q 2; only
+when the caller knows ``s_q``: FlashMLA's ``get_mla_metadata`` passes just the rows), then the
+user's database beats the shipped one, then a section with the same CUDA driver major beats another, then the
 configuration shared by most tied entries wins (e.g. a context-agnostic query over four
 context buckets takes the config most of them chose), then the first bucket in sort order.
 A config whose row groups exceed what the query's rows need is narrowed to fit. Batch and
@@ -222,7 +224,8 @@ def bucket_distance(entry: Entry, rows: int, batch: float | None, context: float
 
 
 def select_entry(located: list[Located], rows: int, fmt: str, batch: float | None = None,
-                 context: float | None = None, gpu: GpuKey | None = None) -> Located | None:
+                 context: float | None = None, gpu: GpuKey | None = None,
+                 s_q: int | None = None) -> Located | None:
     """The nearest entry for the query (module docstring), or None."""
     scored = []
     for loc in located:
@@ -232,11 +235,12 @@ def select_entry(located: list[Located], rows: int, fmt: str, batch: float | Non
         if dist is None:
             continue
         driver_rank = 0 if gpu is None or loc.gpu.cuda_driver_major == gpu.cuda_driver_major else 1
-        scored.append((round(dist[0], 9), round(dist[1], 9), loc.origin_rank, driver_rank, loc))
+        other_s_q = 0 if s_q is None or loc.entry.bucket.s_q == s_q else 1
+        scored.append((round(dist[0], 9), round(dist[1], 9), other_s_q, loc.origin_rank, driver_rank, loc))
     if not scored:
         return None
-    best = min(s[:4] for s in scored)
-    tied = [s[4] for s in scored if s[:4] == best]
+    best = min(s[:5] for s in scored)
+    tied = [s[5] for s in scored if s[:5] == best]
     if len(tied) == 1:
         return tied[0]
     tied.sort(key=lambda loc: loc.entry.bucket.id)
@@ -268,22 +272,22 @@ def _from_memo(k: int | None) -> float | None:
 
 
 def lookup_decode_config(rows: int, fp8: bool, device: Any, batch: int | None = None,
-                         context: float | None = None) -> DecodeConfig | None:
+                         context: float | None = None, s_q: int | None = None) -> DecodeConfig | None:
     """The tuned configuration for ``rows = s_q * h_q`` on ``device`` (nearest bucket of this
     exact GPU model), or None: no entry, a CPU device, or any problem (warned once). ``batch``
-    (requests) and ``context`` (e.g. mean cached tokens per request) refine the choice when
-    given. The split policy's SM count is left for the caller to fill in."""
+    (requests), ``context`` (e.g. mean cached tokens per request) and ``s_q`` refine the choice
+    when given. The split policy's SM count is left for the caller to fill in."""
     try:
         state = _state_for(device)
         if state is None or not state.located:
             return None
         kb, kc = _memo_value(batch), _memo_value(context)
-        key = (rows, bool(fp8), kb, kc)
+        key = (rows, bool(fp8), kb, kc, s_q)
         hit = state.memo.get(key, _MISS)
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
         fmt = "fp8" if fp8 else "bf16"
-        loc = select_entry(state.located, rows, fmt, _from_memo(kb), _from_memo(kc), state.gpu)
+        loc = select_entry(state.located, rows, fmt, _from_memo(kb), _from_memo(kc), state.gpu, s_q)
         cfg = None if loc is None else adapt_config(loc.entry.config, rows, fmt)
         if len(state.memo) >= _MEMO_LIMIT:
             state.memo.clear()

@@ -292,6 +292,10 @@ def test_fetch_dequant_bytes(seqlens: list[int]) -> None:
         cache, layout.block_table, layout.cache_seqlens, total_tokens=ref.shape[0] + 70
     )
     assert_bytes_equal("gpu vs cpu path", padded, cpu)
+    # SPEC section 3: the same tokens as SGLang-FluentLLM's structure of arrays, slot for slot
+    flat = unpack_tokens(cache.reshape(-1, FP8_TOKEN_BYTES).to(DEV))
+    soa = (flat.content.view(torch.uint8), flat.scale, flat.rope)
+    assert_bytes_equal("soa through fetch_dequant", fetch_dequant(soa, *args[1:]), ref)
 
 
 def test_fetch_dequant_garbage_table_entries() -> None:
