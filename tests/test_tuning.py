@@ -427,8 +427,33 @@ def test_atomic_write_survives_interrupted_write(isolated_db, monkeypatch):
         save_entries(user, GPU, [entry(t=50.0, cfg=alt_config())])
     monkeypatch.setattr(pathlib.Path, "write_text", real_write_text)
     assert path.read_bytes() == before
-    assert sorted(p.name for p in user.iterdir()) == ["Test_GPU_X100.yaml"]  # no temp left
+    left = sorted(p.name for p in user.iterdir() if p.name != ".Test_GPU_X100.yaml.lock")  # the merge lock stays
+    assert left == ["Test_GPU_X100.yaml"]  # no temp left
     assert load_file(path).sections[0].entries[0].time_us == 100.0
+
+
+def _save_buckets(folder: str, first_h_q: int, count: int) -> None:
+    """One tuner process's saves: ``count`` buckets of its own, one merge each (as tune does)."""
+    for h_q in range(first_h_q, first_h_q + count):
+        save_entries(pathlib.Path(folder), GPU, [entry(h_q=h_q, s_q=1, cfg=heuristic_config(h_q))])
+
+
+def test_concurrent_tuners_keep_every_entry(tmp_path):
+    """One `snapmla tune` per GPU of a node writes the same <GPU>.yaml: each merge reads, adds
+    and replaces the file, so without the merge lock one process's entries were lost."""
+    import multiprocessing
+
+    processes, per_process = 4, 12
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_save_buckets, args=(str(tmp_path), 1 + i * per_process, per_process))
+               for i in range(processes)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+        assert w.exitcode == 0
+    stored = load_file(tmp_path / "Test_GPU_X100.yaml").sections[0].entries
+    assert sorted(e.bucket.h_q for e in stored) == list(range(1, 1 + processes * per_process))
 
 
 def test_corrupt_file_is_not_overwritten_without_force(isolated_db):

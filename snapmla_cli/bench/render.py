@@ -33,8 +33,7 @@ def describe_plan(plan: BenchPlan) -> str:
     batch = f"batch {plan.batch}" if plan.batch is not None else "batch from the KV budget"
     budget = f", KV budget {format_bytes(plan.kv_mem)}/GPU" if plan.kv_mem is not None else ""
     return (f"{model}: {counted(plan.heads, 'head')} x {counted(plan.layers, 'MLA layer')}, s_q {plan.s_q}; "
-            f"{', '.join(layout.name for layout in plan.layouts)} on {plan.world} "
-            f"rank{'s' if plan.world > 1 else ''}; ctx {','.join(format_size(c) for c in plan.contexts)}; "
+            f"{', '.join(layout.name for layout in plan.layouts)} on {counted(plan.world, 'rank')}; ctx {','.join(format_size(c) for c in plan.contexts)}; "
             f"{batch}{budget}")
 
 

@@ -26,15 +26,22 @@ it for every malformed value) and imported here, where callers take it from.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+try:  # POSIX advisory locks; elsewhere merges are not serialized (one tune at a time)
+    import fcntl
+except ImportError:  # pragma: no cover - not Linux
+    fcntl = None  # type: ignore[assignment]
 
 from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
@@ -446,17 +453,36 @@ def save_entries(folder: Path, gpu: GpuKey, new_entries: list[Entry], force: boo
     overwritten (SnapmlaError) unless ``force`` (:func:`sections_to_merge`)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / db_filename(gpu.name)
-    sections = sections_to_merge(path, force)
-    section = next((s for s in sections if s.gpu == gpu), None)
-    if section is None:
-        section = DeviceSection(gpu, [])
-        sections.append(section)
-    outcomes = []
-    for entry in new_entries:
-        section.entries, outcome = merge_entry(section.entries, entry, force)
-        outcomes.append(outcome)
-    write_text_atomic(path, dump_text(sections))
+    with merge_lock(path):
+        sections = sections_to_merge(path, force)
+        section = next((s for s in sections if s.gpu == gpu), None)
+        if section is None:
+            section = DeviceSection(gpu, [])
+            sections.append(section)
+        outcomes = []
+        for entry in new_entries:
+            section.entries, outcome = merge_entry(section.entries, entry, force)
+            outcomes.append(outcome)
+        write_text_atomic(path, dump_text(sections))
     return path, outcomes
+
+
+@contextlib.contextmanager
+def merge_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive advisory lock on ``path``'s merges. One ``snapmla tune`` per GPU of a
+    node (CUDA_VISIBLE_DEVICES) writes the same ``<GPU>.yaml``; each merge reads the file, adds
+    its entries and replaces it, so two merges at once would drop one's entries. The lock is a
+    hidden file next to the database (the database itself is replaced, so its inode cannot
+    carry a lock), kept: removing it could race with a process that just opened it."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # (closing releases the lock)
 
 
 def sections_to_merge(path: Path, force: bool = False) -> list[DeviceSection]:
