@@ -292,7 +292,7 @@ def test_s_q_picks_the_entry_of_its_own_shape(isolated_tuning_dirs):
     assert metadata_plan(get_mla_metadata(lens, ROWS, 1, s_q=2)[0]).requested == C16K
     assert metadata_plan(get_mla_metadata(lens, ROWS, 1)[0]).requested == own  # h128-s1 sorts first
     assert metadata_plan(GraphWorkList(BATCH, ROWS, "cpu", max_context=16384, s_q=2).metadata).requested == C16K
-    for bad in (0, 3, 1.0, True):
+    for bad in (0, 3, 1.0, True, torch.tensor(2), torch.tensor(2.0), torch.tensor([1, 2])):
         with pytest.raises(SnapmlaError, match="^s_q: expected the query tokens per request"):
             get_mla_metadata(lens, ROWS, 1, s_q=bad)
     with pytest.raises(SnapmlaError, match="^s_q: expected"):

@@ -280,6 +280,24 @@ def test_fetch_dequant_takes_the_structure_of_arrays_form() -> None:
         fetch_dequant((soa[0], soa[1], soa[2].float()), layout.block_table, layout.cache_seqlens)
     empty = torch.zeros(0, 1, dtype=torch.int32)
     assert fetch_dequant(soa, empty, torch.zeros(0, dtype=torch.int32), total_tokens=3).shape == (3, D_QK)
+    # a partial last page of slots cannot be addressed by a block table: the message says so
+    short = tuple(t[:100] for t in soa)
+    with pytest.raises(SnapmlaError, match=r"holds 100 slots: 1 whole page of 64"):
+        fetch_dequant(short, torch.tensor([[1]], dtype=torch.int32), torch.tensor([36], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("soa", [False, True])
+def test_fetch_dequant_too_large_for_the_host_is_one_line(soa: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """total_tokens past what the host holds: one line before any allocation (the structure of
+    arrays' index tensors were allocated first and the process was killed for memory)."""
+    from snapmla_cli import host_memory
+
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 2**30)
+    layout, _, cache = _paged_problem([70], seed=9)
+    k_cache = _as_soa(cache) if soa else cache
+    with pytest.raises(SnapmlaError, match=r"^total_tokens=2147483647: fetch_dequant's rows: needs about"):
+        fetch_dequant(k_cache, layout.block_table, layout.cache_seqlens, total_tokens=2**31 - 1)
+    assert fetch_dequant(k_cache, layout.block_table, layout.cache_seqlens).shape == (70, D_QK)
 
 
 def test_dequant_reference_is_float32_multiply_then_bf16() -> None:

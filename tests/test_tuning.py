@@ -440,20 +440,51 @@ def _save_buckets(folder: str, first_h_q: int, count: int) -> None:
 
 def test_concurrent_tuners_keep_every_entry(tmp_path):
     """One `snapmla tune` per GPU of a node writes the same <GPU>.yaml: each merge reads, adds
-    and replaces the file, so without the merge lock one process's entries were lost."""
+    and replaces the file, so without the merge lock one process's entries were lost. Half the
+    tuners reach the file through a symlink in another folder: the lock is the target's."""
     import multiprocessing
 
+    real, linked = tmp_path / "real", tmp_path / "linked"
+    path, _ = save_entries(real, GPU, [entry(h_q=200, s_q=1, cfg=heuristic_config(200))])
+    linked.mkdir()
+    (linked / path.name).symlink_to(path)
     processes, per_process = 4, 12
     ctx = multiprocessing.get_context("spawn")
-    workers = [ctx.Process(target=_save_buckets, args=(str(tmp_path), 1 + i * per_process, per_process))
+    workers = [ctx.Process(target=_save_buckets, args=(str(real if i % 2 else linked), 1 + i * per_process, per_process))
                for i in range(processes)]
     for w in workers:
         w.start()
     for w in workers:
         w.join(120)
         assert w.exitcode == 0
-    stored = load_file(tmp_path / "Test_GPU_X100.yaml").sections[0].entries
-    assert sorted(e.bucket.h_q for e in stored) == list(range(1, 1 + processes * per_process))
+    stored = load_file(path).sections[0].entries
+    assert sorted(e.bucket.h_q for e in stored) == [*range(1, 1 + processes * per_process), 200]
+    assert (linked / path.name).is_symlink() and not (linked / f".{path.name}.lock").exists()
+
+
+@pytest.mark.parametrize("failure", ["open", "flock"])
+def test_a_merge_goes_on_where_no_lock_can_be_taken(tmp_path, monkeypatch, failure):
+    """The lock protects concurrent merges; it is not a precondition: a folder where it cannot be
+    created (read-only, with a link to the database elsewhere) or a filesystem without locks
+    (ENOLCK on NFS) saves unlocked, as before the lock existed."""
+    import errno as errnos
+
+    real_open = tdb.os.open
+
+    def no_lock_file(name, *args, **kwargs):
+        if str(name).endswith(".lock"):
+            raise PermissionError(errnos.EACCES, "Permission denied")
+        return real_open(name, *args, **kwargs)
+
+    def no_locks(fd, op):
+        raise OSError(errnos.ENOLCK, "No locks available")
+
+    if failure == "open":
+        monkeypatch.setattr(tdb.os, "open", no_lock_file)
+    else:
+        monkeypatch.setattr(tdb.fcntl, "flock", no_locks)
+    path, outcomes = save_entries(tmp_path, GPU, [entry()])
+    assert len(outcomes) == 1 and load_file(path).sections[0].entries[0].time_us == 100.0
 
 
 def test_corrupt_file_is_not_overwritten_without_force(isolated_db):

@@ -33,8 +33,10 @@ def checked_softmax_scale(softmax_scale: object) -> float:
 
 
 def is_integer(value: object) -> bool:
-    """An integer count (Python or NumPy int; not a bool, not a float)."""
-    return not isinstance(value, bool) and hasattr(value, "__index__")
+    """An integer count (Python or NumPy int; not a bool, not a float, and not a tensor: a
+    tensor's comparisons are elementwise, a 0-d float or bool tensor has ``__index__`` too, and a
+    CUDA one would be read back to the host)."""
+    return not isinstance(value, (bool, torch.Tensor)) and hasattr(value, "__index__")
 
 
 def checked_flag(name: str, value: object) -> bool:

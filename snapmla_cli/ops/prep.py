@@ -23,11 +23,13 @@ import torch
 
 from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_tokens
 from ..errors import SnapmlaError
+from ..host_memory import require_host_memory
 from ..numerics.decode_args import checked_lengths, is_integer
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
 from ..runtime.registry import PREP_DEFINES, PREP_KERNELS, PREP_SOURCE
+from ..sizes import counted
 from .finite import GPU_CHECKS, check_quantizable
 
 _VEC_ALIGN = 16  # bytes: the kernels use 16-byte vector accesses
@@ -444,6 +446,9 @@ def _append_kv_cuda(kv: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor
 
 # The most rows a fetch may return: its offsets (cumulative lengths) are int32, as SPEC's are.
 MAX_ROWS = 2**31 - 1
+# Host bytes a CPU fetch holds per output row: the bf16 row and the int64 index tensors that
+# address it (``_token_slots``: arange, request, offset, page, slot, mask).
+_CPU_FETCH_BYTES_PER_ROW = D_QK * 2 + 6 * 8
 
 
 def fetch_dequant(
@@ -489,7 +494,8 @@ def fetch_dequant(
     _contiguous("block_table", block_table)
     _contiguous("cache_seqlens", cache_seqlens)
     device = _same_device(
-        [("k_cache", cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens)]
+        [("k_cache" if soa is None else "content", cache), ("block_table", block_table),
+         ("cache_seqlens", cache_seqlens)]
     )
     if total_tokens is not None:
         if not is_integer(total_tokens) or total_tokens < 0:
@@ -506,9 +512,20 @@ def fetch_dequant(
             raise SnapmlaError(f"cache_seqlens: the lengths add up to {total} tokens, more than the "
                                f"{MAX_ROWS} rows int32 offsets address")
 
+    if device.type == "cpu":  # (on a GPU, torch's OutOfMemoryError is what an engine expects)
+        what = (f"total_tokens={total}: fetch_dequant's rows" if total_tokens is not None
+                else f"cache_seqlens: fetch_dequant's {total} rows")
+        require_host_memory(what, total * _CPU_FETCH_BYTES_PER_ROW)
     lengths = cache_seqlens.clamp(min=0)
     if batch and (device.type == "cpu" or (GPU_CHECKS.on and not torch.cuda.is_current_stream_capturing())):
-        checked_lengths(block_table, lengths, batch, num_blocks)
+        try:
+            checked_lengths(block_table, lengths, batch, num_blocks)
+        except SnapmlaError as exc:
+            if soa is None:
+                raise
+            raise SnapmlaError(f"{exc} (the structure of arrays holds {cache.shape[0]} slots: "
+                               f"{counted(num_blocks, 'whole page')} of {PAGE_SIZE}, the only pages a block "
+                               "table can address)") from None
     cu = row_offsets(lengths)
     if soa is not None:
         return fetch_dequant_soa(*soa, _token_slots(block_table, cu, total, num_blocks * PAGE_SIZE))

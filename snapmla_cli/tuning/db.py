@@ -471,15 +471,28 @@ def save_entries(folder: Path, gpu: GpuKey, new_entries: list[Entry], force: boo
 def merge_lock(path: Path) -> Iterator[None]:
     """Hold an exclusive advisory lock on ``path``'s merges. One ``snapmla tune`` per GPU of a
     node (CUDA_VISIBLE_DEVICES) writes the same ``<GPU>.yaml``; each merge reads the file, adds
-    its entries and replaces it, so two merges at once would drop one's entries. The lock is a
-    hidden file next to the database (the database itself is replaced, so its inode cannot
-    carry a lock), kept: removing it could race with a process that just opened it."""
+    its entries and replaces it, so two merges at once would drop one's entries.
+
+    The lock is a hidden file next to the file the write lands in (a symlinked database is
+    replaced at its target, so two folders that link one file share its lock), opened read-only
+    (``flock`` needs no write access: members of a shared group folder can all take it) and
+    created with the umask's bits. It is a protection, not a precondition: where it cannot be
+    taken (a read-only folder that holds a link, a filesystem without locks) the merge goes on
+    unlocked, as it did before, and the write reports its own problems."""
     if fcntl is None:
         yield
         return
-    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    target = Path(os.path.realpath(path)) if os.path.islink(path) else path
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # e.g. ENOLCK on NFS without a lock daemon: unlocked, as before
         yield
     finally:
         os.close(fd)  # (closing releases the lock)
