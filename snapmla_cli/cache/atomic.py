@@ -72,7 +72,7 @@ def check_writable(path: Path, force: bool, what: str = "output") -> None:
     path = Path(path)
     if path.name in ("", ".", ".."):
         raise SnapmlaError(f"{what}: expected a file path, got {str(path)!r}")
-    target = _final_target(path)
+    target = final_target(path)
     kind = _existing_kind(target, what, path)
     _refuse_special(kind, path, what)
     dangling = kind is None and os.path.islink(path)
@@ -131,7 +131,7 @@ def write_atomic(path: Path, write: Callable[[Path], None], *, replace: bool = T
     naming ``path``, never the temp file; the temp file is removed in every case, Ctrl-C
     included."""
     path = Path(path)
-    target = _final_target(path)
+    target = final_target(path)
     kind = _existing_kind(target, "output", path)
     _refuse_special(kind, path, "output")
     if not replace and os.path.lexists(path):
@@ -364,7 +364,7 @@ def _discard(entry: _Landing) -> None:
     _drop_backup(entry)
 
 
-def _final_target(path: Path) -> Path:
+def final_target(path: Path) -> Path:
     """The file a write to ``path`` lands in: the end of a symlink chain (which may not exist
     yet), else ``path`` itself (unresolved, so messages show what the user typed)."""
     return Path(os.path.realpath(path)) if os.path.islink(path) else path

@@ -43,7 +43,7 @@ try:  # POSIX advisory locks; elsewhere merges are not serialized (one tune at a
 except ImportError:  # pragma: no cover - not Linux
     fcntl = None  # type: ignore[assignment]
 
-from ..cache.atomic import write_text_atomic
+from ..cache.atomic import final_target, write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import FP8_MMA_SYNC, ROPE_RING_CHOICES, WG_MODES, DecodeConfig
 from ..ops.schedule import SplitPolicy
@@ -482,9 +482,9 @@ def merge_lock(path: Path) -> Iterator[None]:
     if fcntl is None:
         yield
         return
-    target = Path(os.path.realpath(path)) if os.path.islink(path) else path
-    try:
-        fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDONLY | os.O_CREAT, 0o666)
+    target = final_target(path)
+    try:  # (non-blocking open: a fifo put at the lock's name must not hang the save)
+        fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
     except OSError:
         yield
         return
