@@ -91,7 +91,6 @@ def shorten(text: str, limit: int = 24) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-
 def counted(number: int, noun: str, plural: str | None = None) -> str:
     """``number`` and its noun in the right number for a message: ``1 layer``, ``2 layers``,
     ``1 query`` / ``3 queries`` (``plural`` for the nouns that do not take an s)."""

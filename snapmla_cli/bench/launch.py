@@ -31,6 +31,7 @@ import torch
 
 from ..cache.atomic import write_text_atomic
 from ..errors import NoGpuError, SnapmlaError
+from ..sizes import counted
 from .plan import BenchPlan
 from .results import BenchReport, Measurement
 from .timing import CLOCKS, STEADY
@@ -158,8 +159,8 @@ def preflight(
     count = torch.cuda.device_count() if device_count is None else device_count
     if env is None and plan.world > count:
         raise SnapmlaError(
-            f"{layouts} runs {plan.world} ranks, one per GPU, but this machine has {count} GPU"
-            f"{'s' if count != 1 else ''} (multi-node: start it with torchrun)"
+            f"{layouts} runs {plan.world} ranks, one per GPU, but this machine has {counted(count, 'GPU')} "
+            "(multi-node: start it with torchrun)"
         )
     if env is not None and env.local_rank >= count:
         raise SnapmlaError(f"LOCAL_RANK {env.local_rank} has no GPU: this node has {count}")

@@ -118,6 +118,11 @@ def require_readable(name: str, t: torch.Tensor) -> None:
     GPU (a 'meta' tensor has no data), and a plain strided one (not nested)."""
     if t.device.type not in ("cpu", "cuda"):
         raise SnapmlaError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
+    require_strided(name, t)
+
+
+def require_strided(name: str, t: torch.Tensor) -> None:
+    """A plain strided tensor: a nested one has no single shape or storage to index."""
     if t.is_nested:
         raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got a nested tensor")
 

@@ -54,7 +54,7 @@ from .decode_config import (
     settle_balance,
 )
 from .decode_launch import DecodePlan, combine_launch, find_plan, store_plan
-from .finite import GPU_CHECKS, check_all_finite, check_finite
+from .finite import GPU_CHECKS, capturing, check_all_finite, check_finite
 from .schedule import WORK_FIELDS, build_work_list, host_seqlens
 from .split_fold import (
     SplitFold,
@@ -379,9 +379,7 @@ def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b
     reads a block of ``k_cache``. The kernels index the table without bounds (a bounds test per page
     would not tell the caller anything: the output would still be wrong), and reading the lengths
     back is a synchronization, so it runs with the NaN checks and not on the hot path."""
-    # (CPU tensors are checked too, and refused as not CUDA right after: a CPU-only torch cannot
-    # even ask whether a stream is capturing)
-    if block_table.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(block_table):  # (CPU tensors are checked, then refused as not CUDA right after)
         return  # the finite checks refuse capture with the switch on, naming it
     checked_lengths(block_table, cache_seqlens, batch, k_cache.shape[0])
 

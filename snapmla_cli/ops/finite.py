@@ -43,6 +43,13 @@ def set_gpu_checks(enabled: bool) -> None:
     GPU_CHECKS.on = enabled
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """True when ``t`` is on a GPU whose current stream is being captured into a CUDA graph, where
+    reading values back to the host is not allowed; False for a CPU tensor without asking CUDA
+    (a CPU-only torch cannot answer)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise a one-line :class:`SnapmlaError` when ``t`` holds NaN or inf (see
     :func:`check_all_finite`)."""
@@ -58,7 +65,7 @@ def check_all_finite(*named: tuple[str, torch.Tensor]) -> None:
                if t.is_floating_point() and t.numel() and (GPU_CHECKS.on or not t.is_cuda)]
     if not tensors:
         return
-    if any(t.is_cuda for _, t in tensors) and torch.cuda.is_current_stream_capturing():
+    if any(capturing(t) for _, t in tensors):
         raise SnapmlaError(
             f"{tensors[0][0]}: {ENV_VAR}=1 cannot check values during CUDA-graph capture "
             "(it reads them back to the host); capture with the check off")

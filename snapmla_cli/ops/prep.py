@@ -24,13 +24,13 @@ import torch
 from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_tokens
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
-from ..numerics.decode_args import checked_lengths, is_integer
+from ..numerics.decode_args import checked_lengths, is_integer, require_strided
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
 from ..runtime.registry import PREP_DEFINES, PREP_KERNELS, PREP_SOURCE
 from ..sizes import counted
-from .finite import GPU_CHECKS, check_quantizable
+from .finite import GPU_CHECKS, capturing, check_quantizable
 
 _VEC_ALIGN = 16  # bytes: the kernels use 16-byte vector accesses
 _CPU_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -66,8 +66,7 @@ _FETCH_SOA = {
 def _tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.is_nested:
-        raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got a nested tensor")
+    require_strided(name, t)
     return t
 
 
@@ -493,10 +492,8 @@ def fetch_dequant(
         )
     _contiguous("block_table", block_table)
     _contiguous("cache_seqlens", cache_seqlens)
-    device = _same_device(
-        [("k_cache" if soa is None else "content", cache), ("block_table", block_table),
-         ("cache_seqlens", cache_seqlens)]
-    )
+    arrays = [("k_cache", cache)] if soa is None else list(zip(("content", "scale", "rope"), soa))
+    device = _same_device([*arrays, ("block_table", block_table), ("cache_seqlens", cache_seqlens)])
     if total_tokens is not None:
         if not is_integer(total_tokens) or total_tokens < 0:
             raise SnapmlaError(f"total_tokens: expected a non-negative int, got {total_tokens!r}")
@@ -517,7 +514,7 @@ def fetch_dequant(
                 else f"cache_seqlens: fetch_dequant's {total} rows")
         require_host_memory(what, total * _CPU_FETCH_BYTES_PER_ROW)
     lengths = cache_seqlens.clamp(min=0)
-    if batch and (device.type == "cpu" or (GPU_CHECKS.on and not torch.cuda.is_current_stream_capturing())):
+    if batch and (device.type == "cpu" or (GPU_CHECKS.on and not capturing(block_table))):
         try:
             checked_lengths(block_table, lengths, batch, num_blocks)
         except SnapmlaError as exc:
@@ -528,7 +525,7 @@ def fetch_dequant(
                                "table can address)") from None
     cu = row_offsets(lengths)
     if soa is not None:
-        return fetch_dequant_soa(*soa, _token_slots(block_table, cu, total, num_blocks * PAGE_SIZE))
+        return _fetch_soa(*soa, _token_slots(block_table, cu, total, num_blocks * PAGE_SIZE), device)
     if device.type == "cpu":
         return _fetch_paged_cpu(cache, block_table, cu, total)
     _aligned("k_cache", cache)
@@ -653,11 +650,17 @@ def fetch_dequant_soa(
     content uint8/float8_e4m3fn ``[S, 512]``, scale float32 ``[S]``, rope bf16 ``[S, 64]``) to
     bf16 ``[n, 576]``; an out-of-range slot gives a row of zeros."""
     content, scale, rope = _checked_soa(content, scale, rope)
-    num_slots = content.shape[0]
     slots = _slots("slots", slots)
     device = _same_device(
         [("content", content), ("scale", scale), ("rope", rope), ("slots", slots)]
     )
+    return _fetch_soa(content, scale, rope, slots, device)
+
+
+def _fetch_soa(content: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor,
+               device: torch.device) -> torch.Tensor:
+    """:func:`fetch_dequant_soa` on checked arrays and slots, all on ``device``."""
+    num_slots = content.shape[0]
     n = slots.shape[0]
     if device.type == "cpu":
         out = torch.zeros((n, D_QK), dtype=torch.bfloat16)

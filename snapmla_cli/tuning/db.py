@@ -47,7 +47,7 @@ from ..cache.atomic import final_target, write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import FP8_MMA_SYNC, ROPE_RING_CHOICES, WG_MODES, DecodeConfig
 from ..ops.schedule import SplitPolicy
-from ..sizes import shorten
+from ..sizes import counted, shorten
 from .fields import MAX_FIELD_INT, DbError, is_int, read_int, read_positive_number, show
 from .space import Bucket, config_problem
 
@@ -514,7 +514,7 @@ def sections_to_merge(path: Path, force: bool = False) -> list[DeviceSection]:
         return []
     if loaded.problems and not force:
         n = len(loaded.problems)
-        raise SnapmlaError(f"{path}: {n} malformed entr{'y' if n == 1 else 'ies'} "
+        raise SnapmlaError(f"{path}: {counted(n, 'malformed entry', 'malformed entries')} "
                            f"({loaded.problems[0]}); not overwriting it, which would drop "
                            f"{'it' if n == 1 else 'them'} (fix the file or pass --force)")
     return loaded.sections

@@ -18,8 +18,8 @@ Distance between a query ``(rows, batch, context)`` and an entry (all in log2 un
 The smallest (rows distance, shape distance) wins; on a tie an entry of the query's own
 ``s_q`` beats one of another ``s_q`` with the same rows (h_q 32 s_q 1 against h_q 16 s_q 2; only
 when the caller knows ``s_q``: FlashMLA's ``get_mla_metadata`` passes just the rows), then the
-user's database beats the shipped one, then a section with the same CUDA driver major beats another, then the
-configuration shared by most tied entries wins (e.g. a context-agnostic query over four
+user's database beats the shipped one, then a section with the same CUDA driver major beats
+another, then the configuration shared by most tied entries wins (e.g. a context-agnostic query over four
 context buckets takes the config most of them chose), then the first bucket in sort order.
 A config whose row groups exceed what the query's rows need is narrowed to fit. Batch and
 context are rounded to 1/16 of an octave (~4%) first, so that the answer is memoised even while

@@ -23,7 +23,7 @@ from ..ops import cluster_fold
 from ..ops import decode_config as dc
 from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_config
 from ..ops.schedule import SplitPolicy, work_columns
-from ..sizes import MAX_SIZE, format_size, parse_size, refuse_long_number
+from ..sizes import MAX_SIZE, counted, format_size, parse_size, refuse_long_number
 from .fields import DbError, read_int, read_pair, show
 
 FORMATS = ("fp8", "bf16")
@@ -192,7 +192,7 @@ class Budget:
     def __str__(self) -> str:
         if self.seconds is not None:
             return f"{self.seconds:g}s per bucket"
-        return f"{self.count} candidate{'' if self.count == 1 else 's'} per bucket"
+        return f"{counted(self.count, 'candidate')} per bucket"
 
 
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min)?\s*$", re.IGNORECASE)

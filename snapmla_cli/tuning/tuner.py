@@ -30,7 +30,7 @@ from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import DecodeConfig
 from .db import Entry, GpuKey, db_filename, strip_sms
-from .fields import finite_number
+from .fields import finite_number, show
 from .space import Bucket, Budget, SearchSpace, config_id, same_kernel
 
 PARTIAL_FORMAT = "snapmla-tune-partial"
@@ -125,17 +125,17 @@ def _partial_problem(buckets: object) -> str | None:
         return "buckets is not a mapping"
     for bucket_id, state in buckets.items():
         if not isinstance(state, dict) or not isinstance(state.get("results", {}), dict):
-            return f"bucket {str(bucket_id)[:40]!r} is malformed"
+            return f"bucket {show(bucket_id)} is malformed"
         elapsed = finite_number(state.get("elapsed_s", 0.0))
         if elapsed is None or elapsed < 0:
-            return f"bucket {str(bucket_id)[:40]!r}: elapsed_s is not a finite number >= 0"
+            return f"bucket {show(bucket_id)}: elapsed_s is not a finite number >= 0"
         for cid, result in state.get("results", {}).items():
             if not isinstance(result, dict):
-                return f"result {str(cid)[:40]!r} is malformed"
+                return f"result {show(cid)} is malformed"
             t = result.get("time_s")
             seconds = finite_number(t)
             if t is not None and (seconds is None or seconds <= 0):
-                return f"result {str(cid)[:40]!r}: time_s {t!r} is not a positive time"
+                return f"result {show(cid)}: time_s {t!r} is not a positive time"
     return None
 
 
