@@ -34,7 +34,7 @@ from snapmla_cli.tuning.space import config_id
 def overlaid(cfg: DecodeConfig, fields: dict[str, int]) -> DecodeConfig | None:
     """``cfg`` with ``fields`` replaced and its pipeline fitted (the split plan where the new
     layout cannot run columns), or None where the kernel cannot build it."""
-    out = fit_stages(replace(cfg, **fields))
+    out = fit_stages(replace(cfg, **fields))  # type: ignore[arg-type]  # int fields only
     if not column_capable(out, True):
         out = with_balance(out, False)
     return out if fp8_config_valid(out) else None

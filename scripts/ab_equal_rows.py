@@ -13,11 +13,12 @@ import torch
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import BURST, time_graph
+from snapmla_cli.ops.decode_config import DecodeConfig
 from snapmla_cli.tuning.db import load_file
 from snapmla_cli.tuning.space import config_id
 
 
-def entry_config(db: Path, h_q: int, s_q: int, fmt: str, batch: int, context: int):
+def entry_config(db: Path, h_q: int, s_q: int, fmt: str, batch: int, context: int) -> DecodeConfig:
     for section in load_file(db).sections:
         for e in section.entries:
             b = e.bucket

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -24,6 +24,7 @@ from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import BURST, time_graph
 from snapmla_cli.ops import split_fold
 from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata, metadata_plan
+from snapmla_cli.ops.decode_config import DecodeConfig
 
 SHAPES = "16:1,16:2,32:1,32:2,64:1,128:1,128:2"
 
@@ -44,7 +45,8 @@ def sweep(args: argparse.Namespace) -> Iterator[tuple[int, int, int]]:
             yield h_q, s_q, ctx
 
 
-def step(case: DecodeCase, fp8: bool, meta: torch.Tensor, splits: torch.Tensor, cfg):
+def step(case: DecodeCase, fp8: bool, meta: torch.Tensor, splits: torch.Tensor,
+         cfg: DecodeConfig | None) -> Callable[[], object]:
     """One decode call of ``case`` on work list ``meta`` with configuration ``cfg``."""
     if fp8:
         return lambda: decode_fp8(case.q8, case.cache8, case.table, case.lens, meta, splits, None, True, config=cfg)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from collections.abc import Callable
 
 import torch
 
 from snapmla_cli.bench.ceilings import measure_ceilings
 from snapmla_cli.bench.decode_case import DecodeCase, extra_defines
-from snapmla_cli.bench.roofline import DecodeWork
+from snapmla_cli.bench.roofline import Ceilings, DecodeWork
 from snapmla_cli.bench.timing import BURST, CLOCKS, Clocks, time_cuda, time_graph
 from snapmla_cli.ops.decode_config import (
     DEFAULT_BF16_KERNEL,
@@ -26,12 +27,15 @@ from snapmla_cli.ops.decode_config import (
     heuristic_config,
 )
 
+Timer = Callable[..., float]  # time_graph or time_cuda: seconds per call of a step
 
-def run_case(w: DecodeWork, ceilings, device, timer=time_graph, clocks: Clocks | None = BURST) -> dict:
+
+def run_case(w: DecodeWork, ceilings: Ceilings, device: torch.device, timer: Timer = time_graph,
+             clocks: Clocks | None = BURST) -> dict[str, object]:
     """One shape: the FP8 and BF16 default paths timed in ``clocks`` (the ceilings' state), the
     eager FP8 call and each format's other kernel right after them (no cool-down of their own)."""
     case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
-    res = {"batch": w.batch, "s_q": w.s_q, "h_q": w.h_q, "ctx": w.context}
+    res: dict[str, object] = {"batch": w.batch, "s_q": w.s_q, "h_q": w.h_q, "ctx": w.context}
     fp8_default_path = case.fp8()
     t8 = timer(fp8_default_path, clocks=clocks)
     res["fp8_eager_us"] = time_cuda(fp8_default_path) * 1e6
@@ -59,7 +63,8 @@ def run_case(w: DecodeWork, ceilings, device, timer=time_graph, clocks: Clocks |
 BALANCED = "balanced"
 
 
-def sweep_fp8(w: DecodeWork, specs: str, device, timer=time_graph, clocks: Clocks | None = BURST) -> None:
+def sweep_fp8(w: DecodeWork, specs: str, device: torch.device, timer: Timer = time_graph,
+              clocks: Clocks | None = BURST) -> None:
     """Time FP8 kernel variants (``config_from_spec`` format, optionally followed by
     ``+NAME=VALUE`` extra defines or ``+balanced``, the balanced split policy) on one shape
     (tuning probe; version 3 = wgmma, 2 = mma.sync)."""

@@ -18,6 +18,7 @@ which made small and medium calls look slow).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -197,7 +198,7 @@ def bench_paged(device: torch.device, tokens: int, copy_gbs: float, reps: int) -
                 f"append_kv ({label})",
                 tokens,
                 append_bytes,
-                lambda slots=slots: append_kv(kv, slots, cache),
+                functools.partial(append_kv, kv, slots, cache),
                 copy_gbs,
                 reps,
             )
@@ -364,8 +365,8 @@ def bench_sweep(
         per_cta = warps * rows_per_warp
         threads = 32 * warps
 
-        def run(name: str, n: int, args: list[object], defines=defines, per_cta=per_cta,
-                threads=threads) -> Callable[[], None]:
+        def run(name: str, n: int, args: list[object], defines: dict[str, int] = defines,
+                per_cta: int = per_cta, threads: int = threads) -> Callable[[], None]:
             kernel = get_kernel(PREP_SOURCE, name, defines, device=device)
             grid = max(1, min(-(-n // per_cta), 1 << 18))
             return lambda: raw_launch(kernel, grid, threads, args)

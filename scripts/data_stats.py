@@ -42,6 +42,8 @@ def main() -> None:
     print("|" + "---|" * 13)
     extra = []
     for layer in dump.layers:
+        if layer.queries is None:
+            raise SystemExit(f"layer {layer.index}: the dump holds no queries")
         st = layer_stats(layer.kv)
         q = layer.queries.double().reshape(-1, layer.kv.shape[1])
         kv = layer.kv.double()

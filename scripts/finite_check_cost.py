@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -15,7 +16,7 @@ from snapmla_cli.ops.decode import flash_mla_with_kvcache, get_mla_metadata
 from snapmla_cli.ops.finite import set_gpu_checks
 
 
-def per_call_us(step, calls: int) -> float:
+def per_call_us(step: Callable[[], object], calls: int) -> float:
     """Median over 5 rounds of the wall time of ``calls`` calls back to back, per call."""
     samples = []
     for _ in range(5):

@@ -18,6 +18,7 @@ import io
 import os
 import pstats
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ SPIN_CYCLES_PER_CALL = 1_000_000  # 0.5 ms at 2 GHz: more than any call's host p
 PROFILE_LINES = 25
 
 
-def issue_per_call(fn, calls: int) -> float:
+def issue_per_call(fn: Callable[[], object], calls: int) -> float:
     """Host seconds per call to issue `calls` calls behind a spin kernel long enough that the GPU
     starts none of them before the last is issued."""
     fn()
@@ -50,7 +51,7 @@ def issue_per_call(fn, calls: int) -> float:
     return seconds / calls
 
 
-def profile_text(fn, calls: int) -> str:
+def profile_text(fn: Callable[[], object], calls: int) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(calls):

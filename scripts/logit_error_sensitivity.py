@@ -37,19 +37,21 @@ def emulate(prob: DecodeProblem, perturb: Perturb | None) -> torch.Tensor:
     original = emulation._split_rows
     plain_matmul = torch.Tensor.__matmul__
 
-    def split_rows(q_c, q_s, q_r, k_c, k_s, k_r, visible, start, softmax_scale):
+    def split_rows(q_c: torch.Tensor, q_s: torch.Tensor, q_r: torch.Tensor, k_c: torch.Tensor,
+                   k_s: torch.Tensor, k_r: torch.Tensor, visible: torch.Tensor, start: int,
+                   softmax_scale: float) -> emulation.PartialResult:
         gen = torch.Generator().manual_seed(start)
 
-        def matmul(a, b):
+        def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             r = plain_matmul(a, b)
             is_content_logits = r.dim() == 2 and r.shape == (q_c.shape[0], k_c.shape[0]) and a.shape[1] == q_c.shape[1]
-            return perturb(r, gen) if is_content_logits else r
+            return r if perturb is None or not is_content_logits else perturb(r, gen)
 
-        torch.Tensor.__matmul__ = matmul
+        torch.Tensor.__matmul__ = matmul  # type: ignore[method-assign,assignment]  # the perturbation's hook
         try:
             return original(q_c, q_s, q_r, k_c, k_s, k_r, visible, start, softmax_scale)
         finally:
-            torch.Tensor.__matmul__ = plain_matmul
+            torch.Tensor.__matmul__ = plain_matmul  # type: ignore[method-assign]
 
     if perturb is not None:
         emulation._split_rows = split_rows

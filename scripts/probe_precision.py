@@ -46,7 +46,7 @@ def main() -> None:
         meta, splits = get_mla_metadata(lay.cache_seqlens, heads * mtp, 1, config=cfg)
         out, _lse = decode_fp8(q8, cache, lay.block_table, lay.cache_seqlens, meta, splits, prob.softmax_scale,
                               prob.causal, config=cfg)
-        bounds = split_token_bounds(splits, meta, lay.cache_seqlens)
+        bounds = split_token_bounds(splits, meta, [int(n) for n in lay.cache_seqlens.tolist()])
         emul, _ = emulate_fp8_decode(q8, cache, lay.block_table, lay.cache_seqlens, prob.softmax_scale,
                                      prob.causal, split_bounds=bounds)
         print(f"h{heads} s_q{mtp} ctx{ctx} {label:16s} splits {meta.shape[0]:5d}: vs emul rel_l2 "

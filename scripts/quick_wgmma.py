@@ -31,7 +31,7 @@ def main() -> None:
         out, lse = decode_fp8(q, cache, table, lens, meta, splits, prob.softmax_scale, False, config=cfg)
         torch.cuda.synchronize()
         outs[ver] = (out, lse, meta, splits)
-    bounds = split_token_bounds(outs[3][3], outs[3][2], lens)
+    bounds = split_token_bounds(outs[3][3], outs[3][2], [int(n) for n in lens.tolist()])
     emul, emul_lse = emulate_fp8_decode(q, cache, table, lens, prob.softmax_scale, False, split_bounds=bounds)
     for ver, (out, lse, _, _) in outs.items():
         print(f"v{ver}: vs emul {compare(out, emul)} lse {compare(lse, emul_lse).max_abs:.3e} nan {out.isnan().any().item()}")

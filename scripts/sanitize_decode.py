@@ -18,7 +18,7 @@ import sys
 import torch
 from ab_defines import parse_defines  # this folder is sys.path[0]
 
-from snapmla_cli.analysis.verify import fp8_kernel_implementation, run_bf16_kernel
+from snapmla_cli.analysis.verify import Implementation, fp8_kernel_implementation, run_bf16_kernel
 from snapmla_cli.bench.decode_case import extra_defines
 from snapmla_cli.cache.layout import dequantize_cache
 from snapmla_cli.numerics.decode_ref import decode_reference
@@ -43,7 +43,7 @@ def main() -> None:
     sys.exit(0 if all_ok else 1)
 
 
-def run_cases(fp8_impls, seed: int) -> bool:
+def run_cases(fp8_impls: list[Implementation], seed: int) -> bool:
     """Every case once through each FP8 kernel and the BF16 one; whether all values were right."""
     device = torch.device("cuda")
     all_ok = True

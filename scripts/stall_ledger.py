@@ -22,7 +22,7 @@ import argparse
 import csv
 import re
 import sys
-from collections import Counter
+from collections import defaultdict
 from pathlib import Path
 
 SAMPLES_ALL = "warp stall sampling (all"
@@ -30,6 +30,11 @@ SAMPLES_NOT_ISSUED = "warp stall sampling (not"
 TOP_INSTRUCTIONS = 30
 # a phase marker: the instructions that close a phase of the page loop, by opcode prefix
 PHASE_MARKERS = ("BAR.SYNC", "BAR.ARV", "WARPGROUP.DEPBAR", "SYNCS.PHASECHK", "WARPGROUP.ARRIVE")
+
+
+def _largest(totals: dict[str, float], count: int) -> list[tuple[str, float]]:
+    """The ``count`` largest totals, largest first."""
+    return sorted(totals.items(), key=lambda item: -item[1])[:count]
 
 
 def _number(text: str) -> float:
@@ -86,8 +91,8 @@ def ledger(path: Path, top: int, pages: int = 0) -> None:
     print(f"== {path.name}: {len(rows)} instructions, {total:.0f} samples")
     if total == 0:
         return
-    by_op: Counter[str] = Counter()
-    by_reason: Counter[str] = Counter()
+    by_op: dict[str, float] = defaultdict(float)  # samples (Nsight may print fractions)
+    by_reason: dict[str, float] = defaultdict(float)
     # (marker, samples, warp instructions executed) between phase markers, in address order
     phases: list[tuple[str, float, float]] = []
     running = executed = 0.0
@@ -108,11 +113,11 @@ def ledger(path: Path, top: int, pages: int = 0) -> None:
         print(f"  {100 * _number(r[i_all]) / total:5.1f}%  {not_issued:7.0f}  {_cell(r, i_addr, '?'):>8}  "
               f"{r[i_src].strip()[:90]}")
     print("-- by opcode")
-    for op, samples in by_op.most_common(20):
+    for op, samples in _largest(by_op, 20):
         print(f"  {100 * samples / total:5.1f}%  {op}")
     if by_reason:
         print("-- by stall reason (share of all samples)")
-        for name, samples in by_reason.most_common(12):
+        for name, samples in _largest(by_reason, 12):
             print(f"  {100 * samples / total:5.1f}%  {name.removeprefix('stall_')}")
     per = f", warp instructions per {'page' if pages else 'call'}" if i_exec is not None else ""
     print(f"-- samples up to each phase marker (address order; >= 1% of all){per}")

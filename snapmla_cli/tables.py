@@ -5,11 +5,11 @@ reads as a different number."""
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from typing import Any
+from typing import Any, Final
 
 from rich.table import Table
 
-FIGURE_OVERFLOW = "fold"
+FIGURE_OVERFLOW: Final = "fold"
 
 
 def figure_table(title: str, columns: Iterable[str], *, left: Collection[str] = (), **table_options: Any) -> Table:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,23 @@ def test_help_for_every_command(command: str) -> None:
     result = invoke(command, "--help")
     assert result.exit_code == 0, result.output
     assert "Usage" in result.stdout
+
+
+@pytest.mark.parametrize("lines", [1, 5, 10, 20, 30])
+def test_a_reader_that_left_ends_the_command_quietly(lines: int) -> None:
+    """``snapmla quantize --help | head -N``: stdout's reader leaves after N lines, wherever that
+    falls among the command's writes. The command ends quietly: status 0 (it had written
+    everything) or rich's 1, and no error line or traceback on stderr (at N = 20 the help used to
+    end in "error: [Errno 32] Broken pipe", exit 2)."""
+    command = [sys.executable, "-c", "from snapmla_cli.cli.app import main; main()", "quantize", "--help"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        for _ in range(lines):
+            proc.stdout.readline()
+        proc.stdout.close()
+        errors = proc.stderr.read().decode()
+        status = proc.wait(timeout=120)
+    assert status in (0, 1) and errors == "", (status, errors)
 
 
 def test_top_level_help_lists_the_commands() -> None:

@@ -103,6 +103,8 @@ def test_budget_parsing():
     assert parse_budget("2m") == Budget(seconds=120.0)
     assert parse_budget("1.5min") == Budget(seconds=90.0)
     assert parse_budget(" 40 ") == Budget(count=40)
+    assert [str(b) for b in (Budget(seconds=90.0), Budget(count=1), Budget(count=40), Budget())] == [
+        "90s per bucket", "1 candidate per bucket", "40 candidates per bucket", "no limit per bucket"]
     for bad in ("", "abc", "0", "0s", "1.5", "-3s", "10h"):
         with pytest.raises(SnapmlaError, match="--budget"):
             parse_budget(bad)

@@ -88,7 +88,7 @@ def run_bf16_kernel(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]
 
 def run_flash_mla(problem: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's own BF16 kernel, when the ``flash_mla`` package is importable."""
-    import flash_mla  # type: ignore[import-not-found]
+    import flash_mla
 
     layout = problem.layout
     _b, s_q, h_q, _ = problem.q.shape
@@ -157,7 +157,7 @@ def default_implementations(device: torch.device, fp8_kernels: tuple[str, ...] =
         impls += fp8_impls
         impls.append(Implementation("bf16-kernel", "bf16", run_bf16_kernel))
         try:
-            import flash_mla  # type: ignore[import-not-found]  # noqa: F401
+            import flash_mla  # noqa: F401
         except ImportError:
             pass
         else:

@@ -31,11 +31,11 @@ Q_STD = 0.5  # query values ~ N(0, 0.25): logits of the order real models give
 class DecodeCall:
     """One decode call of a case (FP8 or BF16, a configuration or the default path)."""
 
-    run: Callable[[], object]
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # (out, lse)
     work_items: int  # columns of the split-KV work list (CTA rows of the grid)
     case: DecodeCase
 
-    def __call__(self) -> object:
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.run()
 
 

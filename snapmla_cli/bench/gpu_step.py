@@ -23,6 +23,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from types import ModuleType
 
 import torch
 
@@ -44,10 +45,10 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def flashmla_module():
+def flashmla_module() -> ModuleType | None:
     """FlashMLA's Python package, or None when it is not importable."""
     try:
-        import flash_mla  # type: ignore[import-not-found]
+        import flash_mla
     except Exception:  # noqa: BLE001 - absent or broken: the baseline falls back to snapmla's
         return None
     if not hasattr(flash_mla, "flash_mla_with_kvcache") or not hasattr(flash_mla, "get_mla_metadata"):
@@ -111,7 +112,7 @@ class GpuStepRunner:
         self.device = torch.device("cuda", local_rank)
         self.device_name = ""
         self.ceilings: Ceilings | None = None
-        self.flashmla = None
+        self.flashmla: ModuleType | None = None
 
     def setup(self) -> dict:
         torch.cuda.set_device(self.device)
@@ -135,7 +136,7 @@ class GpuStepRunner:
 
     # ------------------------------------------------------------------ steps
 
-    def _fp8_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]):
+    def _fp8_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]) -> tuple[Callable[[], None], str]:
         from ..ops.decode import decode_fp8, get_mla_metadata
         from ..ops.prep import append_kv, quantize_q
 
@@ -151,8 +152,8 @@ class GpuStepRunner:
 
         return step, "snapmla-fp8"
 
-    def _flashmla_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]):
-        fm, n = self.flashmla, len(caches)
+    def _flashmla_step(self, fm: ModuleType, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]) -> tuple[Callable[[], None], str]:
+        n = len(caches)
         flat = [cache.view(-1, D_QK) for cache in caches]
         slots = x.slots.long()
         meta, splits = fm.get_mla_metadata(x.seqlens, spec.s_q * spec.heads, 1)
@@ -165,7 +166,7 @@ class GpuStepRunner:
 
         return step, "flashmla-bf16"
 
-    def _bf16_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]):
+    def _bf16_step(self, spec: StepSpec, x: _Inputs, caches: list[torch.Tensor]) -> tuple[Callable[[], None], str]:
         from ..ops.decode import decode_bf16, get_mla_metadata
 
         n = len(caches)
@@ -219,21 +220,21 @@ class GpuStepRunner:
         count = distinct_caches(cache_bytes, spec.layers)
         caches = [first] + [first.clone() for _ in range(count - 1)]
         notes = []
+        built: tuple[Callable[[], None], str] | None = None  # the step and the kernel's name
         if fp8:
-            step, kernel = self._fp8_step(spec, x, caches)
-        else:
-            step = None
-            if self.flashmla is not None:
-                try:
-                    step, kernel = self._flashmla_step(spec, x, caches)
-                    step()
-                except Exception as exc:  # noqa: BLE001 - FlashMLA build or API mismatch
-                    if self.bf16_impl == "flashmla":
-                        raise SnapmlaError(f"--bf16-impl flashmla: FlashMLA failed ({_one_line(exc)})") from None
-                    notes.append(f"FlashMLA failed ({_one_line(exc)}); BF16 baseline is snapmla-bf16")
-                    self.flashmla, step = None, None
-            if step is None:
-                step, kernel = self._bf16_step(spec, x, caches)
+            built = self._fp8_step(spec, x, caches)
+        elif self.flashmla is not None:
+            try:
+                built = self._flashmla_step(self.flashmla, spec, x, caches)
+                built[0]()
+            except Exception as exc:  # noqa: BLE001 - FlashMLA build or API mismatch
+                if self.bf16_impl == "flashmla":
+                    raise SnapmlaError(f"--bf16-impl flashmla: FlashMLA failed ({_one_line(exc)})") from None
+                notes.append(f"FlashMLA failed ({_one_line(exc)}); BF16 baseline is snapmla-bf16")
+                self.flashmla, built = None, None
+        if built is None:
+            built = self._bf16_step(spec, x, caches)
+        step, kernel = built
         seconds, graphed, time_note = self._time(step, ready)
         notes.append(time_note)
         t_min = None

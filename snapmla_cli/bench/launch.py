@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ from ..sizes import counted
 from .plan import BenchPlan
 from .results import BenchReport, Measurement
 from .timing import CLOCKS, STEADY
-from .worker import Comm, LocalComm, Progress, StepRunner, run_rank
+from .worker import Comm, Gathered, LocalComm, Progress, StepRunner, run_rank
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 PG_TIMEOUT = timedelta(minutes=10)  # GPU ranks: compiles, cache fills and long steps
@@ -193,10 +194,10 @@ class DistComm:
         else:
             dist.barrier()
 
-    def all_gather(self, obj: object) -> list[object]:
+    def all_gather(self, obj: Gathered) -> list[Gathered]:
         import torch.distributed as dist
 
-        out: list[object] = [None] * self.world
+        out: list[Any] = [None] * self.world  # filled with every rank's object
         dist.all_gather_object(out, obj)
         return out
 
@@ -219,14 +220,14 @@ def _rank_body(plan: BenchPlan, spec: RunnerSpec, local_rank: int, comm: Comm,
     parts = comm.all_gather((local, facts))
     if comm.rank != 0:
         return None
-    measurements = [m for part, _ in parts for m in part]  # type: ignore[misc]
+    measurements = [m for part, _ in parts for m in part]
     meta = {
         "launcher": launcher,
         "backend": spec.backend if comm.world > 1 else "none",
         "world": comm.world,
         "torch": torch.__version__,
         "runner": asdict(spec),
-        "ranks": [rank_facts for _, rank_facts in parts],  # type: ignore[misc]
+        "ranks": [rank_facts for _, rank_facts in parts],
         "env": {key: os.environ.get(key) for key in MULTICAST_OFF},
     }
     return BenchReport(plan, measurements, meta)

@@ -221,13 +221,16 @@ class Batches:
     bf16_mem: int | None = None
 
     @property
-    def has_equal_memory(self) -> bool:
-        return self.fp8_mem is not None and self.bf16_mem is not None
+    def equal_memory(self) -> tuple[int, int] | None:
+        """(FP8 batch, BF16 batch) at the same KV memory, or None without a budget."""
+        if self.fp8_mem is None or self.bf16_mem is None:
+            return None
+        return self.fp8_mem, self.bf16_mem
 
     def cases(self) -> list[Case]:
         wanted = [Case(FP8, self.equal), Case(BF16, self.equal)]
-        if self.has_equal_memory:
-            wanted += [Case(FP8, self.fp8_mem), Case(BF16, self.bf16_mem)]
+        if (pair := self.equal_memory) is not None:
+            wanted += [Case(FP8, pair[0]), Case(BF16, pair[1])]
         return list(dict.fromkeys(wanted))  # unique, in order
 
 

@@ -62,15 +62,15 @@ def throughput_table(report: BenchReport) -> Table:
          "batch FP8/BF16 same mem", "FP8 tok/s same mem", "x same mem", "FP8 tok/s/GPU same mem"),
         title_justify="left")
     for c in report.comparisons:
-        mem = c.fp8_mem is not None and c.bf16_mem is not None
+        mem = c.equal_memory
         table.add_row(
             c.layout.label, format_size(c.context), str(c.fp8.heads), str(c.fp8.batch),
             _tps(c.bf16.aggregate_tokens_per_s), _tps(c.fp8.aggregate_tokens_per_s),
             _x(c.speedup_equal_batch),
-            f"{c.fp8_mem.batch}/{c.bf16_mem.batch}" if mem else "-",
-            _tps(c.fp8_mem.aggregate_tokens_per_s) if mem else "-",
+            "-" if mem is None else f"{mem[0].batch}/{mem[1].batch}",
+            "-" if mem is None else _tps(mem[0].aggregate_tokens_per_s),
             _x(c.speedup_equal_memory),
-            _tps(c.fp8_mem.per_gpu_tokens_per_s) if mem else "-",
+            "-" if mem is None else _tps(mem[0].per_gpu_tokens_per_s),
         )
     return table
 
@@ -130,18 +130,19 @@ def plot_report(report: BenchReport, path: Path, force: bool = False) -> None:
     colors = {"bf16": "#8c8c8c", "bf16_mem": "#8c8c8c", "fp8": "#1f77b4", "fp8_mem": "#ff7f0e"}
     for ax, layout in zip(axes[0], layouts):
         rows = [c for c in comparisons if c.layout == layout]
-        mem = all(c.fp8_mem is not None and c.bf16_mem is not None for c in rows)
+        pairs = [c.equal_memory for c in rows]
+        mem = [p for p in pairs if p is not None] if all(p is not None for p in pairs) else []
         series = [(f"BF16 ({rows[0].bf16.kernel}), same batch", "bf16",
                    [c.bf16.aggregate_tokens_per_s for c in rows], None),
                   ("FP8 SnapMLA, same batch", "fp8", [c.fp8.aggregate_tokens_per_s for c in rows],
                    [c.speedup_equal_batch for c in rows])]
-        if mem and any(c.bf16_mem.batch != c.bf16.batch for c in rows):
+        if mem and any(bf16.batch != c.bf16.batch for c, (_, bf16) in zip(rows, mem)):
             series.append(("BF16, same KV memory", "bf16_mem",
-                           [c.bf16_mem.aggregate_tokens_per_s for c in rows], None))
+                           [bf16.aggregate_tokens_per_s for _, bf16 in mem], None))
         if mem:
             series.append(("FP8 SnapMLA, same KV memory", "fp8_mem",
-                           [c.fp8_mem.aggregate_tokens_per_s for c in rows],
-                           [c.speedup_equal_memory for c in rows]))
+                           [fp8.aggregate_tokens_per_s for fp8, _ in mem],
+                           [fp8.aggregate_tokens_per_s / bf16.aggregate_tokens_per_s for fp8, bf16 in mem]))
         width = 0.8 / len(series)
         for i, (label, key, values, speedups) in enumerate(series):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]

@@ -146,7 +146,7 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
         step_s=statistics.fmean(m.step_s for m in rows),
         us_per_layer=statistics.fmean(m.us_per_layer for m in rows),
         tflops=sum(m.tflops for m in rows), gbs=sum(m.gbs for m in rows),
-        roof_pct=None if any(r is None for r in roofs) else statistics.fmean(roofs),
+        roof_pct=None if any(r is None for r in roofs) else statistics.fmean(r for r in roofs if r is not None),
         graphed=all(m.graphed for m in rows),
         notes=tuple(dict.fromkeys(m.note for m in rows if m.note)),
     )
@@ -169,10 +169,17 @@ class Comparison:
         return self.fp8.aggregate_tokens_per_s / self.bf16.aggregate_tokens_per_s
 
     @property
-    def speedup_equal_memory(self) -> float | None:
+    def equal_memory(self) -> tuple[CaseResult, CaseResult] | None:
+        """(FP8, BF16) at the same KV memory, or None without a budget."""
         if self.fp8_mem is None or self.bf16_mem is None:
             return None
-        return self.fp8_mem.aggregate_tokens_per_s / self.bf16_mem.aggregate_tokens_per_s
+        return self.fp8_mem, self.bf16_mem
+
+    @property
+    def speedup_equal_memory(self) -> float | None:
+        if (pair := self.equal_memory) is None:
+            return None
+        return pair[0].aggregate_tokens_per_s / pair[1].aggregate_tokens_per_s
 
     def to_dict(self) -> dict:
         return {
@@ -180,8 +187,8 @@ class Comparison:
             "context": self.context,
             "equal_batch": {"fp8": self.fp8.to_dict(), "bf16": self.bf16.to_dict(),
                             "speedup": self.speedup_equal_batch},
-            "equal_memory": None if self.fp8_mem is None or self.bf16_mem is None else {
-                "fp8": self.fp8_mem.to_dict(), "bf16": self.bf16_mem.to_dict(),
+            "equal_memory": None if (pair := self.equal_memory) is None else {
+                "fp8": pair[0].to_dict(), "bf16": pair[1].to_dict(),
                 "speedup": self.speedup_equal_memory},
         }
 
@@ -202,11 +209,11 @@ def compare(plan: BenchPlan, measurements: list[Measurement]) -> list[Comparison
     for layout in plan.layouts:
         for ctx in plan.contexts:
             b = plan.batches(ctx)
-            mem = b.has_equal_memory
+            mem = b.equal_memory
             out.append(Comparison(
                 layout, ctx, case(layout, ctx, FP8, b.equal), case(layout, ctx, BF16, b.equal),
-                case(layout, ctx, FP8, b.fp8_mem) if mem else None,
-                case(layout, ctx, BF16, b.bf16_mem) if mem else None,
+                None if mem is None else case(layout, ctx, FP8, mem[0]),
+                None if mem is None else case(layout, ctx, BF16, mem[1]),
             ))
     return out
 

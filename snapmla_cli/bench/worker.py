@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from ..sizes import format_size
 from .plan import BenchPlan, place
 from .results import Measurement, StepTiming
 
 Progress = Callable[[str], None]
+Gathered = TypeVar("Gathered")  # what every rank contributes to an all-gather
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Comm(Protocol):
 
     def barrier(self) -> None: ...
 
-    def all_gather(self, obj: object) -> list[object]: ...
+    def all_gather(self, obj: Gathered) -> list[Gathered]: ...
 
 
 class LocalComm:
@@ -65,7 +66,7 @@ class LocalComm:
     def barrier(self) -> None:
         pass
 
-    def all_gather(self, obj: object) -> list[object]:
+    def all_gather(self, obj: Gathered) -> list[Gathered]:
         return [obj]
 
 

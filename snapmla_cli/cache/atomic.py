@@ -111,7 +111,7 @@ def check_outputs(outputs: Sequence[NamedPath], force: bool, inputs: Sequence[Na
             check_writable(path, force, what)
 
 
-def write_atomic(path: Path, write: Callable[[Path], None], *, replace: bool = True) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object], *, replace: bool = True) -> None:
     """Call ``write(tmp_path)`` and move the result onto ``path`` only when it succeeded.
 
     ``replace=False`` (a user's output without ``--force``) never clobbers: :func:`check_writable`

@@ -19,6 +19,7 @@ import importlib
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -88,9 +89,10 @@ def _needs_remote_code(exc: BaseException, trusted: bool) -> bool:
     return not trusted and "trust_remote_code" in str(exc)
 
 
-def _native_class(transformers: ModuleType, model: str) -> type | None:
+def _native_class(transformers: ModuleType, model: str) -> Any | None:
     """The transformers class of the checkpoint's ``architectures`` if it is one snapmla
-    captures, else None (the raw config.json is read; none of the checkpoint's code runs)."""
+    captures, else None (the raw config.json is read; none of the checkpoint's code runs). Typed
+    ``Any``: transformers' classes are read by attribute (``config_class``, ``from_pretrained``)."""
     try:
         raw, _ = transformers.PretrainedConfig.get_config_dict(model, local_files_only=True)
     except (OSError, ValueError, KeyError):
@@ -101,7 +103,7 @@ def _native_class(transformers: ModuleType, model: str) -> type | None:
     return None
 
 
-def _load_config(transformers: ModuleType, model: str, trust_remote_code: bool) -> tuple[object, type | None]:
+def _load_config(transformers: ModuleType, model: str, trust_remote_code: bool) -> tuple[object, Any | None]:
     """(config, the native model class or None for the Auto classes). A native class named by the
     checkpoint comes first, even with ``trust_remote_code``: its code is the one tested."""
     native = _native_class(transformers, model)
@@ -122,7 +124,7 @@ def _load_config(transformers: ModuleType, model: str, trust_remote_code: bool) 
     return config, None
 
 
-def _load_tokenizer(transformers: ModuleType, model: str, trust_remote_code: bool) -> object:
+def _load_tokenizer(transformers: ModuleType, model: str, trust_remote_code: bool) -> Any:
     try:
         return transformers.AutoTokenizer.from_pretrained(
             model, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -133,7 +135,7 @@ def _load_tokenizer(transformers: ModuleType, model: str, trust_remote_code: boo
         raise SnapmlaError(f"model {model}: cannot load its tokenizer ({_first_line(exc)})") from None
 
 
-def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = False) -> tuple[torch.nn.Module, object]:
+def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = False) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) from local files only (``local_files_only=True``: a hub id resolves
     from the local Hugging Face cache, nothing is downloaded)."""
     transformers = import_transformers()

@@ -19,6 +19,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +38,9 @@ class MlaAttention:
 
     index: int
     name: str
-    module: nn.Module
+    # the model's attention module; Any because its children (kv_b_proj, o_proj, ...) differ by
+    # model class and are read by name, which nn.Module's __getattr__ types as Tensor | Module
+    module: Any
     num_heads: int
     qk_nope_head_dim: int
     v_head_dim: int
@@ -45,7 +48,7 @@ class MlaAttention:
     kv_scale: float  # extra factor on the normalised latent (LongCat-Flash's mla_scale_kv_lora)
     q_scale: float  # extra factor on q (LongCat-Flash's mla_scale_q_lora)
     rotate: Rotate
-    q_module: nn.Module
+    q_module: Any  # q_b_proj, or q_proj for checkpoints without a q LoRA
     _weights: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -162,7 +165,7 @@ def find_mla_attention(model: nn.Module, model_name: str) -> list[MlaAttention]:
         v_dim = getattr(module, "v_head_dim", None) or getattr(config, "v_head_dim", None)
         heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
         scale = getattr(module, "scaling", None) or getattr(module, "softmax_scale", None)
-        if None in (nope, v_dim, heads, scale):
+        if nope is None or v_dim is None or heads is None or scale is None:
             raise SnapmlaError(
                 f"{name}: cannot read qk_nope_head_dim/v_head_dim/num_heads/scaling of {type(module).__name__}"
             )

@@ -11,9 +11,12 @@ equal the model's cache entries bit for bit. Everything recorded moves to the CP
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import SnapmlaError
 from ..numerics.formats import D_CONTENT, D_ROPE
@@ -60,14 +63,15 @@ class LayerRecorder:
             handle.remove()
         self._handles = []
 
-    def _keep(self, key: str):
-        def hook(module, args, output):
+    def _keep(self, key: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             self._pending[key] = output
 
         return hook
 
-    def _on_enter(self, module, args, kwargs):
+    def _on_enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._pending = {}
+        bound: Mapping[str, Any]
         try:
             bound = self._signature.bind_partial(*args, **kwargs).arguments
         except TypeError:
@@ -80,7 +84,7 @@ class LayerRecorder:
             )
         self._pending["pos"] = pos
 
-    def _on_exit(self, module, args, kwargs, output):
+    def _on_exit(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         att = self.attention
         got = self._pending
         self._pending = {}

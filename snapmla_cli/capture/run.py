@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,7 +112,7 @@ def _select(attentions: list[MlaAttention], layers: tuple[int, ...] | None) -> l
 class _Forward:
     """Calls the causal LM for one step with whichever keyword names this transformers uses."""
 
-    def __init__(self, model):
+    def __init__(self, model: Any) -> None:  # a transformers causal LM
         self.model = model
         params = inspect.signature(model.forward).parameters
         self.cache_key = "cache" if "cache" in params else "past_key_values"
@@ -121,7 +122,7 @@ class _Forward:
         elif "num_logits_to_keep" in params:
             self.extra["num_logits_to_keep"] = 1
 
-    def __call__(self, ids: torch.Tensor, start: int, cache):
+    def __call__(self, ids: torch.Tensor, start: int, cache: object) -> tuple[torch.Tensor, object]:
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
         kwargs = {self.cache_key: cache, **self.extra}
         out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **kwargs)
@@ -204,7 +205,7 @@ def _rows(first_query: int | None, start: int, width: int) -> slice | None:
 
 
 def _metadata(
-    model, attentions: list[MlaAttention], options: DumpOptions, segments: list[int]
+    model: Any, attentions: list[MlaAttention], options: DumpOptions, segments: list[int]
 ) -> dict[str, str]:
     first = attentions[0]
     return {

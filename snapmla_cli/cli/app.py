@@ -13,14 +13,17 @@ import importlib
 import importlib.util
 import os
 import sys
+from typing import Any, NoReturn
 
 import typer
 from typer.core import TyperGroup
 
 try:  # typer 0.2x carries its own copy of click; older ones use click itself
     from typer._click import exceptions as click_errors
+    from typer._click.core import Context as ClickContext
 except ImportError:  # pragma: no cover (the pinned environments have the copy)
-    from click import exceptions as click_errors
+    from click import exceptions as click_errors  # type: ignore[no-redef]
+    from click.core import Context as ClickContext  # type: ignore[assignment]
 
 from ..errors import SnapmlaError
 from .common import one_line
@@ -40,16 +43,27 @@ COMMANDS: list[tuple[str, str, str, bool]] = [
 USAGE_EXIT = 2  # a bad argument or input file, an unwritable output
 INTERNAL_EXIT = 3  # a bug: an exception snapmla did not expect
 TRACEBACK_ENV = "SNAPMLA_TRACEBACK"  # set to 1: an internal error shows its traceback
+STDOUT_GONE_EXIT = 1  # the reader of stdout left: rich's Console.on_broken_pipe exits 1 too
+
+
+def _stdout_gone() -> NoReturn:
+    """The reader of stdout went away (``snapmla verify | head``): nothing to report, and Python's
+    flush at exit must not print a complaint of its own, so stdout now points at /dev/null."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(STDOUT_GONE_EXIT)
 
 
 class SnapmlaGroup(TyperGroup):
     """Turns user-facing errors of every subcommand into one line and exit code 2, the option
     parser's too (typer would draw them as a multi-line box)."""
 
-    def main(self, *args, **kwargs):
+    def main(self, *args: Any, **kwargs: Any) -> NoReturn:
         kwargs["standalone_mode"] = False
         try:
             code = super().main(*args, **kwargs)
+        except BrokenPipeError:
+            _stdout_gone()
         except click_errors.NoArgsIsHelpError:  # the help is on the screen already
             sys.exit(USAGE_EXIT)
         except click_errors.ClickException as exc:
@@ -61,9 +75,11 @@ class SnapmlaGroup(TyperGroup):
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)
 
-    def invoke(self, ctx):
+    def invoke(self, ctx: ClickContext) -> Any:
         try:
             return super().invoke(ctx)
+        except BrokenPipeError:  # not the user's error: main() ends quietly
+            raise
         except (SnapmlaError, OSError) as exc:
             typer.echo(f"error: {one_line(exc)}", err=True)
             raise typer.Exit(USAGE_EXIT) from None

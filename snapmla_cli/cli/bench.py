@@ -33,7 +33,7 @@ from ..sizes import parse_size_list
 from .common import console, one_line, output_option, require_at_least, seed_option, write_json
 
 # --model: the names of bench.plan's presets (one table, so the option cannot drift)
-Model = Enum("Model", {name: name for name in PRESETS}, type=str)
+Model = Enum("Model", {name: name for name in PRESETS}, type=str)  # type: ignore[misc]  # members from a table
 MODEL_HELP = "Model preset: " + ", ".join(
     f"{name} ({preset.heads} heads, {preset.layers} MLA layers)" for name, preset in PRESETS.items()) + "."
 DEFAULT_MODEL = Model("deepseek-v3")
@@ -46,7 +46,7 @@ class Bf16Impl(str, Enum):
 
 
 # --clocks: the names of bench.timing's clock states (one list, so the option cannot drift)
-ClockState = Enum("ClockState", {name: name for name in CLOCKS}, type=str)
+ClockState = Enum("ClockState", {name: name for name in CLOCKS}, type=str)  # type: ignore[misc]  # members from a table
 DEFAULT_CLOCKS = ClockState(STEADY.name)
 
 
@@ -107,21 +107,22 @@ def bench_command(
     (FP8 holds 1.76x more tokens). --dp/--tp ranks are spawned one per GPU, or started by
     torchrun (multi-node); rank 0 prints the tables."""
     try:
-        _bench(model.value, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps, warmup,
-               graphs, bf16_impl.value, roofline, clocks.value, seed, json_path, plot, force, progress,
-               cpu_fake)
+        if model.value not in PRESETS:
+            raise SnapmlaError(f"--model: {model.value!r} is not one of {', '.join(PRESETS)}")
+        plan = build_plan(model.value, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, seed)
+        spec = RunnerSpec(kind="cpu-fake" if cpu_fake else "gpu", steps=steps, warmup=warmup, graphs=graphs,
+                          bf16_impl=bf16_impl.value, roofline=roofline, clocks=clocks.value)
+        _bench(plan, spec, json_path, plot, force, progress)
+    except BrokenPipeError:  # the reader of the tables left: the app ends quietly
+        raise
     except (SnapmlaError, OSError) as exc:
         typer.echo(f"error: {one_line(exc)}", err=True)
         raise typer.Exit(2) from None
 
 
-def _bench(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, steps, warmup, graphs,
-           bf16_impl, roofline, clocks, seed, json_path, plot, force, progress, cpu_fake) -> None:
-    if model not in PRESETS:
-        raise SnapmlaError(f"--model: {model!r} is not one of {', '.join(PRESETS)}")
-    plan = build_plan(model, heads, layers, mtp, ctx, batch, kv_mem, dp, tp, layout, seed)
-    spec = RunnerSpec(kind="cpu-fake" if cpu_fake else "gpu", steps=steps, warmup=warmup,
-                      graphs=graphs, bf16_impl=bf16_impl, roofline=roofline, clocks=clocks)
+def _bench(plan: BenchPlan, spec: RunnerSpec, json_path: Path | None, plot: Path | None, force: bool,
+           progress: bool) -> None:
+    """Run the plan on every rank; rank 0 prints the tables and writes the files."""
     check_outputs((("--json", json_path), ("--plot", plot)), force)
     if plot is not None:
         from ..plot_files import check_plot_output

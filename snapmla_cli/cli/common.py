@@ -19,7 +19,7 @@ from ..errors import SnapmlaError
 try:  # typer 0.2x carries its own copy of click (as in cli.app); older ones use click itself
     from typer._click.exceptions import BadParameter
 except ImportError:  # pragma: no cover (the pinned environments have the copy)
-    from click.exceptions import BadParameter
+    from click.exceptions import BadParameter  # type: ignore[assignment]
 
 _PIPE_WIDTH = 160  # rich's width when the output is not a terminal (pipes, files, CI logs)
 _MIN_WIDTH = 80  # the narrowest a terminal console is made: the tables need about that much
@@ -35,6 +35,7 @@ def console(stderr: bool = False) -> Console:
     """A console on stdout (tables) or stderr (progress); wide enough for the tables in logs.
     Markup is off (paths may hold brackets): style with ``rich.text.Text``."""
     probe = Console(stderr=stderr)
+    width: int | None
     if not probe.is_terminal:
         width = _PIPE_WIDTH
     else:  # a terminal's width, or $COLUMNS: 0 or 1 there printed nothing or a column of letters
@@ -132,12 +133,12 @@ def input_argument(name: str, help: str) -> Any:
     return typer.Argument(help=help, parser=_path_parser("file"), metavar=name)
 
 
-def one_line(exc: BaseException) -> str:
-    """The message of ``exc`` on one line (runs of whitespace, newlines included, become one
-    space: a path may hold a newline), or its type's name when it has none. For commands that
-    print their own errors; the app's handler does the same for the others."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+def one_line(message: BaseException | str) -> str:
+    """``message`` (an exception's, or a text) on one line (runs of whitespace, newlines included,
+    become one space: a path may hold a newline); an exception without a message gives its type's
+    name. For commands that print their own errors; the app's handler does the same for the others."""
+    text = " ".join(str(message).split())
+    return text if text or isinstance(message, str) else type(message).__name__
 
 
 # torch.Generator.manual_seed takes at most 64 bits; a seed beyond was a traceback

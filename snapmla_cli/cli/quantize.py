@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.text import Text
 
 from ..analysis.fidelity import (
@@ -41,8 +42,9 @@ from .common import (
 
 
 def quantize_command(
+    *,  # keyword-only (as typer calls it), so that the required --output needs no placeholder default
     dump: Annotated[Path | None, input_argument("DUMP", help="KV dump (safetensors); omitted: the synthetic default.")] = None,
-    output: Annotated[Path, output_option("--output", "-o", help="FP8 cache file to write.")] = ...,
+    output: Annotated[Path, output_option("--output", "-o", help="FP8 cache file to write.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT, --json, --plot files.")] = False,
     json_path: Annotated[Path | None, output_option("--json", help="Write the fidelity report as JSON.")] = None,
     plot: Annotated[Path | None, output_option("--plot", help="Write the Fig.-5-style plot (.png/.pdf/.svg).")] = None,
@@ -151,7 +153,7 @@ def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int, 
     return synth_dump(spec)
 
 
-def _render(out, report: FidelityReport) -> None:
+def _render(out: Console, report: FidelityReport) -> None:
     rows = report.layers
     per_layer = figure_table("attention output rel L2 vs float64 on the original cache, per layer",
                              ("layer", "tokens", *report.configs))
@@ -161,7 +163,7 @@ def _render(out, report: FidelityReport) -> None:
     out.print(per_layer)
     mean = figure_table(
         f"mean over {counted(len(rows), 'layer')} ({rows[0].query_rows} probe rows/layer, "
-        f"{counted(rows[0].probes, 'query', 'queries')})",
+        f"{rows[0].probes} queries)",
         ("config", "out rmse", "out cos_diff", "out rel_l2", "kv rel_l2", "content rel_l2", "RoPE rel_l2"))
     best = min(report.configs, key=lambda c: report.mean("output", c, "rel_l2"))
     for config in report.configs:

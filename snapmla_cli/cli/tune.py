@@ -3,6 +3,7 @@ the winners in the tuning database (SPEC section 9; docs/DESIGN.md, "Tuning").""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import replace
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 
 from ..errors import NoGpuError, SnapmlaError
 from ..sizes import counted, format_size
@@ -17,7 +19,11 @@ from ..tables import figure_table
 from .common import console, output_option, progress
 
 if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays quick)
-    from ..tuning.db import Entry, MergeOutcome
+    from rich.progress import Progress, TaskID
+
+    from ..tuning.db import Entry, GpuKey, MergeOutcome
+    from ..tuning.space import Bucket, Budget
+    from ..tuning.tuner import BucketResult
 
 HELP_BUDGET = ("Per bucket: seconds of checking and timing candidates ('120s', '2m'; the bucket's "
                "setup is not counted) or a number of candidates besides the default ('40').")
@@ -49,6 +55,11 @@ def tune_command(
         typer.echo("interrupted: measurements so far are kept; run the same command again to "
                    "resume", err=True)
         raise typer.Exit(130) from None
+
+
+def _advance(bar: Progress, task: TaskID, offset: int, desc: str, done: int, total: int) -> None:
+    """The tuning bar after ``done`` candidates of the bucket that starts at ``offset``."""
+    bar.update(task, completed=offset + done, description=desc)
 
 
 def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry_run: bool,
@@ -106,7 +117,7 @@ def _make_folder(folder: Path, origin: str) -> None:
 # --dry-run
 
 
-def _gpu_for_dry_run():
+def _gpu_for_dry_run() -> tuple[GpuKey | None, int]:
     """(GpuKey, SM count) of the current GPU, or (None, default SM count) without one."""
     import torch
 
@@ -123,7 +134,7 @@ def _gpu_for_dry_run():
     return key, key.sm_count or DEFAULT_NUM_SMS
 
 
-def _dry_run(buckets, limit, folder: Path) -> None:
+def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
     from ..tuning.db import db_filename
     from ..tuning.space import config_id, search_space, smem_bytes, split_policies
 
@@ -174,7 +185,7 @@ def _dry_run(buckets, limit, folder: Path) -> None:
 # the real run
 
 
-def _run(buckets, limit, folder: Path, origin: str, resume: bool, force: bool, command: str
+def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume: bool, force: bool, command: str
          ) -> None:
     import torch
 
@@ -220,8 +231,7 @@ def _run(buckets, limit, folder: Path, origin: str, resume: bool, force: bool, c
         task = bar.add_task("tuning", total=sum(planned))
         offset = 0
         for space, n in zip(todo, planned):
-            tuner.progress = (lambda desc, done, total, o=offset:
-                              bar.update(task, completed=o + done, description=desc))
+            tuner.progress = functools.partial(_advance, bar, task, offset)
             result = tuner.tune(space)
             offset += n
             bar.update(task, completed=offset)
@@ -263,7 +273,7 @@ def merge_note(outcome: MergeOutcome, new: Entry) -> str | None:
     return None
 
 
-def _line(r) -> str:
+def _line(r: BucketResult) -> str:
     """One log line per finished bucket (the table comes at the end)."""
     from ..tuning.space import config_id
 
@@ -278,7 +288,7 @@ def _us(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
-def _render(out, results, gpu, folder: Path, wall: float) -> None:
+def _render(out: Console, results: list[BucketResult], gpu: GpuKey, folder: Path, wall: float) -> None:
     from ..tuning.db import db_filename
     from ..tuning.space import config_id
 

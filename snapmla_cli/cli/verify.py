@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.text import Text
 
 from ..analysis.verify import (
@@ -183,7 +184,7 @@ def _large_floor_note(results: list[CaseResult]) -> str | None:
             "floor, not whether it is acceptable; `snapmla quantize` shows where the error comes from")
 
 
-def _render(out, results: list[CaseResult], source: ProblemSource, device: str, gates: Gates) -> None:
+def _render(out: Console, results: list[CaseResult], source: ProblemSource, device: str, gates: Gates) -> None:
     first = results[0]
     title = (f"verify: {source.label}, ctx {format_size(first.ctx)}, batch {first.batch}, "
              f"{'causal' if first.causal else 'non-causal'}, {device}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -71,7 +72,7 @@ __all__ = ["MetadataPlan", "choose_config", "decode_bf16", "decode_fp8",
 LOG2E = 1.4426950408889634
 
 
-def _runtime():
+def _runtime() -> ModuleType:
     from ..runtime import launch  # imported lazily: CuPy is optional
 
     return launch
@@ -215,8 +216,9 @@ def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
     return k_cache
 
 
-def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple[int, int, int],
+def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple[int, ...],
                    device: torch.device) -> None:
+    """``shape``: the call's (b, s_q, h_q)."""
     b, s_q, h_q = shape
     if out is not None:
         _check(out, "out", torch.bfloat16, (b, s_q, h_q, D_V), device)
@@ -313,7 +315,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
         grid=grid,
         block=block,
         shared_mem=shared_mem,
-        cluster_launch=None if not cluster else ClusterLaunch(kernel.function.ptr, grid, block, shared_mem,
+        cluster_launch=None if not cluster or kernel is None else ClusterLaunch(kernel.function.ptr, grid, block, shared_mem,
                                                               (1, cluster, 1)),
         cache_ptr=cache.data_ptr(),
         items_per_column=np.int32(items_per_column),
@@ -352,7 +354,7 @@ def _signature(q_parts: tuple[torch.Tensor, ...], k_cache: torch.Tensor, block_t
             id(config), softmax_scale, causal, out is None, lse is None)
 
 
-def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], shape: tuple[int, int, int],
+def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], shape: tuple[int, ...],
             k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
             metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
             lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

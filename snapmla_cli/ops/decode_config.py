@@ -8,6 +8,7 @@ the same limit, and the wgmma kernels the host's exact launch size).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from ..errors import SnapmlaError
@@ -121,6 +122,13 @@ class DecodeConfig:
                 raise SnapmlaError(f"DecodeConfig.{name}: expected an int, got {value!r}")
         if not isinstance(self.split, SplitPolicy):
             raise SnapmlaError(f"DecodeConfig.split: expected a SplitPolicy, got {type(self.split).__name__}")
+
+    @classmethod
+    def of(cls, fields: Mapping[str, int]) -> DecodeConfig:
+        """A configuration from integer fields by name (a kernel spec, a tuner combination), the
+        split policy at its default. A name that is not a field raises TypeError, a value that is
+        not an int SnapmlaError (``__post_init__``)."""
+        return cls(**fields)  # type: ignore[arg-type]  # ints only: the split policy is not named
 
     @property
     def block_m(self) -> int:
@@ -400,7 +408,7 @@ def config_from_spec(spec: str) -> DecodeConfig:
         values = []
     if not 5 <= len(values) <= len(SPEC_FIELDS):
         raise ValueError(f"kernel spec {spec!r}: expected {':'.join(SPEC_FIELDS[:5])}[:{':'.join(SPEC_FIELDS[5:])}]")
-    cfg = DecodeConfig(**dict(zip(SPEC_FIELDS, values)))
+    cfg = DecodeConfig.of(dict(zip(SPEC_FIELDS, values)))
     return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
 
 
@@ -436,13 +444,12 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
         # says finishes sooner (where the layout can run columns)
         cfg = replace(cfg, split=replace(cfg.split, auto_balance=column_capable(cfg, True)))
     elif fp8:
-        v2 = {"kernel_version": FP8_MMA_SYNC}
         if row_groups == 1:
-            cfg = DecodeConfig(row_groups=1, kv_split=1, stages=2, min_ctas_per_sm=2, **v2)
+            cfg = DecodeConfig(row_groups=1, kv_split=1, stages=2, min_ctas_per_sm=2, kernel_version=FP8_MMA_SYNC)
         elif row_groups == 2:
-            cfg = DecodeConfig(row_groups=2, kv_split=2, stages=3, min_ctas_per_sm=1, **v2)
+            cfg = DecodeConfig(row_groups=2, kv_split=2, stages=3, min_ctas_per_sm=1, kernel_version=FP8_MMA_SYNC)
         else:
-            cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1, **v2)
+            cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1, kernel_version=FP8_MMA_SYNC)
     elif version == BF16_WGMMA:
         cfg = DecodeConfig(row_groups=BF16_WGMMA_ROW_GROUPS, stages=MIN_STAGES, block_n=PAGE_TOKENS,
                            min_ctas_per_sm=1, kernel_version=BF16_WGMMA)
@@ -465,7 +472,7 @@ def variant_config(rows: int, version: int = DEFAULT_FP8_KERNEL, **overrides: in
     warpgroup mode, promotion switches, a depth) laid over it, its pipeline fitted to the shared
     memory (:func:`fit_stages`). What ``verify --fp8-kernel``, the kernel registry and the tests
     build for a named variant."""
-    cfg = replace(heuristic_config(rows, True, version), **overrides)
+    cfg = replace(heuristic_config(rows, True, version), **overrides)  # type: ignore[arg-type]  # int fields
     if cfg.rope_ring and "rope_ring" not in overrides and not fp8_config_valid(cfg):
         cfg = replace(cfg, rope_ring=0)  # a layout the heuristic's RoPE ring does not apply to
     return fit_stages(cfg)

@@ -12,6 +12,7 @@ clusters than SMs / n may fit at once: :func:`max_active_clusters` asks the driv
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import lru_cache
 
 from ..errors import SnapmlaError
@@ -29,7 +30,7 @@ def cluster_attribute(dims: tuple[int, int, int]) -> pdl.LaunchAttribute:
 
 
 @lru_cache(maxsize=1)
-def _occupancy_fn():
+def _occupancy_fn() -> Callable[..., int] | None:
     return pdl.driver_function("cuOccupancyMaxActiveClusters",
                                [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.POINTER(pdl.LaunchConfig)])
 

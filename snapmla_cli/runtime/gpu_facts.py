@@ -7,7 +7,9 @@ raises on a machine without a GPU or driver: the lists are empty and ``reason`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,10 @@ def _sm_counts() -> dict[str, int]:
         return {}
 
 
-def _optional(fn, *args):
+Answer = TypeVar("Answer")  # what one NVML query returns
+
+
+def _optional(fn: Callable[..., Answer], *args: object) -> Answer | None:
     try:
         return fn(*args)
     except Exception:  # noqa: BLE001 - NVML raises NVMLError_NotSupported etc. per query

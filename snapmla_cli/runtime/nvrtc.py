@@ -152,7 +152,7 @@ def build_options(arch: str, defines: DefinesKey, src_hash: str, folder: Path) -
 
 
 def nvrtc_version() -> tuple[int, int]:
-    return tuple(_nvrtc().getVersion())  # type: ignore[return-value]
+    return tuple(_nvrtc().getVersion())
 
 
 _MEMORY: dict[str, CompiledModule] = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -68,7 +68,7 @@ def _libcuda() -> ctypes.CDLL | None:
         return None
 
 
-def driver_function(name: str, argtypes: Sequence[object]):
+def driver_function(name: str, argtypes: Sequence[object]) -> Callable[..., int] | None:
     """``libcuda``'s ``name`` returning a ``CUresult``, or None without a driver or where the
     driver is too old to have it."""
     libcuda = _libcuda()
@@ -81,7 +81,7 @@ def driver_function(name: str, argtypes: Sequence[object]):
 
 
 @lru_cache(maxsize=1)
-def _launch_kernel_ex():
+def _launch_kernel_ex() -> Callable[..., int] | None:
     return driver_function("cuLaunchKernelEx", [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
                                                 ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)])
 
@@ -132,7 +132,7 @@ def check_status(status: int, config: LaunchConfig) -> None:
                            f"{(config.block_x, config.block_y, config.block_z)}, {config.shared_mem} B shared memory)")
 
 
-def require_launch_kernel_ex():
+def require_launch_kernel_ex() -> Callable[..., int]:
     fn = _launch_kernel_ex()
     if fn is None:
         raise SnapmlaError("cuLaunchKernelEx is not available (driver older than CUDA 12)")

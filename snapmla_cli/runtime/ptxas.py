@@ -113,16 +113,18 @@ def parse_ptxas_log(log: str) -> dict[str, KernelResources]:
 
 
 def _apply_used_line(res: KernelResources, line: str, registers: int) -> KernelResources:
-    fields: dict[str, int] = {"registers": registers}
+    barriers, shared, const0 = res.barriers, res.shared_bytes, res.const0_bytes
+    local_sizes: list[int] = []  # "lmem" / cumulative stack sizes on this line
     b = _BARRIERS.search(line)
     if b:
-        fields["barriers"] = int(b.group(1))
+        barriers = int(b.group(1))
     for m in _ITEM.finditer(line):
         value, kind = int(m.group(1)), m.group(2)
         if kind == "smem":
-            fields["shared_bytes"] = value
+            shared = value
         elif kind in ("lmem", "cumulative stack size"):
-            fields["local_bytes"] = max(fields.get("local_bytes", 0), value)
+            local_sizes.append(value)
         elif m.group(3) == "0":
-            fields["const0_bytes"] = value
-    return replace(res, **fields)
+            const0 = value
+    return replace(res, registers=registers, barriers=barriers, shared_bytes=shared,
+                   local_bytes=max(local_sizes, default=res.local_bytes), const0_bytes=const0)

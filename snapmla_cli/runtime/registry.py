@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .nvrtc import DEFAULT_ARCH, CompiledModule, compile_module, kernel_dir
+
+if TYPE_CHECKING:  # imported at run time inside _decode_variants (ops imports the runtime)
+    from ..ops.decode_config import DecodeConfig
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,11 @@ def variant(
     *kernels: str, archs: tuple[str, ...] = (DEFAULT_ARCH,), **defines: int | str
 ) -> Variant:
     return Variant(kernels=tuple(kernels), defines=dict(defines), archs=tuple(archs))
+
+
+def built(kernel: str, defines: Mapping[str, int | str]) -> Variant:
+    """One kernel of a source compiled with a configuration's defines, for the default arch."""
+    return Variant(kernels=(kernel,), defines=dict(defines))
 
 
 # Prep kernels: nothing Hopper-only, so they are also checked for Ada (sm_89).
@@ -80,11 +89,11 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
     for version in (FP8_WGMMA, FP8_MMA_SYNC):
         configs = [heuristic_config(r, True, version) for r in rows]
         source, name = fp8_kernel(configs[0])
-        variants[source] = tuple(variant(name, **fp8_defines(c)) for c in configs)
+        variants[source] = tuple(built(name, fp8_defines(c)) for c in configs)
     # the cluster-merge builds of the defaults (ops/cluster_fold.py: b 64 runs them)
-    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **cluster_defines(fp8_defines(c)))
+    variants["decode_fp8_wgmma.cu"] += tuple(built("snapmla_decode_fp8_wgmma", cluster_defines(fp8_defines(c)))
                                              for c in (heuristic_config(r, True, FP8_WGMMA) for r in rows))
-    wgmma_fp8: list = []  # every FP8 wgmma layout registered below
+    wgmma_fp8: list[DecodeConfig] = []  # every FP8 wgmma layout registered below
     # the wgmma kernel's other warpgroup modes: selectable (verify --fp8-kernel v3-rows /
     # v3-pingpong / v3-alt / v3-rows-m), so CI compiles them too, as the verifier builds them
     # (rows = M only where it is valid, at 64 rows)
@@ -93,20 +102,20 @@ def _decode_variants() -> dict[str, tuple[Variant, ...]]:
         modes = (variant_config(r, FP8_WGMMA, wg_mode=m) for m in WG_MODES if m != base.wg_mode)
         others = [c for c in modes if fp8_config_valid(c)]
         wgmma_fp8 += [base, *others]
-        variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c)) for c in others)
+        variants["decode_fp8_wgmma.cu"] += tuple(built("snapmla_decode_fp8_wgmma", fp8_defines(c)) for c in others)
     # the balanced split policy's column builds of every FP8 wgmma layout above that can run them
     columns = {tuple(sorted(fp8_defines(balanced(c)).items())): balanced(c) for c in wgmma_fp8
                if column_capable(c, True)}
-    variants["decode_fp8_wgmma.cu"] += tuple(variant("snapmla_decode_fp8_wgmma", **fp8_defines(c))
+    variants["decode_fp8_wgmma.cu"] += tuple(built("snapmla_decode_fp8_wgmma", fp8_defines(c))
                                              for c in columns.values())
     for version in (BF16_WGMMA, BF16_MMA_SYNC):  # the wgmma kernel has one tile for all rows
-        configs = {tuple(sorted(bf16_defines(c).items())): c for c in (heuristic_config(r, False, version) for r in rows)}
-        configs.update({tuple(sorted(bf16_defines(balanced(c)).items())): balanced(c)
-                        for c in list(configs.values()) if column_capable(c, False)})
-        source, name = bf16_kernel(next(iter(configs.values())))
-        variants[source] = tuple(variant(name, **bf16_defines(c)) for c in configs.values())
+        bf16_builds = {tuple(sorted(bf16_defines(c).items())): c for c in (heuristic_config(r, False, version) for r in rows)}
+        bf16_builds.update({tuple(sorted(bf16_defines(balanced(c)).items())): balanced(c)
+                            for c in list(bf16_builds.values()) if column_capable(c, False)})
+        source, name = bf16_kernel(next(iter(bf16_builds.values())))
+        variants[source] = tuple(built(name, bf16_defines(c)) for c in bf16_builds.values())
         if version == BF16_WGMMA:  # its cluster-merge build (ops/cluster_fold.py)
-            variants[source] += (variant(name, **cluster_defines(bf16_defines(heuristic_config(64, False, version)))),)
+            variants[source] += (built(name, cluster_defines(bf16_defines(heuristic_config(64, False, version)))),)
     variants["combine.cu"] = tuple(variant("snapmla_combine", COMBINE_ROWS=r) for r in (1, 4))
     return variants
 

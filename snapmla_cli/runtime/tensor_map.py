@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -52,7 +53,7 @@ class _TensorMap(ctypes.Structure):
 
 
 @lru_cache(maxsize=1)
-def _encode_tiled():
+def _encode_tiled() -> Callable[..., int]:
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (nvrtc imports CuPy: the workers import it when they compile)
+    from ..runtime.nvrtc import CompiledModule
 
 Job = tuple[str, tuple[tuple[str, int], ...]]  # (source, sorted defines)
 
@@ -35,7 +39,7 @@ def compile_one(job: Job, arch: str) -> str | None:
     return resource_problem(module)
 
 
-def resource_problem(module) -> str | None:
+def resource_problem(module: CompiledModule) -> str | None:
     """Why a compiled variant must not be shipped: register spills / local memory, or wgmma
     instructions ptxas serialized for lack of registers (C751x). None: clean."""
     for res in module.resources.values():

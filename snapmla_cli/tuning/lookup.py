@@ -172,7 +172,7 @@ def device_gpu_key(index: int) -> GpuKey:
             break
     if driver is None:
         try:
-            driver = int(torch._C._cuda_getDriverVersion()) // 1000
+            driver = int(torch._C._cuda_getDriverVersion()) // 1000  # type: ignore[attr-defined]  # no public call
         except Exception:  # noqa: BLE001
             driver = None
     return GpuKey(name, int(props.multi_processor_count), (int(props.major), int(props.minor)),

@@ -25,8 +25,9 @@ numerics, time it with CUDA events.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -37,6 +38,8 @@ from ..ops.decode_config import DecodeConfig
 from .compile import Job, compile_jobs
 from .space import Bucket, config_id, kernel_key, kernel_keys
 from .tuner import CheckResult, FatalMeasureError
+
+Result = TypeVar("Result")  # what a guarded GPU call returns
 
 CHECK_SEQLENS = (1500, 64, 0, 777, 1)
 CHECK_SYNTH_REQUESTS, CHECK_SYNTH_TOKENS = 2, 32768  # as `verify --ctx 32k`
@@ -109,14 +112,14 @@ class GpuMeasurer:
         self._inputs: _TimingInputs | None = None
 
     # compile ---------------------------------------------------------------------------------
-    def precompile(self, items: list[tuple[str, DecodeConfig]], progress=None
-                   ) -> dict[Job, str | None]:
+    def precompile(self, items: list[tuple[str, DecodeConfig]],
+                   progress: Callable[[int, int], None] | None = None) -> dict[Job, str | None]:
         jobs = [job for fmt, cfg in items for job in kernel_keys(cfg, fmt)]
         self.compile_errors.update(compile_jobs(jobs, self.arch, self.compile_workers, progress))
         return self.compile_errors
 
     # guard -----------------------------------------------------------------------------------
-    def _guard(self, fn):
+    def _guard(self, fn: Callable[[], Result]) -> Result:
         try:
             return fn()
         except Exception as exc:
@@ -159,7 +162,7 @@ class GpuMeasurer:
                              seqlens_host=[int(n) for n in p.layout.cache_seqlens.tolist()],
                              scale=p.softmax_scale, causal=p.causal, refs={})
 
-    def _reference(self, bucket: Bucket, prob: _CheckProblem, bounds: list[list[int]]):
+    def _reference(self, bucket: Bucket, prob: _CheckProblem, bounds: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         key = tuple(tuple(b) for b in bounds) if bucket.fp8 else ()
         ref = prob.refs.get(key)
         if ref is None:

@@ -192,7 +192,9 @@ class Budget:
     def __str__(self) -> str:
         if self.seconds is not None:
             return f"{self.seconds:g}s per bucket"
-        return f"{counted(self.count, 'candidate')} per bucket"
+        if self.count is not None:
+            return f"{counted(self.count, 'candidate')} per bucket"
+        return "no limit per bucket"
 
 
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min)?\s*$", re.IGNORECASE)
@@ -345,7 +347,7 @@ def kernel_variants(rows: int, fmt: str
     valid: list[DecodeConfig] = []
     pruned: list[tuple[DecodeConfig, ConfigProblem]] = []
     for combo in combos:
-        cfg = DecodeConfig(**combo)
+        cfg = DecodeConfig.of(combo)
         why = config_problem(cfg, fmt, rows)
         (pruned.append((cfg, why)) if why else valid.append(cfg))
     return valid, pruned

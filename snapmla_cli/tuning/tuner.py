@@ -172,7 +172,7 @@ class PartialStore:
             return
         buckets = data.get("buckets")
         problem = _partial_problem(buckets)
-        if problem:
+        if problem or not isinstance(buckets, dict):
             self.note = f"partial results {self.path}: {problem}; starting over"
             return
         self.buckets = buckets
