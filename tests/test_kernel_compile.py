@@ -6,10 +6,12 @@ Runs in CI on machines without a GPU: NVRTC, the CUDA headers and cuobjdump come
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -202,6 +204,38 @@ def test_second_compile_hits_disk_cache(
     assert second.origin == "disk"
     assert second.cubin == first.cubin and second.key == first.key
     assert second.resources == first.resources
+
+
+def _damage_flip_a_byte(cubin: Path, meta: Path) -> None:
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x5A  # same size: only the content hash can tell
+    cubin.write_bytes(bytes(data))
+
+
+def _damage_meta_not_a_mapping(cubin: Path, meta: Path) -> None:
+    meta.write_text("[]")
+
+
+def _damage_names_not_a_mapping(cubin: Path, meta: Path) -> None:
+    fields = json.loads(meta.read_text())
+    fields["lowered_names"] = list(fields["lowered_names"].items())
+    meta.write_text(json.dumps(fields))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("damage", [_damage_flip_a_byte, _damage_meta_not_a_mapping, _damage_names_not_a_mapping])
+def test_a_damaged_disk_entry_is_a_miss(damage: Callable[[Path, Path], None], isolated_caches: Path) -> None:
+    """A cache entry damaged on disk is compiled again (and rewritten), never loaded: a cubin
+    of the right size with one byte changed would otherwise reach the driver's module load."""
+    first = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    cubin, meta = isolated_caches / f"{first.key}.cubin", isolated_caches / f"{first.key}.json"
+    damage(cubin, meta)
+    assert kernel_cache.load(first.key) is None
+    nvrtc.clear_memory_cache()
+    again = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert again.origin == "nvrtc" and again.cubin == first.cubin
+    restored = kernel_cache.load(first.key)
+    assert restored is not None and restored.cubin == first.cubin
 
 
 def _copy_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

@@ -4,12 +4,15 @@ Why our own cache and not CuPy's: CuPy's does not hash headers pulled in with ``
 needs a GPU to pick the arch. The key (computed by :mod:`snapmla_cli.runtime.nvrtc`) covers
 every file under ``kernels/``, the options, the arch and the NVRTC version, so a warm start
 compiles nothing and any edit recompiles. Both files are written atomically (temp + rename),
-the cubin first: a reader that finds the json also finds a complete cubin. A cache folder that
-cannot be written only costs the next start a recompile; it is never an error.
+the cubin first: a reader that finds the json also finds a complete cubin. The json holds the
+cubin's SHA-256, so a damaged entry (a disk error, a hand edit) is a miss, not a module load that
+fails inside the driver. A cache folder that cannot be written only costs the next start a
+recompile; it is never an error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +21,7 @@ from pathlib import Path
 from ..cache.atomic import write_atomic
 
 CACHE_DIR_ENV = "SNAPMLA_CACHE_DIR"
-_FORMAT = 1
+_FORMAT = 2  # 2: the json holds the cubin's SHA-256 (entries of format 1 are recompiled once)
 
 
 def cache_dir() -> Path:
@@ -45,11 +48,16 @@ def load(key: str) -> CachedKernel | None:
         cubin = cubin_path.read_bytes()
     except (OSError, ValueError):
         return None
-    if meta.get("format") != _FORMAT or meta.get("cubin_bytes") != len(cubin):
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("cubin_sha256") != _digest(cubin):
         return None
-    return CachedKernel(
-        cubin=cubin, log=str(meta.get("log", "")), lowered_names=dict(meta.get("lowered_names", {}))
-    )
+    names = meta.get("lowered_names", {})
+    if not isinstance(names, dict) or not all(isinstance(v, str) for v in (*names, *names.values())):
+        return None
+    return CachedKernel(cubin=cubin, log=str(meta.get("log", "")), lowered_names=names)
+
+
+def _digest(cubin: bytes) -> str:
+    return hashlib.sha256(cubin).hexdigest()
 
 
 def store(key: str, entry: CachedKernel, description: dict[str, object]) -> bool:
@@ -58,6 +66,7 @@ def store(key: str, entry: CachedKernel, description: dict[str, object]) -> bool
     meta = {
         "format": _FORMAT,
         "cubin_bytes": len(entry.cubin),
+        "cubin_sha256": _digest(entry.cubin),
         "log": entry.log,
         "lowered_names": entry.lowered_names,
         "description": description,
