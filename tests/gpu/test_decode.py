@@ -275,6 +275,47 @@ def test_bf16_decode_matches_float64(seqlens, s_q, h_q, causal, version):
             assert torch.all(out[i] == 0) and torch.all(lse[i] == float("inf"))
 
 
+# DeepSeek-V3's own scale: (128 + 64) ** -0.5 times YaRN's mscale ** 2 (mscale = 0.1 ln 40 + 1),
+# what an engine passes (3.2x SPEC's 576 ** -0.5 default, which the random problems use)
+MODEL_SOFTMAX_SCALE = 0.13523377886
+SCALE_CASES = [([0, 65, 4097], 1, 16, True), ([300, 2048], 2, 16, True), ([1000, 64], 1, 64, False),
+               ([777, 130], 2, 64, True)]
+
+
+@pytest.mark.parametrize("fp8,version", [(True, 3), (True, 2), (False, 3), (False, 2)],
+                         ids=["fp8-wgmma", "fp8-mma-sync", "bf16-wgmma", "bf16-mma-sync"])
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal", SCALE_CASES)
+def test_a_model_softmax_scale_reaches_every_kernel(seqlens, s_q, h_q, causal, fp8, version):
+    """Every other decode test runs the default softmax scale, so a kernel that dropped the
+    caller's scale (or the host that folds it with log2 e) would pass them all. At DeepSeek-V3's
+    scale the output must match the references at that scale, and the references at the two
+    scales must differ by far more than the gate (so this test can fail)."""
+    device = torch.device("cuda")
+    prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=h_q + s_q, softmax_scale=MODEL_SOFTMAX_SCALE)
+    table = prob.layout.block_table.to(device)
+    seqlens_t = prob.layout.cache_seqlens.to(device)
+    bf16_cache = prob.bf16_cache().squeeze(2).to(device)
+    ref_out, _ = decode_reference(prob.q.to(device), bf16_cache, table, seqlens_t, MODEL_SOFTMAX_SCALE, causal)
+    default_out, _ = decode_reference(prob.q.to(device), bf16_cache, table, seqlens_t, None, causal)
+    assert compare(default_out, ref_out).rel_l2 > 20 * EMUL_GATE
+    if fp8:
+        cfg = _config(s_q * h_q, version, device)
+        out, lse, cache, meta, splits = _run_fp8(prob, device, cfg)
+        from snapmla_cli.ops.schedule import split_token_bounds
+
+        bounds = split_token_bounds(splits, meta, seqlens)
+        emul_out, emul_lse = emulate_fp8_decode(quantize_rows(prob.q.to(device)), cache, table, seqlens_t,
+                                                MODEL_SOFTMAX_SCALE, causal, split_bounds=bounds)
+        assert compare(out, emul_out).rel_l2 <= EMUL_GATE
+        assert compare(lse, emul_lse).max_abs < 1e-2
+    else:
+        out, lse, _, _ = _run_bf16(prob, device, _bf16_config(s_q * h_q, version, device))
+        _, ref_lse = decode_reference(prob.q.to(device), bf16_cache, table, seqlens_t, MODEL_SOFTMAX_SCALE,
+                                      causal)
+        assert compare(out, ref_out).cos_diff <= BF16_COS_GATE
+        assert compare(lse, ref_lse).max_abs < 1e-2
+
+
 def test_bf16_wgmma_decode_bitwise_deterministic_and_split_invariant():
     from dataclasses import replace
 
