@@ -27,6 +27,7 @@ from snapmla_cli.bench.plan import (
     BF16,
     DEFAULT_KV_MEM,
     FP8,
+    L2_FLUSH_BYTES,
     LAYOUT_PRESETS,
     PRESETS,
     Batches,
@@ -43,7 +44,7 @@ from snapmla_cli.bench.plan import (
 )
 from snapmla_cli.bench.render import plot_report, render_report
 from snapmla_cli.bench.results import Measurement, aggregate, compare
-from snapmla_cli.bench.roofline import DecodeWork
+from snapmla_cli.bench.roofline import Ceilings, DecodeWork
 from snapmla_cli.cli.bench import bench_command
 from snapmla_cli.errors import NoGpuError, SnapmlaError
 
@@ -165,6 +166,34 @@ def test_make_plan_rejects(kwargs: dict, needle: str) -> None:
         make_plan(**kwargs)
 
 
+def test_a_context_as_long_as_the_queries_is_a_plan() -> None:
+    """The s_q queries are the last s_q cache tokens (SPEC section 2): ctx == mtp is the
+    shortest valid case, only a shorter context is refused."""
+    plan = make_plan(mtp=2, contexts=[2], batch=1, kv_mem=None)
+    assert plan.contexts == (2,) and plan.s_q == 2
+
+
+def test_a_cache_exactly_the_flush_size_needs_no_other_copy() -> None:
+    """A cache of L2_FLUSH_BYTES flushes the L2 by itself: one copy. One byte less needs two
+    others read between two uses of one copy (one other is a byte short): three."""
+    assert distinct_caches(L2_FLUSH_BYTES, 61) == 1
+    assert distinct_caches(L2_FLUSH_BYTES - 1, 61) == 3
+
+
+def test_effective_roofline_follows_spec_section_7() -> None:
+    """t_min = max(bytes / B, rows*keys*(2*(512+512)/P8 + 2*64/P16)) for FP8 and
+    max(bytes / B, FLOPs / P16) for BF16: the RoPE tile runs at the BF16 rate."""
+    work = DecodeWork(2, 2, 16, 4096, causal=True)
+    rows_keys = work.row_keys
+    fp8_compute = rows_keys * (2 * (512 + 512) / 4e15 + 2 * 64 / 1e15)
+    fast_copy = Ceilings(p16=1e15, p8=4e15, bandwidth=1e20)  # compute bound
+    assert math.isclose(work.t_min(True, fast_copy), fp8_compute, rel_tol=1e-12)
+    assert math.isclose(work.t_min(False, fast_copy), work.flops / 1e15, rel_tol=1e-12)
+    slow_copy = Ceilings(p16=1e15, p8=4e15, bandwidth=1e9)  # memory bound
+    for fp8 in (True, False):
+        assert math.isclose(work.t_min(fp8, slow_copy), work.bytes(fp8) / 1e9, rel_tol=1e-12)
+
+
 def test_distinct_caches_keep_small_caches_out_of_l2() -> None:
     assert distinct_caches(GiB, 61) == 1
     n = distinct_caches(10 * 2**20, 61)
@@ -265,6 +294,7 @@ def test_torchrun_env() -> None:
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "MASTER_ADDR is not"),
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"}, "MASTER_PORT: expected"),
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "port"}, "MASTER_PORT: expected"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "0"}, "MASTER_PORT: expected"),
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9" * 5000}, "MASTER_PORT: expected"),
 ])
 def test_torchrun_env_needs_the_rendezvous_address(environ: dict[str, str], needle: str) -> None:
@@ -302,6 +332,16 @@ def test_preflight() -> None:
     preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=4)
     # the CPU fake needs no GPU
     preflight(plan, RunnerSpec(kind="cpu-fake"), None, cuda_available=False, device_count=0)
+
+
+def test_preflight_needs_a_gpu_for_the_last_local_rank() -> None:
+    """LOCAL_RANK counts from 0: on a node of 4 GPUs local rank 4 has none (3 has the last)."""
+    plan = make_plan(layouts=(Layout(4, 2),), contexts=[16384])
+    env = torchrun_env(launched(RANK="4", WORLD_SIZE="8", LOCAL_RANK="4"))
+    with pytest.raises(SnapmlaError, match="LOCAL_RANK 4 has no GPU: this node has 4"):
+        preflight(plan, RunnerSpec(), env, cuda_available=True, have_cupy=True, device_count=4)
+    env = torchrun_env(launched(RANK="3", WORLD_SIZE="8", LOCAL_RANK="3"))
+    preflight(plan, RunnerSpec(), env, cuda_available=True, have_cupy=True, device_count=4)
 
 
 @pytest.mark.parametrize("kwargs, needle", [

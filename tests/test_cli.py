@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from snapmla_cli import host_memory
 from snapmla_cli.cache.dump_file import DUMP_FORMAT, read_dump
 from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
 from snapmla_cli.cli.app import COMMANDS, app
+from snapmla_cli.cli.common import write_json
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK
 from snapmla_cli.sizes import counted, format_size, parse_size, parse_size_list
@@ -73,6 +75,37 @@ def test_refuses_to_overwrite_without_force(small_dump: Path, tmp_path: Path) ->
     assert_one_line_error(invoke("synth", "-o", small_dump, "--tokens", 64), "exists")
     result = invoke("quantize", small_dump, "-o", out, "--force", "--configs", "snap")
     assert result.exit_code == 0 and out.read_bytes() != b"keep me"
+
+
+def test_an_existing_output_is_refused_before_any_work(small_dump: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outputs are checked first: a run that can only fail at its end must not spend the
+    quantization or the synthesis (minutes on a real dump) before saying so."""
+    from snapmla_cli.cli import quantize, synth
+
+    def no_work(*args: object, **kwargs: object) -> None:
+        raise AssertionError("work started before the outputs were checked")
+
+    monkeypatch.setattr(quantize, "quantize_layer_cache", no_work)
+    monkeypatch.setattr(synth, "synth_dump", no_work)
+    out = tmp_path / "c.safetensors"
+    out.write_bytes(b"keep me")
+    assert_one_line_error(invoke("quantize", small_dump, "-o", out), f"--output {out} exists", "--force")
+    assert_one_line_error(invoke("synth", "-o", out, *SYNTH), f"--output {out} exists", "--force")
+    assert out.read_bytes() == b"keep me"
+
+
+def test_json_reports_write_non_finite_numbers_as_strings(tmp_path: Path) -> None:
+    """Standard JSON has no Infinity or NaN (strict parsers, jq, browsers refuse them): the lse of
+    an empty row (+inf) and a NaN metric are written as the strings "inf", "-inf", "nan"."""
+    path = tmp_path / "r.json"
+    write_json(path, {"lse": [math.inf, -math.inf], "rel_l2": math.nan, "rmse": 1.5})
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    data = json.loads(path.read_text(), parse_constant=refuse)
+    assert data == {"lse": ["inf", "-inf"], "rel_l2": "nan", "rmse": 1.5}
 
 
 def _bad_dump(tmp_path: Path, name: str, tensors: dict[str, torch.Tensor]) -> Path:

@@ -5,6 +5,7 @@ from a gather or a NaN read as "no key visible"."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -65,6 +66,7 @@ def test_good_arguments_run_both_definitions_with_nan_poisoned_unused_rows(probl
     ({"cache_seqlens": torch.tensor([100, -1, 0], dtype=torch.int32)}, "cache_seqlens[1]: expected 0..128"),
     ({"cache_seqlens": torch.tensor([100, 65], dtype=torch.int32)}, "cache_seqlens: expected shape [batch]"),
     ({"cache_seqlens": torch.tensor([100.0, 65.0, 0.0])}, "cache_seqlens: expected an integer tensor"),
+    ({"cache_seqlens": torch.tensor([True, True, False])}, "cache_seqlens: expected an integer tensor"),
     ({"block_table": torch.zeros(2, 2, dtype=torch.int32)}, "block_table: expected shape [batch, max_pages]"),
     ({"softmax_scale": math.nan}, "softmax_scale: expected a finite number"),
     ({"softmax_scale": "0.1"}, "softmax_scale: expected a number or None"),
@@ -83,6 +85,17 @@ def test_a_page_outside_the_cache_is_refused(problem: DecodeProblem, run, entry:
     table[0, 1] = entry
     with pytest.raises(SnapmlaError, match=r"block_table\[0, 1\]: expected a block index"):
         run(problem, block_table=table)
+
+
+@pytest.mark.parametrize("bounds", [[0, 32, 100], [0, 64], [0, 64, 100, 128]])
+def test_split_bounds_must_cover_the_request_in_whole_blocks(problem: DecodeProblem,
+                                                             bounds: list[int]) -> None:
+    """SPEC section 5 quantizes P per 64-token block from the split's start: a split starting
+    mid-block would regroup P's blocks, and bounds ending short of n_i would drop keys silently."""
+    expect = f"split_bounds {bounds}: expected 0 to 100 in increasing multiples of 64"
+    with pytest.raises(SnapmlaError, match=re.escape(expect)):
+        run_emulation(problem, split_bounds=[bounds, [0, 65], [0, 0]])
+    run_emulation(problem, split_bounds=[[0, 64, 100], [0, 65], [0, 0]])  # the same, well formed
 
 
 def test_a_nan_key_token_is_refused_not_read_as_no_keys(problem: DecodeProblem) -> None:

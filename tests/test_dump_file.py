@@ -93,6 +93,19 @@ def test_write_refuses_to_overwrite(tmp_path: Path) -> None:
     write_dump(dump, path, force=True)
 
 
+def test_fp8_cache_write_refuses_to_overwrite_before_writing(tmp_path: Path) -> None:
+    """An existing file is refused up front as existing (not only by the no-clobber move, whose
+    error says it appeared while snapmla was working), and kept."""
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(b"keep me")
+    cache_file = FP8CacheFile([FP8CacheLayer(0, quantize_layer_cache(torch.randn(3, D_QK)), 3)])
+    with pytest.raises(SnapmlaError, match="exists; pass --force"):
+        write_fp8_cache(cache_file, path)
+    assert path.read_bytes() == b"keep me"
+    write_fp8_cache(cache_file, path, force=True)
+    assert read_fp8_cache(path).layers[0].seqlen == 3
+
+
 @pytest.mark.parametrize("tokens", [1, 64, 100])
 def test_layer_cache_is_the_quantizer_bytes_in_pages(tokens: int) -> None:
     kv = torch.randn(tokens, D_QK).to(torch.bfloat16)

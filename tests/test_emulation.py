@@ -84,6 +84,16 @@ def test_emulation_matches_the_literal_block_loop(seqlens: list[int], s_q: int, 
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-9)
 
 
+def test_emulation_uses_an_explicit_softmax_scale() -> None:
+    """The softmax scale enters every logit (SPEC section 5, first line); a non-default one must
+    match the literal block loop, which reads the problem's scale."""
+    problem = random_problem([130, 40], s_q=2, h_q=3, causal=True, seed=23, softmax_scale=0.013)
+    out, lse = run_emulation(problem)
+    ref_out, ref_lse = literal_decode(problem)
+    torch.testing.assert_close(out, ref_out, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-9)
+
+
 def test_split_kv_equals_unsplit_to_rounding() -> None:
     problem = random_problem([300, 129], s_q=2, h_q=4, causal=True, seed=7)
     q, cache, layout = problem.q_quantized(), problem.fp8_cache(), problem.layout
@@ -163,3 +173,38 @@ def test_poison_and_garbage_never_change_the_emulation() -> None:
     out2, lse2 = emulate_fp8_decode(problem.q_quantized(), other, table, layout.cache_seqlens,
                                     problem.softmax_scale, True)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+def test_a_nan_where_the_reference_is_finite_makes_every_metric_infinite() -> None:
+    """SPEC section 6: NaN or inf where the reference is finite fails; the metrics say +inf, so
+    that no gate can pass it by a comparison with NaN being False."""
+    gen = torch.Generator().manual_seed(31)
+    ref = torch.randn(256, generator=gen, dtype=torch.float64)
+    x = ref + 1e-3 * torch.randn(256, generator=gen, dtype=torch.float64)
+    assert math.isfinite(compare(x, ref).rel_l2)
+    for bad in (math.nan, math.inf):
+        x[7] = bad
+        assert all(v == math.inf for v in compare(x, ref).as_dict().values()), bad
+
+
+def test_non_finite_reference_positions_must_match_exactly() -> None:
+    """Where the reference is non-finite (lse +inf of an empty row, or NaN) the value must be the
+    same special value; NaN matches NaN, and the finite rest is measured as usual."""
+    gen = torch.Generator().manual_seed(32)
+    ref = torch.randn(128, generator=gen, dtype=torch.float64)
+    ref[3], ref[9] = math.nan, math.inf
+    x = ref + 1e-3 * torch.randn(128, generator=gen, dtype=torch.float64)
+    x[3], x[9] = math.nan, math.inf
+    metrics = compare(x, ref)
+    assert 0 < metrics.rel_l2 < 1e-2 and math.isfinite(metrics.rmse)
+    x[3] = 0.0
+    assert compare(x, ref).rel_l2 == math.inf
+
+
+def test_cos_diff_of_identical_vectors_is_not_negative() -> None:
+    """1 - cos rounds to -2e-16 (or +2e-16) for many random vectors compared with themselves; the
+    distance is clamped at 0 so that tables and gates never show a negative one."""
+    for seed in range(8):
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        metrics = compare(x, x.clone())
+        assert 0.0 <= metrics.cos_diff < 1e-15 and metrics.rel_l2 == 0.0, seed

@@ -109,10 +109,11 @@ def test_float_positions(tmp_path: Path) -> None:
     _bad_dump(tmp_path, positions, "positions dtype torch.float32", "integer")
 
 
-def test_negative_positions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [-3, -1])
+def test_negative_positions(tmp_path: Path, bad: int) -> None:
     positions = torch.arange(TOKENS)
-    positions[5] = -3
-    _bad_dump(tmp_path, {"layers.0.positions": positions}, "positions", "-3", "token 5", ">= 0")
+    positions[5] = bad
+    _bad_dump(tmp_path, {"layers.0.positions": positions}, "positions", str(bad), "token 5", ">= 0")
 
 
 def test_positions_restarting_per_prompt_are_fine(tmp_path: Path) -> None:
@@ -127,6 +128,21 @@ def test_unknown_version(tmp_path: Path, version: str | None) -> None:
     if version is not None:
         meta["version"] = version
     _bad_dump(tmp_path, {}, f"version={version!r}", "expected '1'", meta=meta)
+
+
+@pytest.mark.parametrize("key", ["kv_lora_rank", "rope_dim"])
+def test_other_mla_widths_are_refused(tmp_path: Path, key: str) -> None:
+    """SPEC section 8's metadata names the widths; a dump of another model's latent (say a
+    256-wide kv_lora_rank padded to 576) must not be read as SnapMLA's 512 + 64."""
+    _bad_dump(tmp_path, {}, f"{key}=256", "snapmla supports", meta={**DUMP_META, key: "256"})
+
+
+def test_layers_come_back_in_numeric_order(tmp_path: Path) -> None:
+    """Layer 10's key sorts before layer 2's as text; the layers are read as numbers."""
+    kv = {f"layers.{i}.kv": _kv() * (i + 1) for i in (10, 2, 0)}
+    layers = read_dump(_write(tmp_path, kv, DUMP_META)).layers
+    assert [layer.index for layer in layers] == [0, 2, 10]
+    assert torch.equal(layers[1].kv, _kv() * 3)
 
 
 # --- FP8 cache files ------------------------------------------------------------------------
@@ -178,11 +194,26 @@ def test_poisoned_token(tmp_path: Path, start: int, stop: int, what: str) -> Non
     _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 5", what)
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf")])
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("inf"), 2.0**-33])
 def test_impossible_scale(tmp_path: Path, scale: float) -> None:
     cache = quantize_layer_cache(_kv())
     cache[0, 2, SCALE_OFFSET:SCALE_OFFSET + 4] = torch.tensor([scale]).view(torch.uint8)
     _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 2", "scale")
+
+
+def test_a_positive_e4m3_nan_byte_is_refused(tmp_path: Path) -> None:
+    """float8_e4m3fn has two NaN encodings, 0x7F and 0xFF: the positive one poisons a decode too."""
+    cache = quantize_layer_cache(_kv())
+    cache[0, 4, 300] = 0x7F
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 4", "E4M3 NaN")
+
+
+def test_a_page_beyond_the_last_token_is_refused(tmp_path: Path) -> None:
+    """SPEC section 8: the cache holds ceil(seqlen / 64) pages; an extra all-zero page means the
+    file's seqlen is not where its writer stopped."""
+    cache = torch.cat([quantize_layer_cache(_kv()), torch.zeros(1, 64, 656, dtype=torch.uint8)])
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", f"seqlen {TOKENS}",
+             "does not fit 2 pages")
 
 
 def test_poison_in_the_unused_tail(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -150,6 +151,19 @@ def test_max_context_bounds_the_capacity():
         work.update(torch.tensor([16385, 0], dtype=torch.int32))
     with pytest.raises(SnapmlaError, match="^max_context: expected"):
         GraphWorkList(2, 16, "cpu", max_context=-1)
+
+
+
+def test_a_max_context_past_a_page_boundary_counts_its_partial_page():
+    """max_context 127 is two pages: with one-block splits each request may take two of them, so
+    the capacity must be 2 per request (counting one page would make the plan not fit)."""
+    cfg = heuristic_config(16)
+    cfg = replace(cfg, split=replace(cfg.split, min_blocks_per_split=1))
+    work = GraphWorkList(2, 16, "cpu", config=cfg, max_context=127)
+    assert work.capacity == 4
+    _, num_splits = work.update(torch.tensor([127, 127], dtype=torch.int32))
+    assert num_splits.tolist() == [0, 2, 4]
+    _check_tables([127, 127], work.metadata.numpy(), num_splits.tolist(), work.capacity)
 
 
 def test_bad_arguments_get_one_line_errors():

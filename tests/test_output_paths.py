@@ -81,6 +81,20 @@ def test_paths_without_a_file_name_and_under_a_file(tmp_path: Path, monkeypatch:
         check_writable(tmp_path / "no" / "x.st", force=True, what="--output")
 
 
+def test_a_folder_that_takes_no_new_file_is_refused_up_front(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The temp file lands next to the output, so a read-only folder is refused before any work.
+    The permission answer is stubbed: a chmod stops no one when the tests run as root."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs:
+                        False if Path(path) == folder else real(path, mode, *args, **kwargs))
+    with pytest.raises(SnapmlaError, match=f"--output {folder / 'x.st'}: folder {folder} is not writable"):
+        check_writable(folder / "x.st", force=True, what="--output")
+    check_writable(tmp_path / "x.st", force=False, what="--output")  # a writable folder next to it
+
+
 def test_symlink_to_a_file_is_written_through(tmp_path: Path) -> None:
     target, link = tmp_path / "target.json", tmp_path / "link.json"
     target.write_text("old")

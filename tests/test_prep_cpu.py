@@ -500,6 +500,17 @@ def test_quantize_q_cpu_refuses_a_rope_that_overflows_its_scale() -> None:
         quantize_q(q)
 
 
+def test_a_rope_that_overflows_only_in_bf16_is_refused() -> None:
+    """r / s may be finite in float32 and still round to inf in bf16 (above 3.396e38, bf16's
+    largest value being 3.390e38): the check rounds as the quantizer does."""
+    q = torch.randn(2, D_QK, generator=torch.Generator().manual_seed(5))
+    q[1, :D_CONTENT] = 0.0
+    q[1, D_CONTENT + 3] = 7.915e28  # / 2^-32 = 3.3995e38: finite in float32, inf in bf16
+    assert bool(torch.isfinite(q[1, D_CONTENT:] / 2.0**-32).all())
+    with pytest.raises(SnapmlaError, match=r"^q\[1\]: its RoPE part"):
+        quantize_q(q)
+
+
 def test_append_kv_cpu_refuses_a_rope_that_overflows_its_scale() -> None:
     cache = _poisoned_cache(2)
     before = cache.clone()

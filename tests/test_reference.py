@@ -59,6 +59,16 @@ def test_causal_mtp_matches_naive_loop(s_q: int) -> None:
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
 
 
+def test_an_explicit_softmax_scale_is_used() -> None:
+    """SPEC section 2: logits are ``softmax_scale * q . k``; a caller's scale (here far from the
+    576 ** -0.5 default) must reach the logits, not be replaced by the default."""
+    problem = random_problem([70, 130], s_q=2, h_q=3, causal=True, seed=21, softmax_scale=0.013)
+    out, lse = _reference(problem)
+    ref_out, ref_lse = naive_decode(problem)
+    torch.testing.assert_close(out, ref_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
 def test_empty_sequences_give_zero_output_and_infinite_lse() -> None:
     problem = random_problem([0, 5, 0], s_q=2, h_q=2, seed=3)
     out, lse = _reference(problem)

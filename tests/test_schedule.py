@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.ops.schedule import (
     CTA_OVERHEAD_BLOCKS,
     EXTRA_WAVES,
@@ -182,6 +183,21 @@ def test_balanced_work_lists_are_consistent(seed):
             assert work.shape[0] == 0
             continue
         _check_work_list(work, num_splits, seqlens)
+
+
+def test_balanced_columns_allow_exactly_max_splits_pieces_per_request():
+    """A request of 64 blocks over 4 columns is cut into 4 pieces: allowed at a cap of 4, the split
+    plan's fallback (None) at a cap of 3."""
+    policy = SplitPolicy(num_sms=4, balanced=True, min_blocks_per_split=1, max_splits_per_request=4)
+    plan = balanced_columns([64 * PAGE], 64, 64, policy)
+    assert plan is not None and [len(column) for column in plan] == [1, 1, 1, 1]
+    assert balanced_columns([64 * PAGE], 64, 64, replace(policy, max_splits_per_request=3)) is None
+
+
+def test_negative_lengths_are_refused():
+    """A negative length would plan -1 blocks (Python's floor division) instead of failing."""
+    with pytest.raises(SnapmlaError, match="^cache_seqlens: lengths must be >= 0"):
+        build_metadata(torch.tensor([100, -64], dtype=torch.int32), 16, 64, SplitPolicy())
 
 
 def test_balanced_columns_fall_back_where_a_request_needs_too_many_pieces():

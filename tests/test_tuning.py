@@ -40,6 +40,7 @@ from snapmla_cli.tuning.space import (
     same_kernel,
     search_space,
     smem_bytes,
+    split_policies,
 )
 from snapmla_cli.tuning.tuner import (
     CheckResult,
@@ -125,6 +126,14 @@ def test_range_and_list_parsing():
     b = Bucket(64, 2, (16, 128), (16384, 16384), "fp8")
     assert b.timed_batch == 45 and b.timed_context == 16384 and b.rows == 128
     assert b.id == "h64-s2-b16_128-c16384-fp8"
+
+
+def test_repeated_ranges_make_one_bucket_and_timing_points_round_to_nearest() -> None:
+    """`--batch 64,64` must not tune (and time) the same bucket twice; a bucket's timed point is
+    the geometric middle rounded to the nearest integer (sqrt(1 * 8) = 2.83 -> 3, not 2)."""
+    assert parse_ranges("64,16-128,64,16-128", "--batch") == [(64, 64), (16, 128)]
+    assert Bucket(64, 1, (1, 8), (16384, 16384), "fp8").timed_batch == 3
+    assert Bucket(64, 1, (1, 2), (1000, 3000), "fp8").timed_context == 1732
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,6 +247,16 @@ def test_rows_m_entries_narrow_to_alternate_pages(mode):
     assert narrowed is not None
     assert (narrowed.row_groups, narrowed.wg_mode) == (2, dc.WG_ALT_PAGES)
     assert lookup.adapt_config(stored, 64, "fp8") == stored
+
+
+def test_split_policies_keep_one_per_ctas_times_waves() -> None:
+    """The scheduler reads only ctas_per_sm * waves, so the fixed policies hold one
+    representative per product and minimum split length (the others would time the same plan)."""
+    kernel = heuristic_config(128)
+    fixed = [p for p in split_policies(kernel, kernel.split) if not (p.balanced or p.auto_balance)]
+    keys = [(p.ctas_per_sm * p.waves, p.min_blocks_per_split) for p in fixed]
+    assert len(keys) == len(set(keys))
+    assert {product for product, _ in keys} == {1, 2, 4}
 
 
 def test_search_space_drops_split_aliases():
@@ -412,6 +431,24 @@ def test_merge_keeps_faster_and_other_buckets(isolated_db):
     save_entries(user, replace(GPU, cuda_driver_major=12), [entry(t=80.0)])
     sections = load_file(user / "Test_GPU_X100.yaml").sections
     assert len(sections) == 2 and sum(len(s.entries) for s in sections) == 3
+
+
+def test_an_equally_fast_new_entry_keeps_the_stored_one(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """Only a faster entry replaces a stored one: a re-run that times the same shows no gain."""
+    user, _ = isolated_db
+    save_entries(user, GPU, [entry(t=100.0)])
+    _, [o] = save_entries(user, GPU, [entry(t=100.0, cfg=alt_config())])
+    assert o.action == "kept_old"
+    [stored] = load_file(user / "Test_GPU_X100.yaml").sections[0].entries
+    assert stored.config == heuristic_config(128)
+
+
+def test_a_bucket_stored_twice_is_judged_by_its_fastest_entry() -> None:
+    """A hand-merged file may hold one bucket twice: a new entry is compared with the faster one,
+    and only one entry of the bucket is kept."""
+    fast, slow = entry(t=10.0), entry(t=30.0, cfg=alt_config(2))
+    merged, outcome = tdb.merge_entry([slow, fast], entry(t=20.0, cfg=alt_config(3)))
+    assert outcome.action == "kept_old" and outcome.previous == fast and merged == [fast]
 
 
 def test_atomic_write_survives_interrupted_write(isolated_db, monkeypatch):
@@ -604,6 +641,58 @@ def test_the_querys_own_s_q_wins_among_equal_rows(isolated_db):
     lookup.clear_cache()
     assert get(s_q=1) == one  # the exact 16k entry of s_q 1 is still there
     assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=CTX[2][0], s_q=2) == one
+
+
+def test_entries_four_times_the_rows_away_are_not_used(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """Module docstring: entries more than a factor of 2 away in rows are never used."""
+    user, _ = isolated_db
+    save_entries(user, GPU, [entry(cfg=alt_config())])  # 128 rows
+    for rows, expect in ((64, alt_config()), (256, alt_config()), (32, None), (512, None)):
+        got = lookup.lookup_decode_config(rows=rows, fp8=True, device=cuda0(), context=16384)
+        assert (got is None if expect is None else got == expect), rows
+
+
+def test_the_querys_own_s_q_beats_the_user_folder(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """Tie-break order: the query's own s_q first, then the user's folder over the shipped one."""
+    user, shipped = isolated_db
+    own, other = alt_config(2), alt_config(3)
+    save_entries(shipped, GPU, [entry(h_q=64, s_q=2, cfg=own)])
+    save_entries(user, GPU, [entry(h_q=128, s_q=1, cfg=other)])
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=16384, s_q=2) == own
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=16384) == other
+
+
+def test_a_section_of_this_cuda_driver_wins(isolated_db: tuple[pathlib.Path, pathlib.Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sections of one GPU model differing only in the CUDA driver major: the one that
+    matches the running driver answers."""
+    user, _ = isolated_db
+    save_entries(user, GPU, [entry(cfg=alt_config(2))])
+    save_entries(user, replace(GPU, cuda_driver_major=12), [entry(cfg=alt_config(3))])
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(2)
+    monkeypatch.setattr(lookup, "_device_key_hook", lambda index: replace(GPU, cuda_driver_major=12))
+    lookup.clear_cache()
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(3)
+
+
+def test_a_section_of_another_sm_count_does_not_apply(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """SPEC section 9 keys on the SM count too: a same-named GPU with fewer SMs (a cut-down part)
+    was tuned for other split plans."""
+    user, _ = isolated_db
+    save_entries(user, replace(GPU, sm_count=114), [entry(cfg=alt_config())])
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=16384) is None
+    assert lookup.matching_entries(GPU) == []
+
+
+def test_batch_is_rounded_to_the_nearest_sixteenth_octave(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """Batch 61 is looked up as 2^(95/16) = 61.06 (nearest step), which is nearer the [62, 64]
+    bucket than the [1, 59] one, as 61 itself is; rounding down (59.3) would pick [1, 59]."""
+    user, _ = isolated_db
+    low, high = alt_config(2), alt_config(3)
+    save_entries(user, GPU, [entry(batch=(1, 59), cfg=low), entry(batch=(62, 64), cfg=high)])
+    get = lookup.lookup_decode_config
+    assert get(rows=128, fp8=True, device=cuda0(), batch=61, context=16384) == high
+    assert get(rows=128, fp8=True, device=cuda0(), batch=58, context=16384) == low
 
 
 def test_user_dir_wins_and_env_override(isolated_db, monkeypatch, tmp_path):
