@@ -138,6 +138,31 @@ def test_synth_keeps_a_file_that_appeared_unless_forced(tmp_path: Path, monkeypa
     assert out.stat().st_size > 100 and listing(tmp_path) == ["d.st"]
 
 
+def test_quantize_keeps_a_cache_file_that_appeared_unless_forced(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 cache output, like synth's dump: a file another run put there after the checks
+    is kept without --force, replaced with it. The move lands after the --output block, at the
+    end of the command's output group; the error still names the option."""
+    from snapmla_cli.cache import fp8_file
+
+    out = tmp_path / "c.st"
+    real = fp8_file.save_file
+
+    def save_then_collide(*args, **kwargs):
+        real(*args, **kwargs)
+        if not out.exists():
+            out.write_text("another run's output")
+
+    monkeypatch.setattr(fp8_file, "save_file", save_then_collide)
+    quantize = ("quantize", "-o", out, "--configs", "snap", "--layers", "1", "--tokens", "64")
+    result = invoke(*quantize)
+    assert_one_line_error(result, f"--output: {out}", "appeared", "--force")
+    assert out.read_text() == "another run's output" and listing(tmp_path) == ["c.st"]
+    result = invoke(*quantize, "--force")
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] != b"another " and listing(tmp_path) == ["c.st"]
+
+
 def test_quantize_json_that_appeared_stops_every_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from snapmla_cli.cli import quantize
 

@@ -47,10 +47,13 @@ class _Landing:
     existed: bool = False  # something was at ``target`` before the move
     keep_backup: bool = False  # a backup that could not be renamed back: the only copy left
     swap: bool = False  # no hard link for a backup: land by an atomic swap, the old file the backup
+    option: str | None = None  # the option that named ``path`` (:func:`naming`), for a late error
 
 
 # The moves that wait for the end of a :func:`committed_together` block (None: outside one).
 _PENDING: ContextVar[list[_Landing] | None] = ContextVar("snapmla_pending_outputs", default=None)
+# The option of the :func:`naming` block a write runs in: a group's moves land after that block.
+_OPTION: ContextVar[str | None] = ContextVar("snapmla_output_option", default=None)
 
 _KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
           (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
@@ -145,7 +148,7 @@ def write_atomic(path: Path, write: Callable[[Path], object], *, replace: bool =
         os.chmod(tmp, mode)  # also when the writer replaced the temp file by one of its own
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        landing = _Landing(tmp, target, path, replace)
+        landing = _Landing(tmp, target, path, replace, option=_OPTION.get())
         pending = _PENDING.get()
         if pending is None:
             _land(landing)
@@ -200,13 +203,22 @@ def write_text_atomic(path: Path, text: str, *, replace: bool = True) -> None:
 @contextmanager
 def naming(what: str) -> Iterator[None]:
     """Prefix a write failure with the option whose file it was (``--plot: ...``): the writers
-    know the path, only the command knows which of its options named it."""
+    know the path, only the command knows which of its options named it. A write inside a
+    :func:`committed_together` group keeps the name for its move at the end of the group."""
+    token = _OPTION.set(what)
     try:
         yield
     except SnapmlaError as exc:
-        if not str(exc).startswith(what):
-            exc.args = (f"{what}: {exc}",)  # same exception (type, errno, cause), named
+        _name_error(exc, what)
         raise
+    finally:
+        _OPTION.reset(token)
+
+
+def _name_error(exc: BaseException, what: str | None) -> None:
+    """``exc``'s message prefixed with ``what`` (same exception: type, errno, cause), once."""
+    if what is not None and not str(exc).startswith(what):
+        exc.args = (f"{what}: {exc}",)
 
 
 def _appeared(path: Path) -> OutputWriteError:
@@ -273,12 +285,14 @@ def _land_all(pending: list[_Landing]) -> None:
             if isinstance(exc, SnapmlaError):
                 if lost:
                     exc.args = (f"{exc}; {lost}",)
+                _name_error(exc, entry.option)
                 raise
             if not isinstance(exc, Exception):  # Ctrl-C: undone, and still an interrupt
                 raise
             error = _write_error(entry.path, entry.tmp, exc)
             if lost:
                 error.args = (f"{error}; {lost}",)
+            _name_error(error, entry.option)
             raise error from exc
         landed.append(entry)
     for entry in pending:
