@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ from snapmla_cli.bench.plan import (
     place,
 )
 from snapmla_cli.bench.render import plot_report, render_report
-from snapmla_cli.bench.results import Measurement, aggregate, compare
+from snapmla_cli.bench.results import Comparison, Measurement, aggregate, compare
 from snapmla_cli.bench.roofline import Ceilings, DecodeWork
 from snapmla_cli.cli.bench import bench_command
 from snapmla_cli.errors import NoGpuError, SnapmlaError
@@ -241,6 +242,25 @@ def test_aggregate_sums_dp_groups_at_the_pace_of_the_slowest_tp_rank() -> None:
     dp = Layout(3, 1)
     rows = [_m(r, dp, 0.01 * (r + 1)) for r in range(3)]
     assert math.isclose(aggregate(dp, rows).aggregate_tokens_per_s, sum(m.tokens_per_s for m in rows))
+
+
+def test_aggregate_means_and_per_rank_figures() -> None:
+    """Per rank: tokens/s counts every query token (batch x s_q), the roofline share is a
+    percentage. Per case: step time, us/layer and roofline share are means over the ranks (not
+    the slowest), the roofline share is unknown if any rank lacks it, repeated notes are listed
+    once, and ranks whose DP indices do not form the layout's groups are refused."""
+    layout = Layout(1, 2)
+    a = replace(_m(0, layout, 0.010, batch=6, s_q=3), t_min_s=0.004, note="fake step")
+    b = replace(_m(1, layout, 0.030, batch=6, s_q=3), t_min_s=0.006, note="fake step")
+    assert math.isclose(a.tokens_per_s, 6 * 3 / 0.010) and math.isclose(a.roof_pct, 40.0)
+    case = aggregate(layout, [a, b])
+    assert math.isclose(case.step_s, 0.020) and math.isclose(case.us_per_layer, 1e6 * 0.020 / 61)
+    assert math.isclose(case.roof_pct, (40.0 + 20.0) / 2) and case.notes == ("fake step",)
+    assert aggregate(layout, [a, replace(b, t_min_s=None)]).roof_pct is None
+    with pytest.raises(SnapmlaError, match="ranks do not form 1 DP groups of 2"):
+        aggregate(layout, [a, replace(b, dp_index=1)])
+    faster = aggregate(layout, [replace(a, step_s=0.005), replace(b, step_s=0.005)])
+    assert math.isclose(Comparison(layout, 4096, faster, case).speedup_equal_batch, 0.030 / 0.005)
 
 
 def test_aggregate_needs_every_rank() -> None:

@@ -21,7 +21,14 @@ from snapmla_cli.cli.app import COMMANDS, app
 from snapmla_cli.cli.common import write_json
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK
-from snapmla_cli.sizes import counted, format_size, parse_size, parse_size_list
+from snapmla_cli.sizes import (
+    counted,
+    format_size,
+    parse_int_list,
+    parse_size,
+    parse_size_list,
+    shorten,
+)
 
 
 @pytest.fixture(scope="module")
@@ -266,10 +273,61 @@ def test_top_level_help_lists_the_commands() -> None:
 def test_sizes() -> None:
     assert parse_size("32k") == 32768 and parse_size("32768") == 32768 and parse_size("1m") == 1 << 20
     assert parse_size(" 2K ") == 2048 and parse_size_list("16,64,128") == [16, 64, 128]
+    assert parse_size_list("16k,,64k, ") == [16384, 65536]  # empty items are skipped
+    with pytest.raises(SnapmlaError, match="^--heads: '0' is not a positive integer"):
+        parse_int_list("16,0", "--heads", 128)
     assert format_size(32768) == "32k" and format_size(1000) == "1000"
+    assert parse_size("0" * 30 + "32k") == 32768  # leading zeros do not make a size too large
+    assert format_size(0) == "0" and format_size(3 << 20) == "3m" and format_size(1536) == "1536"
+    assert shorten("7" * 24) == "7" * 24 and shorten("7" * 25) == "7" * 21 + "..."  # at most 24 characters
     for bad in ("", "k", "1.5k", "-3", "0", "4g"):
         with pytest.raises(SnapmlaError):
             parse_size(bad, "--ctx")
+
+
+def test_host_memory_reads_kib_and_allows_exactly_what_is_available(tmp_path: Path, monkeypatch) -> None:
+    """/proc/meminfo counts kB as 1024 bytes; a need of exactly the available bytes passes,
+    one byte more is refused naming what needed it."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       4000 kB\nMemAvailable:    3000 kB\nCached: 7 kB\n")
+    monkeypatch.setattr(host_memory, "MEMINFO", meminfo)
+    assert host_memory.available_bytes() == 3000 * 1024
+    host_memory.require_host_memory("--batch", 3000 * 1024)
+    with pytest.raises(SnapmlaError, match="^--batch: needs about"):
+        host_memory.require_host_memory("--batch", 3000 * 1024 + 1)
+    with pytest.raises(SnapmlaError, match="^--ctx: needs about 79,473 GiB of host memory"):
+        host_memory.require_host_memory("--ctx", 79473 * 2**30)  # not 7.95e+04
+
+
+def test_the_repeated_queries_note_counts_exactly_the_rows_a_dump_holds() -> None:
+    """A dump layer with 4 queries of 8 heads: batch 2 x s_q 2 uses exactly its 4 queries (no
+    note); batch 3 repeats them, and h_q 16 repeats its heads."""
+    from snapmla_cli.analysis.verify import ProblemSource
+    from snapmla_cli.cache.dump_file import LayerDump
+    from snapmla_cli.cli.verify import _repeated_queries_note
+
+    gen = torch.Generator().manual_seed(13)
+    dump = LayerDump(5, torch.randn(64, 576, generator=gen), queries=torch.randn(4, 8, 576, generator=gen))
+    source = ProblemSource(layer=5, dump=dump)
+    assert _repeated_queries_note(source, [8], [1, 2], 2) is None
+    note = _repeated_queries_note(source, [8, 16], [2], 3)
+    assert note is not None and "h_q 16 repeat its 8 heads" in note and "batch x s_q beyond 4" in note
+
+
+def test_the_large_floor_note_starts_above_a_tenth() -> None:
+    """Verify says that FP8 storage alone loses much of the output once the worst case's floor
+    rel_l2 passes 0.1 (0.5 is far above the synthetic data's 3-6e-2), naming that case."""
+    from types import SimpleNamespace
+
+    from snapmla_cli.cli.verify import _large_floor_note
+    from snapmla_cli.numerics.metrics import ErrorMetrics
+
+    def case(rel: float, heads: int) -> SimpleNamespace:
+        return SimpleNamespace(floor=ErrorMetrics(0.01, 0.02, rel, 0.3), heads=heads, mtp=2)
+
+    assert _large_floor_note([case(0.04, 16), case(0.1, 64)]) is None  # type: ignore[list-item]
+    note = _large_floor_note([case(0.04, 16), case(0.5, 64)])  # type: ignore[list-item]
+    assert note is not None and note.startswith("note: FP8 storage alone is 0.5 (rel_l2)") and "h_q 64 s_q 2" in note
 
 
 def test_counts_take_the_right_number(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.ops.cluster_fold import (
     CLUSTER_SIZES,
+    holds_a_wave,
     planned_cluster,
     uniform_split_count,
     work_list_cluster,
@@ -147,3 +148,15 @@ def test_ordering_keeps_longest_requests_first():
     assert work.cluster == 2
     first_requests = work.metadata[:64:2, 0, 0].tolist()
     assert set(first_requests) == set(range(32, 64))  # the longer requests' clusters start first
+
+
+def test_a_cluster_build_must_hold_the_plans_wave_not_the_whole_grid(monkeypatch) -> None:
+    """``holds_a_wave`` compares the CTAs resident at once in clusters with what the plan runs at
+    once: the split policy's slots, or the grid where it is smaller (a 264-CTA grid over 132
+    slots needs 132 resident, not 264)."""
+    resident = {"clusters": 66}
+    monkeypatch.setattr(cluster_launch, "max_active_clusters", lambda *a: resident["clusters"])
+    assert holds_a_wave(0, 2, (1, 264, 1), (384, 1, 1), 1024, 132)
+    assert holds_a_wave(0, 2, (1, 100, 1), (384, 1, 1), 1024, 132) and holds_a_wave(0, 2, (2, 66, 1), (384, 1, 1), 1024, 132)
+    resident["clusters"] = 65
+    assert not holds_a_wave(0, 2, (1, 264, 1), (384, 1, 1), 1024, 132)

@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapmla_cli.analysis.fidelity import FidelityReport, analyze_layer, layer_queries
+from snapmla_cli.analysis.fidelity import (
+    FidelityReport,
+    LayerFidelity,
+    analyze_layer,
+    layer_queries,
+)
+from snapmla_cli.cache.dump_file import LayerDump
 from snapmla_cli.cache.synth import SynthSpec, synth_dump
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.configs import CONFIGS, get_configs
 from snapmla_cli.numerics.formats import D_CONTENT, D_QK
+from snapmla_cli.numerics.metrics import ErrorMetrics
 from snapmla_cli.numerics.quant import quantize_rows
 
 
@@ -110,3 +117,22 @@ def test_every_config_takes_a_layer_without_tokens(config_id: str) -> None:
     out = CONFIGS[config_id].fake_quant(torch.randn(0, D_QK))
     assert out.shape == (0, D_QK)
     assert out.dtype == torch.float32
+
+
+def test_a_dumps_queries_are_taken_as_asked_never_silently_fewer() -> None:
+    """``--queries`` within what a dumped layer holds takes the first ones; more is an error."""
+    gen = torch.Generator().manual_seed(11)
+    layer = LayerDump(2, torch.randn(64, D_QK, generator=gen), queries=torch.randn(3, 4, D_QK, generator=gen))
+    q, probes = layer_queries(layer, 2)
+    assert probes == "dump" and torch.equal(q, layer.queries[:2])
+    with pytest.raises(SnapmlaError, match="^--queries 4: layer 2 of the dump holds 3 queries"):
+        layer_queries(layer, 4)
+
+
+def test_the_report_mean_is_over_layers() -> None:
+    """``FidelityReport.mean`` averages a metric over the layers (not their worst)."""
+    def layer(i: int, rel: float) -> LayerFidelity:
+        return LayerFidelity(i, 64, 8, "synthetic", {"out": {"snap": ErrorMetrics(0.1, 0.2, rel, 0.4)}})
+
+    report = FidelityReport(["snap"], [layer(0, 0.01), layer(1, 0.03), layer(2, 0.08)])
+    assert report.mean("out", "snap", "rel_l2") == pytest.approx(0.04)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ from snapmla_cli.numerics.emulation import emulate_fp8_decode
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem
 from snapmla_cli.numerics.quant import QuantizedRows
 from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
-from snapmla_cli.ops.decode_config import DecodeConfig, checked_config, heuristic_config
+from snapmla_cli.ops.decode_config import (
+    DecodeConfig,
+    checked_config,
+    fp8_smem_bytes,
+    heuristic_config,
+)
 from snapmla_cli.ops.graph_work_list import GraphWorkList
 from snapmla_cli.ops.prep import quantize_q
 from snapmla_cli.ops.schedule import SplitPolicy
@@ -153,6 +159,39 @@ def test_explicit_configs_are_checked_where_they_are_given() -> None:
         checked_config(good, False)  # an FP8 wgmma configuration for the BF16 kernels
     _, splits = get_mla_metadata(lens, 16, 1, config=good)
     assert int(splits[-1]) >= 2
+
+
+def test_fields_a_kernel_does_not_have_are_refused() -> None:
+    """Token groups (``kv_split``) belong to the FP8 mma.sync kernel only: the wgmma kernel of
+    either format would be built with a launch size its layout does not have."""
+    fp8_wgmma = heuristic_config(16)
+    assert fp8_wgmma.wgmma and checked_config(fp8_wgmma, True) is fp8_wgmma
+    with pytest.raises(SnapmlaError, match="FP8 decode kernels accept"):
+        checked_config(replace(fp8_wgmma, kv_split=2), True)
+    for bf16 in (heuristic_config(64, False), heuristic_config(16, False, 2)):  # wgmma, mma.sync
+        assert checked_config(bf16, False) is bf16
+        with pytest.raises(SnapmlaError, match="BF16 decode kernels accept"):
+            checked_config(replace(bf16, kv_split=2), False)
+    with pytest.raises(SnapmlaError, match="BF16 decode kernels accept"):  # 8-token tiles: not a kernel's
+        checked_config(replace(heuristic_config(16, False, 2), block_n=8), False)
+    with pytest.raises(SnapmlaError, match="BF16 decode kernels accept"):  # two 64-row tiles per SM do not fit
+        checked_config(replace(heuristic_config(64, False), min_ctas_per_sm=2), False)
+    # 17-32 rows: the RoPE ring runs one item per CTA, so the heuristic is the split plan, not an
+    # automatic balance left to the planner
+    ring = heuristic_config(32)
+    assert ring.rope_ring and not ring.split.auto_balance and not ring.split.balanced
+    assert heuristic_config(64).split.auto_balance
+
+
+def test_the_mma_sync_fp8_shared_memory_matches_the_kernels_formula() -> None:
+    """The host sizes the mma.sync FP8 kernel's dynamic shared memory (the kernel does not check
+    it, unlike the wgmma one): kSmemBytes of kernels/decode_fp8.cu, worked out by hand for the
+    64-row heuristic (4 row groups, 1 token group, 2 stages): Q 64 x (528 + 144) = 43,008, pages
+    2 x 41,984 = 83,968, exchange 2 x 8 warps x 8 tiles x 32 x 16 = 65,536, reduce 1 x 4 x 16 x 8
+    = 512, barriers 2 x 8 = 16."""
+    cfg = heuristic_config(64, True, 2)
+    assert (cfg.row_groups, cfg.kv_split, cfg.stages) == (4, 1, 2)
+    assert fp8_smem_bytes(cfg) == 43008 + 83968 + 65536 + 512 + 16
 
 
 def test_num_heads_k_message_shows_what_was_passed() -> None:

@@ -340,3 +340,43 @@ def test_host_tensors_with_the_checks_switch_on_are_named_not_a_torch_error():
                         torch.zeros(4, PAGE_SIZE, 1, 576, dtype=torch.bfloat16), table, lens, meta, splits)
     finally:
         set_gpu_checks(before)
+
+
+def test_flash_mla_with_kvcache_refuses_another_value_head_dim():
+    """``head_dim_v`` is FlashMLA's value width: anything but 512 (e.g. the 576 of the keys) is
+    refused by name before any tensor is looked at, not reported as a host tensor."""
+    lens = torch.tensor([100, 10], dtype=torch.int32)
+    meta, splits = get_mla_metadata(lens, 16, 1)
+    q = torch.randn(2, 1, 16, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    cache = torch.randn(4, PAGE_SIZE, 1, 576, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with pytest.raises(SnapmlaError, match="^head_dim_v: expected 512, got 576"):
+        decode.flash_mla_with_kvcache(q, cache, torch.zeros(2, 2, dtype=torch.int32), lens, 576, meta, splits)
+
+
+def test_decode_bf16_names_a_q_of_the_wrong_rank():
+    """A 5-D q is refused as q with its shape (one line), not as a ValueError from unpacking."""
+    lens = torch.tensor([100, 10], dtype=torch.int32)
+    meta, splits = get_mla_metadata(lens, 16, 1, fp8=False)
+    q = torch.randn(2, 1, 16, 1, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    cache = torch.randn(4, PAGE_SIZE, 1, 576, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    with pytest.raises(SnapmlaError, match=r"^q: expected \[b, s_q, h_q, 576\], got \[2, 1, 16, 1, 576\]"):
+        decode_bf16(q, cache, torch.zeros(2, 2, dtype=torch.int32), lens, meta, splits)
+
+
+def test_metadata_of_other_rows_gets_a_fresh_choice_for_the_decode_rows():
+    """A work list built for 128 rows handed to a 16-row decode: the decode takes its own rows'
+    configuration (row tile 16), never the 128-row plan's 64-row tile."""
+    meta, _ = get_mla_metadata(_lens(16384), ROWS, 1)
+    assert metadata_plan(meta).config.block_m == 64
+    cfg = config_choice.decode_config_for(None, meta, 16, True, CPU, BATCH)
+    assert cfg.block_m == 16 and cfg.block_m == heuristic_config(16).block_m
+
+
+def test_metadata_built_elsewhere_settles_an_automatic_balance_blind():
+    """A work list snapmla did not build: the decode cannot know the batch, so an automatic
+    balance (the heuristic's at 16 rows, which no tuned entry is near) is settled to the split plan's one-item build."""
+    auto = heuristic_config(16)
+    assert auto.split.auto_balance
+    foreign = build_metadata(torch.tensor([300, 5000], dtype=torch.int32), 16, auto.block_m, auto.split)[0]
+    cfg = config_choice.decode_config_for(None, foreign, 16, True, CPU, 2)
+    assert not cfg.split.auto_balance and not cfg.split.balanced

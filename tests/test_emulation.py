@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from snapmla_cli.analysis.verify import (
+    GateCheck,
+    Gates,
+    _gate_checks,
     default_implementations,
     make_problem,
     request_tokens,
@@ -27,7 +30,7 @@ from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
 from snapmla_cli.numerics.formats import D_V, E4M3_MAX, P_BLOCK_TOKENS, P_SCALE_FLOOR
-from snapmla_cli.numerics.metrics import compare
+from snapmla_cli.numerics.metrics import ErrorMetrics, compare
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem
 from snapmla_cli.numerics.quant import QuantizedRows, e4m3_round
 
@@ -208,3 +211,26 @@ def test_cos_diff_of_identical_vectors_is_not_negative() -> None:
         x = torch.randn(1000, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
         metrics = compare(x, x.clone())
         assert 0.0 <= metrics.cos_diff < 1e-15 and metrics.rel_l2 == 0.0, seed
+
+
+def test_fp8_gates_check_the_emulation_too_and_a_value_at_its_limit_passes() -> None:
+    """SPEC section 6: an FP8 kernel is gated against ref64 (floor_factor x floor + floor_abs)
+    and, when given, against the emulation; a value exactly at its limit passes."""
+    gates = Gates()
+    floor = ErrorMetrics(rmse=1e-3, cos_diff=1e-6, rel_l2=2e-2, max_abs=4e-2)
+    vs_ref = ErrorMetrics(rmse=1e-3, cos_diff=1e-6, rel_l2=2.1e-2, max_abs=4e-2)
+    far_from_emul = ErrorMetrics(rmse=1e-3, cos_diff=1e-6, rel_l2=6e-3, max_abs=4e-2)
+    checks = _gate_checks("fp8", "fp8-kernel", vs_ref, far_from_emul, floor, gates)
+    assert [c.name for c in checks] == ["rel_l2 vs ref64", "rel_l2 vs emul"]
+    assert checks[0].limit == pytest.approx(1.10 * 2e-2 + 1e-3) and checks[0].passed
+    assert checks[1].limit == gates.emul_rel_l2 and not checks[1].passed
+    assert [c.name for c in _gate_checks("fp8", "fp8-emul", vs_ref, None, floor, gates)] == ["rel_l2 vs ref64"]
+    assert GateCheck("rel_l2 vs emul", 5e-3, 5e-3).passed and not GateCheck("x", 5.0000001e-3, 5e-3).passed
+    with pytest.raises(SnapmlaError, match="^implementation fp16-kernel: unknown kind 'fp16'"):
+        _gate_checks("fp16", "fp16-kernel", vs_ref, None, floor, gates)
+
+
+def test_request_tokens_refuses_an_empty_batch() -> None:
+    """``--batch 0`` is a one-line error, not zero requests that make an empty problem."""
+    with pytest.raises(SnapmlaError, match="^--batch: must be at least 1, got 0"):
+        request_tokens(synthetic_source(None), 0, 64)

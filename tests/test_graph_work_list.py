@@ -182,3 +182,17 @@ def test_bad_arguments_get_one_line_errors():
         work.update([1, 2])  # type: ignore[arg-type]
     with pytest.raises(SnapmlaError, match="^batch: expected >= 1 requests .*2.5"):
         GraphWorkList(2.5, 16, "cpu")  # type: ignore[arg-type]
+
+
+def test_a_short_update_and_a_zero_max_context_are_handled():
+    """``update`` with fewer lengths than the batch it was sized for is refused (its tables would
+    describe another batch); a ``max_context`` of 0 (requests without keys yet) is accepted and
+    bounds the lengths at 0."""
+    work = GraphWorkList(3, 16, "cpu")
+    with pytest.raises(SnapmlaError, match=r"^cache_seqlens: expected 3 lengths .* got 2"):
+        work.update(torch.tensor([17, 4000], dtype=torch.int32))
+    empty = GraphWorkList(2, 16, "cpu", max_context=0)
+    _, splits = empty.update(torch.zeros(2, dtype=torch.int32))
+    assert splits.tolist() == [0, 0, 0]
+    with pytest.raises(SnapmlaError, match="^cache_seqlens: a length of 5 exceeds max_context=0"):
+        empty.update(torch.tensor([0, 5], dtype=torch.int32))

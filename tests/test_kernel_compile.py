@@ -222,8 +222,15 @@ def _damage_names_not_a_mapping(cubin: Path, meta: Path) -> None:
     meta.write_text(json.dumps(fields))
 
 
+def _damage_a_name_not_a_string(cubin: Path, meta: Path) -> None:
+    fields = json.loads(meta.read_text())
+    fields["lowered_names"] = {name: 7 for name in fields["lowered_names"]} or {"k": 7}
+    meta.write_text(json.dumps(fields))
+
+
 @needs_nvrtc
-@pytest.mark.parametrize("damage", [_damage_flip_a_byte, _damage_meta_not_a_mapping, _damage_names_not_a_mapping])
+@pytest.mark.parametrize("damage", [_damage_flip_a_byte, _damage_meta_not_a_mapping, _damage_names_not_a_mapping,
+                                    _damage_a_name_not_a_string])
 def test_a_damaged_disk_entry_is_a_miss(damage: Callable[[Path, Path], None], isolated_caches: Path) -> None:
     """A cache entry damaged on disk is compiled again (and rewritten), never loaded: a cubin
     of the right size with one byte changed would otherwise reach the driver's module load."""
@@ -389,6 +396,39 @@ def test_parse_ptxas_report() -> None:
     callee = report["_Z1fPfi"]
     assert not callee.is_entry and callee.stack_frame_bytes == 16 and not callee.clean
     assert list(report) == ["sp", "_Z2ktILi3EEvPf", "_Z1fPfi"]
+
+
+PTXAS_EDGE_LOG = """\
+ptxas info    : Compiling entry function 'a' for 'sm_90a'
+ptxas info    : Function properties for a
+ptxas         .     0 bytes stack frame, 8 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 64 bytes lmem, 16 bytes cumulative stack size, 400 bytes cmem[0], 8 bytes cmem[2]
+ptxas warning : Registers are spilled to local memory in function 'a', 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Compiling entry function 'c' for 'sm_90a'
+ptxas info    : Function properties for c
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, 32 bytes lmem, 0 bytes smem
+ptxas         .     5 bytes stack frame, 5 bytes spill stores, 5 bytes spill loads
+ptxas info    : Used 99 registers
+ptxas info    : Compiling entry function 'b' for 'sm_90a'
+ptxas info    : Function properties for b
+ptxas         .     0 bytes stack frame, 8 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers
+"""
+
+
+def test_parse_ptxas_report_edge_cases() -> None:
+    """A spill warning after the stack line keeps the larger counts; the largest local size of a
+    Used line counts, and only cmem[0] is the parameter bank; stores alone are spills and local
+    memory alone is not clean; a stack or Used line with no function announced is ignored."""
+    report = parse_ptxas_log(PTXAS_EDGE_LOG)
+    a, b, c = report["a"], report["b"], report["c"]
+    assert (a.spill_store_bytes, a.spill_load_bytes, a.registers, a.barriers) == (8, 12, 255, 1)
+    assert (a.local_bytes, a.const0_bytes) == (64, 400) and a.spills and not a.clean
+    assert (b.spill_store_bytes, b.spill_load_bytes) == (8, 0) and b.spills and not b.clean
+    assert c.registers == 32 and c.local_bytes == 32 and c.stack_frame_bytes == c.spill_store_bytes == 0
+    assert not c.spills and not c.clean
+    assert list(report) == ["a", "c", "b"]
 
 
 @needs_nvrtc

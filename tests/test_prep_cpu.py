@@ -18,6 +18,7 @@ from snapmla_cli.cache.layout import (
     quantize_tokens,
     random_paged_layout,
     scatter_to_pages,
+    soa_to_rows,
     unpack_tokens,
 )
 from snapmla_cli.errors import SnapmlaError
@@ -75,6 +76,7 @@ def test_quantize_q_cpu_matches_reference() -> None:
         (torch.zeros(576, 4, dtype=torch.bfloat16).T, "q: expected shape|q: expected a contiguous"),
         (torch.zeros(4, 1152, dtype=torch.bfloat16)[:, ::2], "q: expected a contiguous"),
         ("not a tensor", "q: expected a torch.Tensor"),
+        (torch.tensor(0.5, dtype=torch.bfloat16), r"q: expected shape \[\.\.\., 576\].*got \(\)"),  # 0-d
     ],
 )
 def test_quantize_q_rejects(bad: object, match: str) -> None:
@@ -139,6 +141,10 @@ def test_append_kv_rejects() -> None:
         )
     with pytest.raises(SnapmlaError, match="slots: expected a tensor on cpu"):
         append_kv(kv, slots.to("meta"), cache)
+    with pytest.raises(SnapmlaError, match="kv: expected a contiguous"):  # as on the GPU
+        append_kv(kv.T.contiguous().T, slots, cache)
+    with pytest.raises(SnapmlaError, match="^kv: expected a CPU or CUDA tensor, got meta"):
+        append_kv(kv.to("meta"), slots.to("meta"), cache.to("meta"))
 
 
 # ---------------------------------------------------------------- fetch_dequant
@@ -250,6 +256,8 @@ def test_fetch_dequant_soa_cpu() -> None:
         fetch_dequant_soa(content, rows.scale, rows.rope.float(), slots)
     with pytest.raises(SnapmlaError, match=r"content: expected shape \[slots, 512\]"):
         fetch_dequant_soa(content[:, :256], rows.scale, rows.rope, slots)
+    with pytest.raises(SnapmlaError, match=r"rope: expected shape \[9, 64\], got \(8, 64\)"):
+        fetch_dequant_soa(content, rows.scale, rows.rope[:8], slots)  # one slot short
 
 
 def _as_soa(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -276,6 +284,8 @@ def test_fetch_dequant_takes_the_structure_of_arrays_form() -> None:
         fetch_dequant(soa, table, layout.cache_seqlens)
     with pytest.raises(SnapmlaError, match="k_cache: expected the paged FP8 cache or a structure of arrays"):
         fetch_dequant(soa[:2], layout.block_table, layout.cache_seqlens)
+    with pytest.raises(SnapmlaError, match="structure of arrays .* got a tuple of 4"):  # one array too many
+        fetch_dequant((*soa, soa[2]), layout.block_table, layout.cache_seqlens)
     with pytest.raises(SnapmlaError, match="rope: expected dtype bfloat16"):
         fetch_dequant((soa[0], soa[1], soa[2].float()), layout.block_table, layout.cache_seqlens)
     empty = torch.zeros(0, 1, dtype=torch.int32)
@@ -545,3 +555,20 @@ def test_public_api_names_resolve() -> None:
             set_gpu_checks(not_a_bool)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         snapmla_cli.nope  # noqa: B018
+
+
+def test_layout_helpers_refuse_other_widths_and_heads_and_read_scales_as_float32() -> None:
+    """A 4-D cache must have one KV head; a structure of arrays must have 512 content and 64
+    RoPE columns; its scales become float32 whatever their dtype."""
+    gen = torch.Generator().manual_seed(12)
+    with pytest.raises(SnapmlaError, match="k_cache: expected one KV head"):
+        as_token_bytes(torch.zeros(2, PAGE_SIZE, 2, FP8_TOKEN_BYTES, dtype=torch.uint8))
+    assert as_token_bytes(torch.zeros(2, PAGE_SIZE, 1, FP8_TOKEN_BYTES, dtype=torch.uint8)).shape == (
+        2, PAGE_SIZE, FP8_TOKEN_BYTES)
+    content = torch.randint(0, 0x7F, (5, 512), dtype=torch.uint8, generator=gen)
+    scale = torch.rand(5, generator=gen, dtype=torch.float64) + 0.5
+    rope = torch.randn(5, 64, generator=gen).to(torch.bfloat16)
+    rows = soa_to_rows(content, scale, rope)
+    assert rows.scale.dtype == torch.float32 and torch.equal(rows.scale, scale.float())
+    with pytest.raises(SnapmlaError, match=r"soa cache: expected content \[slots, 512\] and rope \[slots, 64\]"):
+        soa_to_rows(content, scale, rope[:, :32])

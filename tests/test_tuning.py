@@ -320,6 +320,18 @@ def test_rope_ring_is_searched_where_it_applies_and_stored_only_when_set():
                                          + (2 + 3) * dc.MBARRIER_BYTES) <= dc.MAX_SMEM_PER_CTA
 
 
+def test_fit_stages_shortens_the_pipeline_only_to_a_valid_depth():
+    """``fit_stages`` drops stages until the shared memory fits (alternate pages at 64 rows: four
+    pages do not fit, three do); a configuration that no depth makes valid comes back unchanged,
+    not cut to two stages."""
+    over = replace(heuristic_config(64), wg_mode=dc.WG_ALT_PAGES)
+    assert not dc.fp8_config_valid(over)
+    fitted = dc.fit_stages(over)
+    assert dc.fp8_config_valid(fitted) and fitted.stages == 3
+    hopeless = replace(over, stages=5, qk_promote=2)  # no depth makes qk_promote=2 valid
+    assert dc.fit_stages(hopeless) is hopeless
+
+
 def test_balanced_columns_in_the_space_only_where_the_kernel_runs_them():
     """The balanced policy is searched for layouts whose column build compiles without spills,
     and only a balanced configuration gets that build (COLUMN_ITEMS), and its work list columns."""
@@ -818,6 +830,9 @@ def test_tuner_count_budget_and_phase_order():
     likely = Tuner(fake, Budget(count=5), INFO).likely_candidates(space)
     assert [config_id(c, "fp8") for c in likely] == [m.cid for m in result.measured]
     assert len(Tuner(fake, Budget(seconds=5), INFO).likely_candidates(space)) == len(space.candidates)
+    # the progress bar's total: the default and the budget's five, or every candidate without a count
+    assert Tuner(fake, Budget(count=5), INFO).planned(space) == 6 < len(space.candidates)
+    assert Tuner(fake, Budget(seconds=5), INFO).planned(space) == len(space.candidates)
 
 
 def test_tuner_time_budget_with_fake_clock():
@@ -832,6 +847,9 @@ def test_tuner_time_budget_with_fake_clock():
     fake = Slow(space, fastest_wrong=False)
     result = Tuner(fake, Budget(seconds=35.0), INFO, clock=lambda: now[0], confirm_rounds=0).tune(space)
     assert len(result.measured) == 4  # starts at 0, 10, 20, 30 s; none at 40 s
+    now[0] = 0.0
+    exact = Tuner(Slow(space, fastest_wrong=False), Budget(seconds=30.0), INFO, clock=lambda: now[0], confirm_rounds=0)
+    assert len(exact.tune(space).measured) == 3  # a budget spent to the second starts nothing more
 
 
 def test_tuner_budget_starts_after_the_buckets_setup():
@@ -872,6 +890,81 @@ def test_tuner_confirmation_medians_decide():
     fake.time = time
     result = Tuner(fake, Budget(count=1000), INFO).tune(space)
     assert result.best.cid != lucky
+
+
+def test_tuner_confirms_the_top_few_on_their_confirmation_samples_alone():
+    """With ``confirm_top=1`` only the search's best and the default are re-timed; the medians
+    use the confirmation samples alone (a lucky search sample of the best does not count), so
+    a best that is slower than the default on re-timing leaves the default stored."""
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    default_cid, rival = fake.ids[0], fake.ids[6]
+    for cid in fake.times:
+        fake.times[cid] = 3e-3 + 1e-6 * len(fake.times) - 1e-6 * fake.ids.index(cid)  # distinct, all slow
+    runner_up = fake.ids[8]  # second in the search, ahead of the default: not re-timed at confirm_top=1
+    fake.times[default_cid], fake.times[rival], fake.times[runner_up] = 1e-3, 1e-4, 5e-4
+    seen: dict[str, int] = {}
+    orig = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        cid = config_id(cfg, "fp8")
+        seen[cid] = seen.get(cid, 0) + 1
+        if seen[cid] == 1:
+            return orig(bucket, cfg, cutoff)
+        return 1.5e-3 if cid == rival else orig(bucket, cfg, cutoff)  # re-timed: the rival is slower
+
+    fake.time = time
+    result = Tuner(fake, Budget(count=1000), INFO, confirm_top=1, confirm_rounds=1).tune(space)
+    assert {cid for cid, n in seen.items() if n > 1} == {default_cid, rival}
+    assert all(n == 2 for cid, n in seen.items() if cid in (default_cid, rival))
+    assert result.best.cid == default_cid
+
+
+def test_tuner_confirmation_takes_the_median_not_the_mean():
+    """One slow outlier among a candidate's three confirmation samples does not decide: the
+    median (0.5 ms) beats the default's 1 ms, where the mean (0.33 s) would not."""
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    default_cid, rival = fake.ids[0], fake.ids[4]
+    fake.times[default_cid], fake.times[rival] = 1e-3, 4e-4
+    seen: dict[str, int] = {}
+    orig = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        cid = config_id(cfg, "fp8")
+        seen[cid] = seen.get(cid, 0) + 1
+        if cid == rival and seen[cid] > 1:
+            return 1.0 if seen[cid] == 3 else 5e-4  # confirmation: 0.5 ms, 1 s, 0.5 ms
+        return orig(bucket, cfg, cutoff)
+
+    fake.time = time
+    result = Tuner(fake, Budget(count=1000), INFO, confirm_top=1, confirm_rounds=3).tune(space)
+    assert seen[rival] == 4 and result.best.cid == rival
+    assert result.speedup == pytest.approx(1e-3 / 5e-4)  # default over best, confirmed medians
+
+
+def test_tuner_times_candidates_with_an_early_out_after_the_best_so_far():
+    """The default gets a full timing; every later candidate is told the cutoff, EARLY_OUT times
+    the fastest correct time seen so far (a slow candidate may then stop early)."""
+    from snapmla_cli.tuning.tuner import EARLY_OUT
+
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    cutoffs: list[tuple[str, float | None]] = []
+    orig = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        t = orig(bucket, cfg, cutoff)
+        cutoffs.append((config_id(cfg, "fp8"), cutoff))
+        return t
+
+    fake.time = time
+    Tuner(fake, Budget(count=4), INFO, confirm_rounds=0).tune(space)
+    assert cutoffs[0] == (fake.ids[0], None) and len(cutoffs) == 5
+    best = fake.times[fake.ids[0]]
+    for cid, cutoff in cutoffs[1:]:
+        assert cutoff == pytest.approx(EARLY_OUT * best)
+        best = min(best, fake.times[cid])
 
 
 @pytest.mark.parametrize("faster_by,stored_default", [(0.01, True), (0.05, False)])
@@ -953,6 +1046,43 @@ def test_resume_skips_a_candidate_that_crashed(tmp_path):
     assert any(m.cid == crashed and not m.ok and "earlier run" in m.detail for m in result.measured)
 
 
+def test_resume_times_the_default_again_even_if_it_crashed(tmp_path):
+    """The default is the baseline every entry is measured against: a crash during it in an
+    earlier run does not skip it (it is re-timed), unlike any other candidate."""
+    space = small_space()
+    path = partial_path(tmp_path, GPU)
+    store = PartialStore(path, GPU, "k1")
+    default_cid = space.ids()[0]
+    store.started(space.bucket.id, default_cid, 1.0)  # as if the process died during the default
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    result = Tuner(fake, Budget(count=3), INFO, partial=PartialStore(path, GPU, "k1")).tune(space)
+    assert default_cid in fake.timed and result.default.ok and result.entry is not None
+
+
+def test_a_default_that_fails_the_gate_is_still_timed_and_a_zero_time_is_refused():
+    """A default that fails the correctness gate is still timed (a note says it failed); a
+    timing of 0 s is a failed measurement, not the fastest candidate."""
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    default_cid, zero = fake.ids[0], fake.ids[2]
+    fake.wrong = {default_cid}
+    fake.times[zero] = 0.0
+    cutoffs: list[float | None] = []
+    orig = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        cutoffs.append(cutoff)
+        return orig(bucket, cfg, cutoff)
+
+    fake.time = time
+    result = Tuner(fake, Budget(count=1000), INFO, confirm_rounds=0).tune(space)
+    assert cutoffs[:2] == [None, None]  # a failed default's time is no best to cut off after
+    assert not result.default.ok and result.default.time_s == pytest.approx(fake.times[default_cid])
+    assert any("default failed the correctness gate" in n for n in result.notes)
+    (zero_m,) = [m for m in result.measured if m.cid == zero]
+    assert not zero_m.ok and zero_m.time_s is None and "timing returned 0.0" in zero_m.detail
+
+
 @pytest.mark.parametrize(("edit", "needle"), [
     (lambda d, b: d["buckets"][b]["results"].update(x={"status": "ok", "time_s": float("nan")}), "time_s nan"),
     (lambda d, b: d["buckets"][b]["results"].update(x={"status": "ok", "time_s": 0}), "time_s 0"),
@@ -1012,6 +1142,44 @@ def test_tune_dry_run_lists_search_space(isolated_db):
     assert "fp8 kernel variants for 128 rows" in out and "bf16 kernel variants" in out
     assert "h_q 64 s_q 2 batch 64 ctx 128k fp8" in out and "8 buckets" in out
     assert "40 candidates per bucket" in out and "pruned" in out
+
+
+def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, monkeypatch, tmp_path):
+    """A resumed ``snapmla tune`` skips a bucket whose stored entry is current (these kernel
+    sources, this default); with ``--force`` it is timed again. The GPU measurer is replaced by
+    FakeMeasurer, so the real run path (cli/tune.py ``_run``) runs on the CPU."""
+    from snapmla_cli.cli import tune as tune_cli
+    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+    from snapmla_cli.tuning import measure
+    from snapmla_cli.tuning.tuner import Budget
+
+    space = small_space()
+    bucket = space.bucket
+    runs: list[FakeMeasurer] = []
+
+    class CpuMeasurer(FakeMeasurer):
+        device, sm_count = torch.device("cpu"), 132
+
+        def __init__(self) -> None:
+            super().__init__(search_space(bucket, 132), fastest_wrong=False)
+            runs.append(self)
+
+        def precompile(self, items, progress) -> None:
+            pass
+
+    monkeypatch.setattr(measure, "GpuMeasurer", CpuMeasurer)
+    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
+    folder = tmp_path / "db"
+    default = tdb.strip_sms(space.default)
+    save_entries(folder, GPU, [Entry(bucket=bucket, config=default, time_us=50.0, default_time_us=50.0,
+                                     date="2026-12-01", snapmla_version="0.1.0", command="snapmla tune",
+                                     default_config=default, kernels=source_tree_hash(kernel_dir()),
+                                     timed_at={"batch": bucket.timed_batch, "context": bucket.timed_context},
+                                     candidates=1)])
+    tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, False, "snapmla tune")
+    assert runs[-1].timed == []  # already tuned: skipped
+    tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, True, "snapmla tune --force")
+    assert runs[-1].timed and runs[-1].timed[0] == config_id(space.default, "fp8")
 
 
 def test_tune_errors_are_one_line(isolated_db):
@@ -1129,7 +1297,7 @@ def test_config_from_spec_parses_the_kernel_scripts_format():
     assert (short.qk_promote, short.pv_promote, short.wg_mode) == dc.WGMMA_SWITCH_DEFAULTS
     ring = dc.config_from_spec("3:2:1:5:1:1:1:3:3")
     assert (ring.stages, ring.wg_mode, ring.rope_ring) == (5, dc.WG_ALT_PAGES, 3) and dc.fp8_config_valid(ring)
-    for bad in ("3:4", "3:4:1:x:1", "3:4:1:4:1:1:1:0:9:1"):
+    for bad in ("3:4", "3:4:1:4", "3:4:1:x:1", "3:4:1:4:1:1:1:0:9:1"):  # ctas is required
         with pytest.raises(ValueError, match="kernel spec"):
             dc.config_from_spec(bad)
 
