@@ -240,6 +240,13 @@ def test_prompt_files(tmp_path):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text(json.dumps({"prompt": "a\nb"}) + "\n\n" + json.dumps("c") + "\n")
     assert read_prompts(jsonl) == ["a\nb", "c"]
+    # an upper-case suffix is JSON lines too; "text" stands for "prompt"; a blank JSON string is no prompt
+    upper = tmp_path / "P.JSONL"
+    upper.write_text(json.dumps({"text": "d e"}) + "\n" + json.dumps("   ") + "\n" + json.dumps("f") + "\n")
+    assert read_prompts(upper) == ["d e", "f"]
+    text = tmp_path / "p.txt"
+    text.write_text("  g h  \n\tij\n")
+    assert read_prompts(text) == ["g h", "ij"]  # a text file's lines are stripped
     empty = tmp_path / "empty.txt"
     empty.write_text("\n   \n")
     with pytest.raises(SnapmlaError, match="no prompts"):
@@ -429,3 +436,71 @@ def test_dump_then_quantize_and_verify_end_to_end(models, prompts, tmp_path):
     result = CliRunner().invoke(app, ["verify", "--dump", str(dump), "--heads", "2", "--mtp", "1",
                                       "--device", "cpu"])
     assert result.exit_code == 0, result.output
+
+
+class _FakeMla(torch.nn.Module):
+    """The attributes find_mla_attention reads off a modeling file's MLA attention."""
+
+    def __init__(self, layer_idx: int, scaling: float) -> None:
+        super().__init__()
+        self.kv_a_proj_with_mqa = torch.nn.Linear(8, 576, bias=False)
+        self.kv_a_layernorm = torch.nn.LayerNorm(512)
+        self.kv_b_proj = torch.nn.Linear(512, 8, bias=False)
+        self.q_proj = torch.nn.Linear(8, 8, bias=False)
+        self.qk_nope_head_dim, self.v_head_dim, self.num_heads = 128, 128, 2
+        self.scaling, self.layer_idx = scaling, layer_idx
+
+
+def test_mla_modules_keep_their_layer_indices_which_must_be_distinct_with_a_finite_scale():
+    """Modules are sorted by their own ``layer_idx`` (not found order); two sharing an index, or
+    an infinite attention scale, are one-line errors."""
+    from snapmla_cli.capture.mla import find_mla_attention
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([_FakeMla(3, 0.1), _FakeMla(0, 0.1)])
+    assert [(a.index, a.name) for a in find_mla_attention(model, "m")] == [(0, "1"), (3, "0")]
+    with pytest.raises(SnapmlaError, match=r"^model m: MLA modules share layer indices \[2, 2\]"):
+        find_mla_attention(torch.nn.ModuleList([_FakeMla(2, 0.1), _FakeMla(2, 0.1)]), "m")
+    for scale in (float("inf"), float("nan"), 0.0, -0.1):
+        with pytest.raises(SnapmlaError, match=rf"^model m: 0: attention scaling {scale!r}, expected a finite number > 0$"):
+            find_mla_attention(torch.nn.ModuleList([_FakeMla(0, scale)]), "m")
+
+
+def test_missing_checkpoint_messages_and_the_remote_code_question():
+    """A path of three parts is a folder that does not exist, not a Hub name to fetch; a refusal
+    that mentions trust_remote_code needs remote code only where it was not already trusted."""
+    from snapmla_cli.capture.checkpoint import _missing_checkpoint, _needs_remote_code
+
+    exc = OSError("not found")
+    assert _missing_checkpoint("no-org/no-model/extra", exc).endswith("no such checkpoint folder")
+    assert "not in the local Hugging Face cache" in _missing_checkpoint("no-org/no-model", exc)
+    asks = ValueError("pass trust_remote_code=True to load this model")
+    assert _needs_remote_code(asks, False) and not _needs_remote_code(asks, True)
+
+
+@pytest.mark.parametrize(("version", "key"), [("4.56.0", "dtype"), ("4.55.2", "torch_dtype"), ("5.1", "dtype")])
+def test_the_weights_dtype_keyword_follows_the_transformers_version(monkeypatch, version, key):
+    """transformers 4.56 renamed from_pretrained's torch_dtype to dtype: 4.56 itself takes the
+    new name, older releases the old one."""
+    import contextlib
+    import types
+
+    from snapmla_cli.capture import checkpoint
+
+    seen: dict[str, object] = {}
+
+    class Native:
+        @staticmethod
+        def from_pretrained(model, **kwargs):
+            seen.update(kwargs)
+            return torch.nn.Linear(2, 2)
+
+    monkeypatch.setattr(checkpoint, "import_transformers", lambda: types.SimpleNamespace(__version__=version))
+    monkeypatch.setattr(checkpoint, "_quiet", lambda t: contextlib.nullcontext())
+    monkeypatch.setattr(checkpoint, "_load_config", lambda t, m, trust: (object(), Native))
+    monkeypatch.setattr(checkpoint, "check_mla_config", lambda config, model: None)
+    monkeypatch.setattr(checkpoint, "_load_tokenizer", lambda t, m, trust: "tok")
+    net, tokenizer = checkpoint.load_model("m", "cpu", "fp32")
+    assert isinstance(net, torch.nn.Linear) and not net.training  # moved to the device, eval mode
+    assert tokenizer == "tok" and key in seen and seen[key] == checkpoint.DTYPES["fp32"]
+    assert ({"dtype", "torch_dtype"} - {key}).isdisjoint(seen)

@@ -164,7 +164,9 @@ def find_mla_attention(model: nn.Module, model_name: str) -> list[MlaAttention]:
         )
         v_dim = getattr(module, "v_head_dim", None) or getattr(config, "v_head_dim", None)
         heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None)
-        scale = getattr(module, "scaling", None) or getattr(module, "softmax_scale", None)
+        scale = getattr(module, "scaling", None)
+        if scale is None:  # (not `or`: a scaling of 0 is the model's, and refused below by name)
+            scale = getattr(module, "softmax_scale", None)
         if nope is None or v_dim is None or heads is None or scale is None:
             raise SnapmlaError(
                 f"{name}: cannot read qk_nope_head_dim/v_head_dim/num_heads/scaling of {type(module).__name__}"
@@ -197,6 +199,8 @@ def find_mla_attention(model: nn.Module, model_name: str) -> list[MlaAttention]:
     indices = [a.index for a in found]
     if len(set(indices)) != len(indices):
         raise SnapmlaError(f"model {model_name}: MLA modules share layer indices {indices}")
-    if not all(math.isfinite(a.softmax_scale) and a.softmax_scale > 0 for a in found):
-        raise SnapmlaError(f"model {model_name}: non-positive attention scaling")
+    bad = [a for a in found if not (math.isfinite(a.softmax_scale) and a.softmax_scale > 0)]
+    if bad:
+        raise SnapmlaError(f"model {model_name}: {bad[0].name}: attention scaling {bad[0].softmax_scale!r}, "
+                           "expected a finite number > 0")
     return found
