@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -892,6 +893,23 @@ def test_tuner_confirmation_medians_decide():
     assert result.best.cid != lucky
 
 
+def _retime(fake: FakeMeasurer, again: Callable[[str], float | None]) -> dict[str, int]:
+    """Replace ``fake.time``: a configuration's first timing (the search) is the fake's, later
+    ones (the confirmation) ``again(cid)``, or the fake's where that is None. Returns the count
+    of timings per configuration id, filled as the tuner runs."""
+    seen: dict[str, int] = {}
+    search_time = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        cid = config_id(cfg, "fp8")
+        seen[cid] = seen.get(cid, 0) + 1
+        later = None if seen[cid] == 1 else again(cid)
+        return search_time(bucket, cfg, cutoff) if later is None else later
+
+    fake.time = time
+    return seen
+
+
 def test_tuner_confirms_the_top_few_on_their_confirmation_samples_alone():
     """With ``confirm_top=1`` only the search's best and the default are re-timed; the medians
     use the confirmation samples alone (a lucky search sample of the best does not count), so
@@ -903,17 +921,7 @@ def test_tuner_confirms_the_top_few_on_their_confirmation_samples_alone():
         fake.times[cid] = 3e-3 + 1e-6 * len(fake.times) - 1e-6 * fake.ids.index(cid)  # distinct, all slow
     runner_up = fake.ids[8]  # second in the search, ahead of the default: not re-timed at confirm_top=1
     fake.times[default_cid], fake.times[rival], fake.times[runner_up] = 1e-3, 1e-4, 5e-4
-    seen: dict[str, int] = {}
-    orig = fake.time
-
-    def time(bucket, cfg, cutoff=None):
-        cid = config_id(cfg, "fp8")
-        seen[cid] = seen.get(cid, 0) + 1
-        if seen[cid] == 1:
-            return orig(bucket, cfg, cutoff)
-        return 1.5e-3 if cid == rival else orig(bucket, cfg, cutoff)  # re-timed: the rival is slower
-
-    fake.time = time
+    seen = _retime(fake, lambda cid: 1.5e-3 if cid == rival else None)  # re-timed: the rival is slower
     result = Tuner(fake, Budget(count=1000), INFO, confirm_top=1, confirm_rounds=1).tune(space)
     assert {cid for cid, n in seen.items() if n > 1} == {default_cid, rival}
     assert all(n == 2 for cid, n in seen.items() if cid in (default_cid, rival))
@@ -992,17 +1000,7 @@ def test_tuner_keeps_the_default_when_confirmation_favours_it():
     space = small_space()
     fake = FakeMeasurer(space, fastest_wrong=False)
     default_cid = fake.ids[0]
-    seen: dict[str, int] = {}
-    orig = fake.time
-
-    def time(bucket, cfg, cutoff=None):
-        cid = config_id(cfg, "fp8")
-        seen[cid] = seen.get(cid, 0) + 1
-        if seen[cid] == 1:
-            return orig(bucket, cfg, cutoff)  # the search: FakeMeasurer's times (others beat the default)
-        return 1e-6 if cid == default_cid else 1.0  # re-timing: the default is fastest
-
-    fake.time = time
+    _retime(fake, lambda cid: 1e-6 if cid == default_cid else 1.0)  # re-timing: the default is fastest
     result = Tuner(fake, Budget(count=1000), INFO).tune(space)
     assert result.best.cid == default_cid
     assert result.speedup == pytest.approx(1.0)
