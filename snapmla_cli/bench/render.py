@@ -14,7 +14,7 @@ from ..plot_files import check_plot_output
 from ..sizes import counted, format_size
 from ..tables import figure_table
 from .plan import PRESETS, BenchPlan, format_bytes
-from .results import BenchReport, CaseResult
+from .results import BenchReport, CaseResult, speedup
 from .timing import STEADY
 
 
@@ -130,8 +130,9 @@ def plot_report(report: BenchReport, path: Path, force: bool = False) -> None:
     colors = {"bf16": "#8c8c8c", "bf16_mem": "#8c8c8c", "fp8": "#1f77b4", "fp8_mem": "#ff7f0e"}
     for ax, layout in zip(axes[0], layouts):
         rows = [c for c in comparisons if c.layout == layout]
-        pairs = [c.equal_memory for c in rows]
-        mem = [p for p in pairs if p is not None] if all(p is not None for p in pairs) else []
+        mem = [pair for c in rows if (pair := c.equal_memory) is not None]
+        if len(mem) < len(rows):
+            mem = []  # same-memory bars only where every context has them
         series = [(f"BF16 ({rows[0].bf16.kernel}), same batch", "bf16",
                    [c.bf16.aggregate_tokens_per_s for c in rows], None),
                   ("FP8 SnapMLA, same batch", "fp8", [c.fp8.aggregate_tokens_per_s for c in rows],
@@ -142,7 +143,7 @@ def plot_report(report: BenchReport, path: Path, force: bool = False) -> None:
         if mem:
             series.append(("FP8 SnapMLA, same KV memory", "fp8_mem",
                            [fp8.aggregate_tokens_per_s for fp8, _ in mem],
-                           [fp8.aggregate_tokens_per_s / bf16.aggregate_tokens_per_s for fp8, bf16 in mem]))
+                           [speedup(fp8, bf16) for fp8, bf16 in mem]))
         width = 0.8 / len(series)
         for i, (label, key, values, speedups) in enumerate(series):
             xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]

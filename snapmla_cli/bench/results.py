@@ -137,7 +137,7 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
         raise SnapmlaError(f"{layout.name}: ranks do not form {layout.dp} DP groups of {layout.tp}")
     group_step = tuple(max(m.step_s for m in groups[i]) for i in range(layout.dp))
     aggregate_tps = sum(groups[i][0].batch * groups[i][0].s_q / t for i, t in enumerate(group_step))
-    roofs = [m.roof_pct for m in rows]
+    known_roofs = [m.roof_pct for m in rows if m.roof_pct is not None]
     kernels = sorted({m.kernel for m in rows})
     return CaseResult(
         layout=layout, context=first.context, impl=first.impl, kernel="/".join(kernels),
@@ -146,10 +146,15 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
         step_s=statistics.fmean(m.step_s for m in rows),
         us_per_layer=statistics.fmean(m.us_per_layer for m in rows),
         tflops=sum(m.tflops for m in rows), gbs=sum(m.gbs for m in rows),
-        roof_pct=None if any(r is None for r in roofs) else statistics.fmean(r for r in roofs if r is not None),
+        roof_pct=statistics.fmean(known_roofs) if len(known_roofs) == len(rows) else None,
         graphed=all(m.graphed for m in rows),
         notes=tuple(dict.fromkeys(m.note for m in rows if m.note)),
     )
+
+
+def speedup(fp8: CaseResult, bf16: CaseResult) -> float:
+    """FP8's decode throughput over BF16's (all GPUs of the layout)."""
+    return fp8.aggregate_tokens_per_s / bf16.aggregate_tokens_per_s
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ class Comparison:
 
     @property
     def speedup_equal_batch(self) -> float:
-        return self.fp8.aggregate_tokens_per_s / self.bf16.aggregate_tokens_per_s
+        return speedup(self.fp8, self.bf16)
 
     @property
     def equal_memory(self) -> tuple[CaseResult, CaseResult] | None:
@@ -179,7 +184,7 @@ class Comparison:
     def speedup_equal_memory(self) -> float | None:
         if (pair := self.equal_memory) is None:
             return None
-        return pair[0].aggregate_tokens_per_s / pair[1].aggregate_tokens_per_s
+        return speedup(*pair)
 
     def to_dict(self) -> dict:
         return {

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
@@ -172,10 +172,10 @@ class PartialStore:
             return
         buckets = data.get("buckets")
         problem = _partial_problem(buckets)
-        if problem or not isinstance(buckets, dict):
+        if problem is not None:
             self.note = f"partial results {self.path}: {problem}; starting over"
             return
-        self.buckets = buckets
+        self.buckets = cast(dict[str, dict[str, Any]], buckets)  # checked by _partial_problem
 
     def bucket(self, bucket_id: str) -> dict[str, Any]:
         state = self.buckets.setdefault(bucket_id, {"elapsed_s": 0.0, "results": {}})
