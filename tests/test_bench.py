@@ -48,6 +48,7 @@ from snapmla_cli.bench.results import Comparison, Measurement, aggregate, compar
 from snapmla_cli.bench.roofline import Ceilings, DecodeWork
 from snapmla_cli.cli.bench import bench_command
 from snapmla_cli.errors import NoGpuError, SnapmlaError
+from snapmla_cli.runtime.gpu_arch import UnsupportedGpuError
 
 GiB = 2**30
 
@@ -343,15 +344,48 @@ def test_preflight() -> None:
         preflight(plan, gpu, None, cuda_available=True, have_cupy=False)
     with pytest.raises(SnapmlaError, match="dp4tp2 runs 8 ranks, one per GPU, but this machine has 1 GPU"):
         preflight(plan, gpu, None, cuda_available=True, have_cupy=True, device_count=1)
-    preflight(plan, gpu, None, cuda_available=True, have_cupy=True, device_count=8)
+    preflight(plan, gpu, None, cuda_available=True, have_cupy=True, device_count=8,
+                  gpu_problem=HOPPER)
     # torchrun: the world must match; each node only needs its local ranks' GPUs
     env = torchrun_env(launched(RANK="9", WORLD_SIZE="16", LOCAL_RANK="1"))
     with pytest.raises(SnapmlaError, match="torchrun started 16 processes but dp4tp2 needs 8"):
-        preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=8)
+        preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=8,
+                  gpu_problem=HOPPER)
     env = torchrun_env(launched(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1"))
-    preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=4)
+    preflight(plan, gpu, env, cuda_available=True, have_cupy=True, device_count=4,
+                  gpu_problem=HOPPER)
     # the CPU fake needs no GPU
     preflight(plan, RunnerSpec(kind="cpu-fake"), None, cuda_available=False, device_count=0)
+
+
+def HOPPER(index: int) -> str | None:
+    """preflight's stand-in for a machine whose GPUs all run the kernels."""
+    return None
+
+
+def test_preflight_refuses_a_gpu_the_kernels_are_not_built_for() -> None:
+    """A spawned run checks every GPU it will use (the first one that is not Hopper is named); a
+    torchrun rank checks its own GPU only."""
+    plan = make_plan(layouts=(Layout(2, 1),), contexts=[16384])
+    asked: list[int] = []
+
+    def second_is_ada(index: int) -> str | None:
+        asked.append(index)
+        return f"cuda:{index} is an L40S" if index == 1 else None
+
+    with pytest.raises(UnsupportedGpuError, match="^cuda:1 is an L40S$"):
+        preflight(plan, RunnerSpec(), None, cuda_available=True, have_cupy=True, device_count=2,
+                  gpu_problem=second_is_ada)
+    assert asked == [0, 1]
+    asked.clear()
+    env = torchrun_env(launched(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0"))
+    preflight(plan, RunnerSpec(), env, cuda_available=True, have_cupy=True, device_count=2,
+              gpu_problem=second_is_ada)
+    assert asked == [0]
+    # the CPU fake asks nothing
+    preflight(plan, RunnerSpec(kind="cpu-fake"), None, cuda_available=False, device_count=0,
+              gpu_problem=second_is_ada)
+    assert asked == [0]
 
 
 def test_preflight_needs_a_gpu_for_the_last_local_rank() -> None:
@@ -359,9 +393,11 @@ def test_preflight_needs_a_gpu_for_the_last_local_rank() -> None:
     plan = make_plan(layouts=(Layout(4, 2),), contexts=[16384])
     env = torchrun_env(launched(RANK="4", WORLD_SIZE="8", LOCAL_RANK="4"))
     with pytest.raises(SnapmlaError, match="LOCAL_RANK 4 has no GPU: this node has 4"):
-        preflight(plan, RunnerSpec(), env, cuda_available=True, have_cupy=True, device_count=4)
+        preflight(plan, RunnerSpec(), env, cuda_available=True, have_cupy=True, device_count=4,
+                  gpu_problem=HOPPER)
     env = torchrun_env(launched(RANK="3", WORLD_SIZE="8", LOCAL_RANK="3"))
-    preflight(plan, RunnerSpec(), env, cuda_available=True, have_cupy=True, device_count=4)
+    preflight(plan, RunnerSpec(), env, cuda_available=True, have_cupy=True, device_count=4,
+                  gpu_problem=HOPPER)
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -23,7 +23,7 @@ from snapmla_cli.ops.decode import (
     get_mla_metadata,
     metadata_plan,
 )
-from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
+from snapmla_cli.ops.decode_config import DecodeConfig, bf16_kernel, fp8_kernel, heuristic_config
 from snapmla_cli.ops.schedule import build_metadata
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, save_entries
@@ -129,12 +129,17 @@ def test_metadata_plan_dies_with_the_tensor():
     assert len(config_choice._PLANS) == before
 
 
+ARCH_ASKS: list[str] = []  # the kernel sources the probed decode calls checked the GPU for
+
+
 @pytest.fixture
 def launch_probe(monkeypatch):
     """The decode calls run on CPU tensors up to the launch, which records the config instead."""
     seen: list[DecodeConfig] = []
     monkeypatch.setattr(decode, "_require_cuda", lambda t, name, device: None)
     monkeypatch.setattr(decode, "_split_kv_decode", lambda *args: seen.append(args[10]))
+    monkeypatch.setattr(decode, "require_arch", lambda source, index: ARCH_ASKS.append(source))
+    ARCH_ASKS.clear()
     from snapmla_cli.runtime import tensor_map
 
     monkeypatch.setattr(tensor_map, "fp8_cache_tensor_maps", lambda cache: cache)
@@ -159,6 +164,7 @@ def test_decode_runs_the_metadata_config(launch_probe, monkeypatch):
     decode_fp8(q, cache, table, lens16, meta16, splits16)
     decode_fp8(q, cache, table, lens128, meta128, splits128)
     assert launch_probe == [C16K, C128K]
+    assert ARCH_ASKS == [fp8_kernel(C16K)[0], fp8_kernel(C128K)[0]]  # the GPU is asked for the kernel that runs
     explicit = _split_variant(1, 16)
     decode_fp8(q, cache, table, lens128, meta128, splits128, config=explicit)
     assert launch_probe[-1] == explicit  # an explicit config still wins
@@ -180,6 +186,7 @@ def test_decode_runs_the_metadata_config(launch_probe, monkeypatch):
     decode_bf16(q16, cache16, table, lens128, meta128, splits128)
     assert choices == [(ROWS, False, CPU, BATCH, 131072.0, S_Q)]  # the decode knows its s_q
     assert launch_probe[-1] == heuristic_config(ROWS, False)  # no BF16 entries
+    assert ARCH_ASKS[-1] == bf16_kernel(launch_probe[-1])[0]
 
 
 AUTO_H_Q, AUTO_S_Q = 64, 1

@@ -51,6 +51,7 @@ class _Recorder:
 def recorder(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(decode, "_require_cuda", lambda t, name, device: None)
+    monkeypatch.setattr(decode, "require_arch", lambda source, index: None)  # a Hopper GPU
     monkeypatch.setattr(decode, "_runtime", lambda: rec)
     monkeypatch.setattr(decode_launch, "launch_raw", rec.launch_raw)
     monkeypatch.setattr(decode_launch, "launch_prepared", rec.launch_prepared)

@@ -20,7 +20,8 @@ from snapmla_cli.errors import NoGpuError, SnapmlaError
 from snapmla_cli.numerics import formats
 from snapmla_cli.ops.schedule import SplitPolicy
 from snapmla_cli.runtime import kernel_cache, nvrtc
-from snapmla_cli.runtime.launch import Kernel, device_arch, f32, i32, i64, launch
+from snapmla_cli.runtime.gpu_arch import device_arch
+from snapmla_cli.runtime.launch import Kernel, f32, i32, i64, launch
 from snapmla_cli.runtime.ptxas import parse_ptxas_log
 from snapmla_cli.runtime.registry import (
     KERNEL_SOURCES,

@@ -146,14 +146,25 @@ def fp8_kernel_implementation(spec: str) -> Implementation:
     return Implementation(f"fp8-{spec}", "fp8", run)
 
 
-def default_implementations(device: torch.device, fp8_kernels: tuple[str, ...] = ("default",)
-                            ) -> list[Implementation]:
-    """What ``verify`` checks on ``device``: the emulation always; on a CUDA GPU also snapmla's
-    FP8 kernel(s) (``fp8_kernels``, see :func:`fp8_kernel_implementation`) and BF16 kernel, and
-    FlashMLA when it is installed."""
+def kernels_problem(device: torch.device) -> str | None:
+    """Why no kernel can run on the CUDA ``device`` (a GPU they are not built for), or None;
+    None on the CPU too, where verify checks the emulation by design."""
+    if device.type != "cuda":
+        return None
+    from ..runtime.gpu_arch import kernels_gpu_problem
+
+    return kernels_gpu_problem(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def default_implementations(device: torch.device, fp8_kernels: tuple[str, ...] = ("default",),
+                            kernels: bool = True) -> list[Implementation]:
+    """What ``verify`` checks on ``device``: the emulation always; on a CUDA GPU, unless
+    ``kernels`` is False (a GPU they are not built for), also snapmla's FP8 kernel(s)
+    (``fp8_kernels``, see :func:`fp8_kernel_implementation`) and BF16 kernel, and FlashMLA when
+    it is installed."""
     fp8_impls = [fp8_kernel_implementation(spec) for spec in fp8_kernels]  # validated on any device
     impls = [Implementation(EMULATION, "fp8", run_emulation)]
-    if device.type == "cuda":
+    if device.type == "cuda" and kernels:
         impls += fp8_impls
         impls.append(Implementation("bf16-kernel", "bf16", run_bf16_kernel))
         try:

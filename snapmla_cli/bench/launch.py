@@ -22,7 +22,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +32,7 @@ import torch
 
 from ..cache.atomic import write_text_atomic
 from ..errors import NoGpuError, SnapmlaError
+from ..runtime.gpu_arch import UnsupportedGpuError, kernels_gpu_problem
 from ..sizes import counted
 from .plan import BenchPlan
 from .results import BenchReport, Measurement
@@ -138,9 +139,10 @@ def preflight(
     cuda_available: bool | None = None,
     device_count: int | None = None,
     have_cupy: bool | None = None,
+    gpu_problem: Callable[[int], str | None] = kernels_gpu_problem,
 ) -> None:
     """Every check that does not need a started rank; the keyword arguments stand in for the
-    machine in tests."""
+    machine in tests (``gpu_problem(i)``: why GPU ``i`` cannot run the kernels, or None)."""
     layouts = ", ".join(layout.name for layout in plan.layouts)
     if env is not None and env.world != plan.world:
         raise SnapmlaError(
@@ -165,6 +167,10 @@ def preflight(
         )
     if env is not None and env.local_rank >= count:
         raise SnapmlaError(f"LOCAL_RANK {env.local_rank} has no GPU: this node has {count}")
+    for index in (range(plan.world) if env is None else (env.local_rank,)):
+        reason = gpu_problem(index)
+        if reason is not None:
+            raise UnsupportedGpuError(reason)
 
 
 class DistComm:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
 from ..runtime.gpu_facts import GpuFacts, list_gpus, toolchain_facts
 from ..tables import figure_table
 from .common import console
@@ -18,6 +19,14 @@ def _tuning_lines(gpus: list[GpuFacts]) -> list[str]:
     return list(describe(gpus)) or ["tuning database: none found"]
 
 
+KERNELS_RUN = "yes"
+
+
+def _kernels_cell(gpu: GpuFacts) -> str:
+    """Whether snapmla's kernels run on ``gpu``: built for its compute capability or not."""
+    return KERNELS_RUN if device_arch(gpu.compute_capability) in common_archs() else "no"
+
+
 def info_command() -> None:
     """Show the GPUs, the CUDA toolchain (NVRTC, CuPy, torch) and the tuning database.
 
@@ -27,13 +36,17 @@ def info_command() -> None:
     listing = list_gpus()
     if listing.gpus:
         table = figure_table("GPUs", ("#", "name", "SMs", "cc", "memory GiB", "max SM MHz", "max mem MHz", "driver",
-                                      "CUDA driver"))
+                                      "CUDA driver", "kernels"))
         for g in listing.gpus:
             table.add_row(str(g.index), g.name, "n/a" if g.sm_count is None else str(g.sm_count),
                           f"{g.compute_capability[0]}.{g.compute_capability[1]}",
                           f"{g.memory_bytes / 2**30:.1f}", str(g.max_sm_clock_mhz or "n/a"),
-                          str(g.max_mem_clock_mhz or "n/a"), g.driver_version, g.cuda_driver_version)
+                          str(g.max_mem_clock_mhz or "n/a"), g.driver_version, g.cuda_driver_version,
+                          _kernels_cell(g))
         out.print(table)
+        if any(_kernels_cell(g) != KERNELS_RUN for g in listing.gpus):
+            out.print(f"snapmla's kernels are built for compute capability {describe_archs(common_archs())}; "
+                      "on the other GPUs only the reference and the emulation run")
     else:
         out.print(f"GPU: none ({listing.reason}); decode kernels cannot run here, the CPU reference and emulation can")
     tc = toolchain_facts()

@@ -32,6 +32,7 @@ from ..numerics.formats import (
 )
 from ..numerics.quant import QuantizedRows, as_e4m3
 from ..runtime.cluster_launch import ClusterLaunch
+from ..runtime.gpu_arch import require_arch
 from .cluster_fold import cluster_defines, holds_a_wave, planned_cluster
 from .config_choice import (
     MetadataPlan,
@@ -437,6 +438,7 @@ def decode_fp8(
     cache = _fp8_cache_rows(k_cache)
     _require_cuda(cache, "k_cache", device)
     cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
+    require_arch(fp8_kernel(cfg)[0], device.index)  # before the tensor maps, which are Hopper's too
     if cfg.wgmma:
         from ..runtime.tensor_map import fp8_cache_tensor_maps
 
@@ -485,6 +487,7 @@ def decode_bf16(
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
     cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,
                             s_q)
+    require_arch(bf16_kernel(cfg)[0], device.index)
     cache: torch.Tensor = k_cache
     if cfg.wgmma:
         from ..runtime.tensor_map import bf16_cache_tensor_map

@@ -20,6 +20,7 @@ import torch
 
 from ..errors import NoGpuError, SnapmlaError
 from . import pdl
+from .gpu_arch import device_arch, require_arch
 from .nvrtc import CompiledModule, compile_module
 
 DEFAULT_DYNAMIC_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in (cuFuncSetAttribute)
@@ -59,14 +60,6 @@ class Kernel:
 
     def __call__(self, grid: Dim, block: Dim, args: Sequence[object], shared_mem: int = 0) -> None:
         launch(self, grid, block, args, shared_mem)
-
-
-def device_arch(capability: tuple[int, int]) -> str:
-    """NVRTC target for a compute capability: Hopper needs the ``a`` variant for wgmma/FP8."""
-    major, minor = capability
-    if (major, minor) == (9, 0):
-        return "sm_90a"
-    return f"sm_{major}{minor}"
 
 
 def require_gpu() -> None:
@@ -144,6 +137,7 @@ def _load(
     source: str, kernel_name: str, defines: Mapping[str, int | str] | None, index: int
 ) -> Kernel:
     require_gpu()
+    require_arch(source, index)  # before NVRTC: ptxas' log for an unsupported target is no message
     import cupy
 
     arch = device_arch(torch.cuda.get_device_capability(index))

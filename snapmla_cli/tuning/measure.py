@@ -91,12 +91,14 @@ class GpuMeasurer:
 
     def __init__(self, device: torch.device | None = None, *, clocks: Clocks = TUNE_CLOCKS,
                  compile_workers: int | None = None, seed: int = 0) -> None:
-        from ..runtime.launch import device_arch, require_gpu
+        from ..runtime.gpu_arch import device_arch, require_kernels_gpu
+        from ..runtime.launch import require_gpu
 
         require_gpu()
         index = device.index if device is not None else None
         if index is None:
             index = torch.cuda.current_device()
+        require_kernels_gpu(index)  # before any candidate compiles for a target it cannot run on
         self.device = torch.device("cuda", index)
         props = torch.cuda.get_device_properties(self.device)
         self.sm_count = int(props.multi_processor_count)
