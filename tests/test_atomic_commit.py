@@ -265,6 +265,61 @@ def test_interrupt_while_landing_undoes_the_group(tmp_path: Path, monkeypatch: p
     assert snapshot(tmp_path) == before
 
 
+def test_interrupt_after_a_move_landed_undoes_that_move_too(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C right after the last move was made (the file is in place, the call not yet
+    returned): that output is restored as well, not only the ones before it."""
+    outputs = three_outputs(tmp_path)
+    before = snapshot(tmp_path)
+    real = os.replace
+    state = {"interrupted": False}
+
+    def land_then_interrupt(src: object, dst: object) -> None:
+        real(src, dst)
+        if Path(dst) == outputs[2] and not state["interrupted"]:  # c's move, not its undo
+            state["interrupted"] = True
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "replace", land_then_interrupt)
+    with pytest.raises(KeyboardInterrupt), committed_together():
+        for path in outputs:
+            write_text_atomic(path, f"new {path.stem}", replace=True)
+    assert snapshot(tmp_path) == before
+
+
+def test_a_backup_that_cannot_be_restored_is_kept_and_named(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group replaced a, then c's move fails; renaming a's backup back fails too: the backup,
+    now the only copy of the old a, stays on disk and the error says where."""
+    a, _, c = three_outputs(tmp_path)
+    real = os.replace
+    calls: dict[Path, int] = {}
+
+    def flaky(src: object, dst: object) -> None:
+        calls[Path(dst)] = calls.get(Path(dst), 0) + 1
+        if (Path(dst), calls[Path(dst)]) in ((c, 1), (a, 2)):  # c's move, then a's undo
+            raise OSError(errno.EIO, "Input/output error")
+        real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", flaky)
+    with pytest.raises(OutputWriteError) as caught, committed_together():
+        write_text_atomic(a, "new a", replace=True)
+        write_text_atomic(c, "new c", replace=True)
+    message = str(caught.value)
+    assert f"{a} could not be restored (Input/output error); its previous content is in " in message
+    backup = Path(message.rsplit("its previous content is in ", 1)[1].split(";")[0])
+    assert backup.parent == tmp_path and backup.read_text() == "old a"
+    assert a.read_text() == "new a" and c.read_text() == "old c"
+
+
+def test_an_output_that_appeared_is_an_eexist_error(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+    with pytest.raises(OutputWriteError) as caught:
+        write_atomic(path, colliding("ours", lambda: path.write_text("theirs")), replace=False)
+    assert caught.value.errno == errno.EEXIST and isinstance(caught.value, OSError)
+    assert path.read_text() == "theirs"
+
+
 # --- filesystems without hard links --------------------------------------------------------
 # Two kinds: with renameat2's flags (FAT, exFAT, most FUSE on Linux: atomic no-clobber moves and
 # swaps) and without them (other systems, filesystems that reject the flags: the fallbacks).
@@ -297,6 +352,16 @@ def test_without_hard_links_new_files_are_written_and_existing_ones_refused(
     with pytest.raises(OutputWriteError, match="appeared"):
         write_atomic(other, meanwhile, replace=False)
     assert other.read_text() == "theirs" and listing(tmp_path) == ["other.json", "out.json"]
+
+
+def test_without_hard_links_a_dangling_symlink_that_appears_is_kept(tmp_path: Path,
+                                                                   without_hard_links: str) -> None:
+    path = tmp_path / "out.json"
+    meanwhile = colliding("ours", lambda: path.symlink_to("elsewhere.json"))
+    with pytest.raises(OutputWriteError, match="appeared"):
+        write_atomic(path, meanwhile, replace=False)
+    assert path.is_symlink() and os.readlink(path) == "elsewhere.json"
+    assert listing(tmp_path) == ["out.json"]
 
 
 @needs_renameat2
@@ -361,6 +426,31 @@ def test_rename_flags_refuse_to_clobber_and_swap(tmp_path: Path) -> None:
     assert rename_flags.rename_noreplace(a, tmp_path / "c") and not a.exists()
     with pytest.raises(FileNotFoundError):
         rename_flags.exchange(a, b)  # a is gone: a swap needs both names
+
+
+@pytest.mark.parametrize("code", [errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP])
+def test_renameat2_that_cannot_do_a_flag_is_a_fallback_not_an_error(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    code: int) -> None:
+    """A kernel or filesystem without the flag answers ENOSYS / EINVAL / EOPNOTSUPP: False (the
+    caller falls back), nothing moved; any other failure is raised as the OSError it is."""
+    import ctypes
+
+    def refusing(answer: int) -> Callable[..., int]:
+        def fake(*args: object) -> int:
+            ctypes.set_errno(answer)
+            return -1
+        return fake
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("A")
+    monkeypatch.setattr(rename_flags, "_libc_renameat2", lambda: refusing(code))
+    assert rename_flags.rename_noreplace(a, b) is False
+    assert rename_flags.exchange(a, b) is False
+    monkeypatch.setattr(rename_flags, "_libc_renameat2", lambda: refusing(errno.EACCES))
+    with pytest.raises(PermissionError):
+        rename_flags.rename_noreplace(a, b)
+    assert listing(tmp_path) == ["a"]
 
 
 # --- an empty output path ------------------------------------------------------------------

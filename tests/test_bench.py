@@ -20,6 +20,7 @@ from snapmla_cli.bench.launch import (
     MULTICAST_OFF,
     RunnerSpec,
     _first_failure,
+    _one_line,
     preflight,
     run_benchmark,
     torchrun_env,
@@ -37,6 +38,7 @@ from snapmla_cli.bench.plan import (
     budget_batch,
     cache_tokens,
     distinct_caches,
+    format_bytes,
     heads_per_rank,
     make_plan,
     parse_bytes,
@@ -73,6 +75,7 @@ def test_layout_presets_are_the_papers_figure_1() -> None:
     ("dp2tp1,dp1tp1", "same number of GPUs"),
     ("tp8", "not a layout"),
     ("dp0tp1", "at least 1"),
+    ("dp1tp0", "'dp1tp0': dp and tp must be at least 1"),
     (",", "empty"),
 ])
 def test_bad_layouts(text: str, needle: str) -> None:
@@ -162,10 +165,29 @@ def test_batch_does_not_depend_on_tp() -> None:
     ({"layouts": (Layout(1, 3),)}, "--tp 3"),
     ({"layouts": (Layout(1, 3),), "from_layout_option": True}, "^--layout dp1tp3: 128 heads"),
     ({"kv_mem": GiB, "contexts": [131072]}, "holds no BF16 request of context 128k"),
+    ({"kv_mem": 61 * 131072 * 656, "contexts": [131072]}, "holds no BF16 request"),  # one FP8 one
+    ({"layouts": (Layout(0, 1),)}, "--dp: expected at least 1, got 0"),
+    ({"layouts": (Layout(1, 1), Layout(2, 1))}, "same number of GPUs"),
 ])
 def test_make_plan_rejects(kwargs: dict, needle: str) -> None:
     with pytest.raises(SnapmlaError, match=needle):
         make_plan(**kwargs)
+
+
+def test_a_context_given_twice_is_timed_once() -> None:
+    assert make_plan(contexts=[4096, 1024, 4096]).contexts == (4096, 1024)
+
+
+def test_plan_description_and_devices() -> None:
+    from types import SimpleNamespace
+
+    from snapmla_cli.bench.render import _devices, describe_plan
+
+    assert describe_plan(make_plan(contexts=[1024])).startswith("deepseek-v3: 128 heads x 61 MLA layers")
+    assert describe_plan(make_plan(layers=2, contexts=[1024])).startswith("deepseek-v3 (custom): 128 heads")
+    assert describe_plan(make_plan(heads=64, contexts=[1024])).startswith("deepseek-v3 (custom): 64 heads")
+    ranks = [{"device": "H200"}, {"device": "H100"}, {"device": "H200"}]
+    assert _devices(SimpleNamespace(meta={"ranks": ranks})) == "H200 x2, H100 x1"
 
 
 def test_a_context_as_long_as_the_queries_is_a_plan() -> None:
@@ -173,6 +195,24 @@ def test_a_context_as_long_as_the_queries_is_a_plan() -> None:
     shortest valid case, only a shorter context is refused."""
     plan = make_plan(mtp=2, contexts=[2], batch=1, kv_mem=None)
     assert plan.contexts == (2,) and plan.s_q == 2
+
+
+def test_four_query_tokens_is_the_largest_mtp() -> None:
+    """SPEC section 1: s_q in 1..4, both ends included."""
+    assert make_plan(mtp=4, contexts=[4096]).s_q == 4
+    assert make_plan(mtp=1, contexts=[4096]).s_q == 1
+
+
+def test_format_bytes_uses_the_largest_unit_reached() -> None:
+    assert format_bytes(60 * GiB) == "60 GiB" and format_bytes(GiB) == "1 GiB"
+    assert format_bytes(2**40) == "1 TiB" and format_bytes(2**20) == "1 MiB"
+    assert format_bytes(1024) == "1 KiB" and format_bytes(1023) == "1023 B"
+
+
+def test_distinct_caches_needs_at_least_one_layer() -> None:
+    for cache_bytes, layers in ((1000, 0), (0, 4), (L2_FLUSH_BYTES, 0)):
+        with pytest.raises(SnapmlaError, match="need positive sizes"):
+            distinct_caches(cache_bytes, layers)
 
 
 def test_a_cache_exactly_the_flush_size_needs_no_other_copy() -> None:
@@ -309,6 +349,15 @@ def test_torchrun_env() -> None:
         torchrun_env(launched(RANK="2", WORLD_SIZE="2"))
 
 
+def test_torchrun_env_needs_both_rank_and_world_size_and_a_local_rank_of_zero_or_more() -> None:
+    """Only RANK or only WORLD_SIZE set is no launcher (not a KeyError); a negative LOCAL_RANK
+    does not fit, like a RANK outside the world."""
+    assert torchrun_env({"RANK": "0"}) is None
+    assert torchrun_env({"WORLD_SIZE": "2", **RENDEZVOUS}) is None
+    with pytest.raises(SnapmlaError, match="RANK 1 / LOCAL_RANK -1 do not fit WORLD_SIZE 2"):
+        torchrun_env(launched(RANK="1", WORLD_SIZE="2", LOCAL_RANK="-1"))
+
+
 @pytest.mark.parametrize("environ, needle", [
     ({"RANK": "1", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not"),
     ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT is not"),
@@ -333,6 +382,7 @@ def test_a_launchers_single_rank_runs_without_a_process_group() -> None:
     report = run_benchmark(plan, RunnerSpec(kind="cpu-fake", steps=1, warmup=0),
                            environ={"RANK": "0", "WORLD_SIZE": "1"})
     assert report is not None and report.meta["launcher"] == "torchrun" and report.meta["world"] == 1
+    assert report.meta["backend"] == "none"  # one rank: no process group, so no backend
 
 
 def test_preflight() -> None:
@@ -418,6 +468,12 @@ def test_first_failure_is_the_earliest_rank_error(tmp_path: Path) -> None:
     assert "died" in _first_failure(empty, RuntimeError("exit code 1"))
 
 
+def test_a_rank_error_is_one_line_naming_its_type_unless_it_is_ours() -> None:
+    assert _one_line(RuntimeError("CUDA error:\n  out of   memory")) == "RuntimeError: CUDA error: out of memory"
+    assert _one_line(SnapmlaError("--batch: expected\nat least 1")) == "--batch: expected at least 1"
+    assert _one_line(KeyboardInterrupt()) == "KeyboardInterrupt"
+
+
 # ---------------------------------------------------------------- orchestration
 
 
@@ -473,6 +529,63 @@ def test_inline_run_and_rendering(inline_report, tmp_path: Path) -> None:
     assert doc["format"] == "snapmla-bench" and doc["plan"]["layouts"] == ["dp1tp1"]
 
 
+def _fake_report(plan):
+    """Every rank's measurement of every case of ``plan``: FP8 replayed as a CUDA graph, BF16
+    eager and twice as slow, rank r at (1 + r) us per step."""
+    from snapmla_cli.bench.results import BenchReport
+
+    rows = []
+    for layout in plan.layouts:
+        for ctx in plan.contexts:
+            for case in plan.batches(ctx).cases():
+                for rank in range(layout.world):
+                    rows.append(Measurement(
+                        rank=rank, layout=layout.name, dp_index=rank // layout.tp, tp_index=rank % layout.tp,
+                        context=ctx, impl=case.impl, batch=case.batch, s_q=plan.s_q,
+                        heads=plan.heads // layout.tp, layers=plan.layers,
+                        step_s=1e-6 * (1 + rank) * (2 if case.impl == BF16 else 1),
+                        kernel=f"fake-{case.impl}", graphed=case.impl == FP8))
+    return BenchReport(plan, rows, {"ranks": [{"device": "cpu"}] * plan.world})
+
+
+def test_kernel_table_has_one_row_per_case_and_per_gpu_figures() -> None:
+    from snapmla_cli.bench.render import kernel_table, plot_title
+
+    plan = make_plan(heads=8, layers=2, contexts=[1024], layouts=(Layout(2, 1),), batch=3, kv_mem=GiB)
+    report = _fake_report(plan)
+    table = kernel_table(report)
+    cells = {c.header: list(c.cells) for c in table.columns}
+    (comparison,) = report.comparisons
+    cases = [comparison.bf16, comparison.fp8, comparison.bf16_mem, comparison.fp8_mem]
+    assert cells["batch/DP"] == [str(c.batch) for c in cases] == ["3", "3", "455", "799"]
+    assert cells["TFLOPS/GPU"] == [f"{c.tflops / 2:.1f}" for c in cases]
+    assert cells["timed"] == ["eager", "CUDA graph", "eager", "CUDA graph"]
+    assert plot_title(report).startswith("deepseek-v3: 8 heads x 2 MLA layers, s_q 1, batch 3/DP, KV budget 1 GiB/GPU")
+
+
+@pytest.mark.parametrize("batch, labels", [
+    (None, ["BF16 (fake-bf16), same batch", "FP8 SnapMLA, same batch", "FP8 SnapMLA, same KV memory"]),
+    (3, ["BF16 (fake-bf16), same batch", "FP8 SnapMLA, same batch", "BF16, same KV memory",
+         "FP8 SnapMLA, same KV memory"]),
+])
+def test_the_plot_draws_bf16_at_the_same_memory_only_where_its_batch_differs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch, labels) -> None:
+    """Without --batch the BF16 same-batch case is the BF16 same-memory case: one bar, not two."""
+    import matplotlib.pyplot as plt
+
+    from snapmla_cli.bench import render
+
+    seen: list[list[str]] = []
+
+    def keep_legend(path, write, replace=True):
+        seen.append([t.get_text() for t in plt.gcf().legends[0].texts])
+
+    monkeypatch.setattr(render, "write_atomic", keep_legend)
+    plan = make_plan(heads=8, layers=2, contexts=[1024, 2048], batch=batch, kv_mem=GiB)
+    plot_report(_fake_report(plan), tmp_path / "f.png")
+    assert seen == [labels]
+
+
 def test_a_narrow_terminal_folds_figures_instead_of_cropping_them() -> None:
     """A cropped figure ("18,305,1…") reads as another number; folded, every digit stays."""
     plan = make_plan(heads=8, layers=2, contexts=[1024], batch=2**31 - 1)
@@ -507,7 +620,9 @@ def invoke(*args: object):
     (["--model", "longcat-flash", "--tp", "128"], "64 heads do not split evenly"),
     (["--layout", "dp1tp8,dp2tp1"], "same number of GPUs"),
     (["--layout", "dp2tp1", "--dp", "2"], "--layout and --dp/--tp"),
+    (["--layout", "dp1tp1", "--tp", "2"], "--layout and --dp/--tp both given"),
     (["--dp", "0"], "--dp"),
+    (["--tp", "0"], "--tp: expected at least 1, got 0"),
     (["--ctx", "32q"], "--ctx"),
     (["--kv-mem", "1MiB"], "holds no BF16 request"),
     (["--kv-mem", "lots"], "--kv-mem"),
@@ -530,6 +645,28 @@ def test_cli_under_a_launcher_without_its_address(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     assert_one_line_error(invoke("--cpu-fake", "--dp", "2"), "MASTER_ADDR and MASTER_PORT")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_cli_progress_only_on_rank_0_under_a_launcher(monkeypatch: pytest.MonkeyPatch, rank: int) -> None:
+    from snapmla_cli.cli import bench as bench_cli
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key, value in RENDEZVOUS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(bench_cli, "run_benchmark", lambda *args, **kwargs: None)  # not rank 0's report
+    result = invoke("--cpu-fake", "--dp", "2", "--ctx", "1k", "--batch", "2")
+    assert result.exit_code == 0, result.output
+    assert ("bench: deepseek-v3: 128 heads" in result.stderr) is (rank == 0), result.stderr
+
+
+def test_cli_quiet_prints_no_progress() -> None:
+    args = ("--cpu-fake", "--heads", 8, "--layers", 2, "--ctx", "1k", "--batch", 2, "--steps", 1)
+    loud, quiet = invoke(*args), invoke(*args, "--quiet")
+    assert loud.exit_code == 0 == quiet.exit_code, loud.output + quiet.output
+    assert loud.stderr.count("bench: ") >= 3  # the plan, then one line per timed case
+    assert "bench: " not in quiet.stderr and "x same batch" in quiet.stdout
 
 
 def test_cli_refuses_to_overwrite(tmp_path: Path) -> None:
@@ -618,3 +755,21 @@ def test_burst_timing_idles_first_and_measures_briefly(monkeypatch):
     ran.clear()
     timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.STEADY)
     assert sum(ran[:-5]) * 7e-3 >= timing.STEADY.warmup_s and ran[-5:] == [4] * 5
+
+
+def test_time_cuda_is_the_median_round_with_at_least_one_call_per_round(monkeypatch):
+    """Fewer reps than rounds still times one call per round (never 0 calls, a division by 0),
+    and the result is the median round, not the fastest."""
+    from snapmla_cli.bench import timing
+
+    ran: list[int] = []
+    per_call = iter([1e-3, 3e-3, 1e-3, 2e-3, 5e-3, 4e-3])  # the warm-up call, then five rounds
+
+    def fake_elapsed(fn, n):
+        ran.append(n)
+        return n * next(per_call)
+
+    monkeypatch.setattr(timing, "_elapsed", fake_elapsed)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    t = timing.time_cuda(lambda: None, reps=2, warmup=1, rounds=5)
+    assert ran == [1] * 6 and t == pytest.approx(3e-3)

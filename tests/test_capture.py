@@ -252,8 +252,11 @@ def test_prompt_files(tmp_path):
     with pytest.raises(SnapmlaError, match="no prompts"):
         read_prompts(empty)
     assert parse_layers("all") is None and parse_layers("5,0,5") == (0, 5)
+    assert parse_layers(" ALL ") is None
     with pytest.raises(SnapmlaError, match="--layers"):
         parse_layers("0,x")
+    with pytest.raises(SnapmlaError, match="indices >= 0"):
+        parse_layers("3,-1")
 
 
 def _one_line(exc: pytest.ExceptionInfo) -> str:
@@ -284,6 +287,112 @@ def test_errors(models, prompts, tmp_path):
     assert "no prompts" in run(str(models["v3"]), prompts_file=empty)
     assert "no MLA layer 7" in run(str(models["v3"]), layers=(7,))
     assert "--check needs" in run(str(models["v3"]), queries=0, check=True)
+
+
+@pytest.mark.parametrize("options, needle", [
+    ({"model": "   "}, "--model: expected a checkpoint folder or a Hugging Face id, got ''"),
+    ({"max_tokens": 0}, "--max-tokens 0: expected >= 1"),
+    ({"decode": -1}, "--decode -1: expected >= 0"),
+    ({"queries": -1}, "--queries -1: expected >= 0"),
+])
+def test_options_are_checked_before_the_model_loads(prompts, options, needle):
+    with pytest.raises(SnapmlaError) as exc:
+        capture_kv(DumpOptions(**{"model": "snapmla-tests/never-loaded", "prompts": prompts, **options}))
+    assert needle in _one_line(exc)
+
+
+def test_the_queries_may_be_every_token_of_the_last_prompt(models, prompts):
+    options = {"model": str(models["v3"]), "prompts": prompts, "max_tokens": 4, "dtype": "fp32"}
+    cap = capture_kv(DumpOptions(**options, queries=4))
+    assert cap.segments == [4, 4] and all(layer.queries.shape == (4, 2, D_QK) for layer in cap.dump.layers)
+    with pytest.raises(SnapmlaError, match="--queries 5: the last prompt gives only 4 tokens"):
+        capture_kv(DumpOptions(**options, queries=5))
+
+
+def test_the_forward_call_uses_the_models_cache_keyword():
+    """transformers renamed ``past_key_values`` to ``cache`` (and ``num_logits_to_keep`` to
+    ``logits_to_keep``): the step passes whichever the model's forward takes."""
+    from snapmla_cli.capture.run import _Forward
+
+    class New:
+        def forward(self, input_ids, position_ids=None, use_cache=True, cache=None, logits_to_keep=0):
+            pass
+
+    class Old:
+        def forward(self, input_ids, position_ids=None, use_cache=True, past_key_values=None,
+                    num_logits_to_keep=0):
+            pass
+
+    new, old = _Forward(New()), _Forward(Old())
+    assert (new.cache_key, new.extra) == ("cache", {"logits_to_keep": 1})
+    assert (old.cache_key, old.extra) == ("past_key_values", {"num_logits_to_keep": 1})
+
+
+def test_dump_model_refuses_an_existing_output_before_capturing(models, prompts, tmp_path, monkeypatch):
+    from snapmla_cli.capture import run
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("the model ran before the output was checked")
+
+    monkeypatch.setattr(run, "capture_kv", no_capture)
+    out = tmp_path / "kv.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(SnapmlaError, match="exists; pass --force"):
+        dump_model(DumpOptions(model=str(models["v2"]), prompts=prompts), out)
+    assert out.read_bytes() == b"keep me"
+
+
+def test_the_recorder_refuses_what_it_cannot_record():
+    from types import SimpleNamespace
+
+    from snapmla_cli.capture.recorder import LayerRecorder, StepState
+
+    attention = SimpleNamespace(module=torch.nn.Identity(), name="model.layers.0.self_attn")
+    rec = LayerRecorder(attention, StepState(), torch.float32, keep_outputs=False)
+    rec._pending = {"pos": object(), "kv_a": torch.zeros(2, 3, 576), "c_kv": torch.zeros(2, 3, 512),
+                    "q": torch.zeros(2, 3, 160)}
+    with pytest.raises(SnapmlaError, match=r"model.layers.0.self_attn: expected kv_a_proj output "
+                                           r"\[1, tokens, 576\], got \(2, 3, 576\)"):
+        rec._on_exit(attention.module, (), {}, None)
+    rec._pending = {"pos": object()}
+    with pytest.raises(SnapmlaError, match="capture hooks did not fire for kv_a, c_kv, q"):
+        rec._on_exit(attention.module, (), {}, None)
+    with pytest.raises(SnapmlaError, match="gets no position_embeddings"):
+        rec._on_enter(attention.module, (torch.zeros(1, 3, 64),), {})
+    assert rec.kv == []
+
+
+def test_a_json_prompt_that_is_not_text_is_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "fine"}\n{"prompt": 5}\n')
+    with pytest.raises(SnapmlaError, match=r"p.jsonl:2: expected a JSON string or an object with 'prompt' or 'text'"):
+        read_prompts(path)
+
+
+def test_only_the_mla_architectures_load_as_native_classes(models, tmp_path):
+    from snapmla_cli.capture.checkpoint import _native_class
+
+    assert _native_class(transformers, str(models["v3"])) is transformers.DeepseekV3ForCausalLM
+    llama = tmp_path / "llama"
+    transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(llama)
+    assert _native_class(transformers, str(llama)) is None
+
+
+@pytest.mark.parametrize("bars", [True, False])
+def test_loading_quietly_restores_the_logging_it_found(bars):
+    from types import SimpleNamespace
+
+    from snapmla_cli.capture.checkpoint import _quiet
+
+    calls: list[object] = []
+    logging = SimpleNamespace(
+        get_verbosity=lambda: 30, is_progress_bar_enabled=lambda: bars,
+        set_verbosity_error=lambda: calls.append("error"), disable_progress_bar=lambda: calls.append("no bars"),
+        set_verbosity=lambda level: calls.append(level), enable_progress_bar=lambda: calls.append("bars"))
+    with _quiet(SimpleNamespace(utils=SimpleNamespace(logging=logging))):
+        assert calls == ["error", "no bars"]
+    assert calls == ["error", "no bars", 30] + (["bars"] if bars else [])
 
 
 def _rewrite_json(path: Path, **changes) -> None:

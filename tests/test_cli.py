@@ -18,7 +18,7 @@ from snapmla_cli import host_memory
 from snapmla_cli.cache.dump_file import DUMP_FORMAT, read_dump
 from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
 from snapmla_cli.cli.app import COMMANDS, app
-from snapmla_cli.cli.common import write_json
+from snapmla_cli.cli.common import one_line, write_json
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.formats import D_QK
 from snapmla_cli.sizes import (
@@ -100,19 +100,38 @@ def test_an_existing_output_is_refused_before_any_work(small_dump: Path, tmp_pat
     assert_one_line_error(invoke("quantize", small_dump, "-o", out), f"--output {out} exists", "--force")
     assert_one_line_error(invoke("synth", "-o", out, *SYNTH), f"--output {out} exists", "--force")
     assert out.read_bytes() == b"keep me"
+    fresh = tmp_path / "new.safetensors"
+    assert_one_line_error(invoke("quantize", small_dump, "-o", fresh, "--plot", tmp_path / "p.txt"),
+                          "--plot", "expected a .png, .pdf, .svg file")
+    assert not fresh.exists()
 
 
 def test_json_reports_write_non_finite_numbers_as_strings(tmp_path: Path) -> None:
     """Standard JSON has no Infinity or NaN (strict parsers, jq, browsers refuse them): the lse of
     an empty row (+inf) and a NaN metric are written as the strings "inf", "-inf", "nan"."""
     path = tmp_path / "r.json"
-    write_json(path, {"lse": [math.inf, -math.inf], "rel_l2": math.nan, "rmse": 1.5})
+    write_json(path, {"lse": [math.inf, -math.inf], "rel_l2": math.nan, "rmse": 1.5,
+                      "pair": (2.0, math.inf)}, force=False)  # a tuple (a dataclass's asdict) too
 
     def refuse(constant: str) -> None:
         raise ValueError(f"non-standard JSON constant {constant}")
 
     data = json.loads(path.read_text(), parse_constant=refuse)
-    assert data == {"lse": ["inf", "-inf"], "rel_l2": "nan", "rmse": 1.5}
+    assert data == {"lse": ["inf", "-inf"], "rel_l2": "nan", "rmse": 1.5, "pair": [2.0, "inf"]}
+
+
+@pytest.mark.parametrize("option", [("--tokens", "1k"), ("--layers", "2")])
+def test_quantize_takes_synthetic_sizes_only_without_a_dump(small_dump: Path, tmp_path: Path, option) -> None:
+    out = tmp_path / "never.st"
+    assert_one_line_error(invoke("quantize", small_dump, "-o", out, *option),
+                          "--layers/--tokens apply only to the synthetic default")
+    assert not out.exists()
+
+
+def test_one_line_joins_lines_and_names_a_silent_exception() -> None:
+    assert one_line(OSError("cannot write\n  x.st")) == "cannot write x.st"
+    assert one_line(ValueError()) == "ValueError" and one_line(RuntimeError(" \n ")) == "RuntimeError"
+    assert one_line("") == "" and one_line(" a \n b ") == "a b"
 
 
 def _bad_dump(tmp_path: Path, name: str, tensors: dict[str, torch.Tensor]) -> Path:

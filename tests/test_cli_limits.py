@@ -33,6 +33,7 @@ from snapmla_cli.tuning.db import GpuKey
     (["tune", "--dry-run", "--heads", "9" * 5000], ["--heads", "too large"]),
     (["tune", "--dry-run", "--budget", "9" * 5000], ["--budget", "too large"]),
     (["bench", "--cpu-fake", "--kv-mem", "9" * 5000 + "G"], ["--kv-mem", "too large"]),
+    (["quantize", "-o", "never.st", "--queries", "0"], ["--queries: expected at least 1, got 0"]),
 ])
 def test_sizes_beyond_the_int32_lengths_or_the_named_maxima(args: list[str], needles: list[str], tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,6 +93,25 @@ def test_an_unexpected_exception_is_one_line_with_exit_code_3(monkeypatch: pytes
     monkeypatch.setenv(TRACEBACK_ENV, "1")
     result = invoke("info")
     assert isinstance(result.exception, RuntimeError) and str(result.exception) == "boom\nsecond line"
+
+
+def test_traceback_switch_set_to_0_is_off_and_an_abort_exits_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    import typer
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(info, "list_gpus", broken)
+    monkeypatch.setenv(TRACEBACK_ENV, "0")
+    result = invoke("info")
+    assert result.exit_code == INTERNAL_EXIT and "internal error in snapmla (RuntimeError: boom)" in result.stderr
+
+    def aborted(*args: object) -> None:
+        raise typer.Abort()
+
+    monkeypatch.setattr(info, "list_gpus", aborted)
+    result = invoke("info")
+    assert result.exit_code == 1 and result.stderr.strip() == "aborted"
 
 
 def test_help_and_a_good_command_still_exit_zero() -> None:
@@ -210,3 +230,11 @@ def test_the_synthetic_default_takes_more_probe_queries_than_its_own(tmp_path: P
     assert result.exit_code == 0, result.output
     assert out.exists() and "dump holds" not in result.output
 
+
+
+def test_figure_tables_right_align_figures_and_left_align_text_columns() -> None:
+    from snapmla_cli.tables import figure_table
+
+    table = figure_table("t", ("layout", "kernel", "ms"), left=("kernel",))
+    assert [(c.header, c.justify, c.overflow) for c in table.columns] == [
+        ("layout", "right", "fold"), ("kernel", "left", "fold"), ("ms", "right", "fold")]

@@ -136,3 +136,22 @@ def test_the_report_mean_is_over_layers() -> None:
 
     report = FidelityReport(["snap"], [layer(0, 0.01), layer(1, 0.03), layer(2, 0.08)])
     assert report.mean("out", "snap", "rel_l2") == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_an_all_zero_token_stays_zero_and_finite(config: str) -> None:
+    """Every scaling group's scale has the 2^-32 floor: a token (or group) of zeros gives zeros,
+    never 0/0."""
+    kv = torch.randn(70, D_QK, generator=torch.Generator().manual_seed(11))
+    kv[3] = 0.0
+    out = CONFIGS[config].fake_quant(kv)
+    assert bool(torch.isfinite(out).all()) and bool((out[3] == 0).all())
+    assert bool((out[4] != 0).any())
+
+
+@pytest.mark.parametrize("config", ["B", "C", "D", "G"])
+def test_the_rope_part_is_rounded_to_bf16(config: str) -> None:
+    kv = torch.randn(9, D_QK, generator=torch.Generator().manual_seed(12)) * 3
+    rope = kv[:, D_CONTENT:]
+    assert not torch.equal(rope.to(torch.bfloat16).float(), rope)  # float32 values bf16 changes
+    assert torch.equal(CONFIGS[config].fake_quant(kv)[:, D_CONTENT:], rope.to(torch.bfloat16).float())

@@ -93,6 +93,24 @@ def test_write_refuses_to_overwrite(tmp_path: Path) -> None:
     write_dump(dump, path, force=True)
 
 
+def test_dump_write_refuses_to_overwrite_before_writing(tmp_path: Path) -> None:
+    """As for the FP8 cache: an existing dump is refused up front as existing, and kept."""
+    path = tmp_path / "d.safetensors"
+    path.write_bytes(b"keep me")
+    dump = KVDump([LayerDump(0, torch.randn(3, D_QK, generator=torch.Generator().manual_seed(3)))])
+    with pytest.raises(SnapmlaError, match="exists; pass --force"):
+        write_dump(dump, path)
+    assert path.read_bytes() == b"keep me"
+
+
+def test_positions_are_written_as_int64(tmp_path: Path) -> None:
+    path = tmp_path / "d.safetensors"
+    kv = torch.randn(5, D_QK, generator=torch.Generator().manual_seed(4))
+    write_dump(KVDump([LayerDump(0, kv, torch.arange(5, dtype=torch.int32))]), path)
+    positions = read_dump(path).layers[0].positions
+    assert positions.dtype == torch.int64 and positions.tolist() == [0, 1, 2, 3, 4]
+
+
 def test_fp8_cache_write_refuses_to_overwrite_before_writing(tmp_path: Path) -> None:
     """An existing file is refused up front as existing (not only by the no-clobber move, whose
     error says it appeared while snapmla was working), and kept."""
@@ -104,6 +122,19 @@ def test_fp8_cache_write_refuses_to_overwrite_before_writing(tmp_path: Path) -> 
     assert path.read_bytes() == b"keep me"
     write_fp8_cache(cache_file, path, force=True)
     assert read_fp8_cache(path).layers[0].seqlen == 3
+
+
+def test_fp8_cache_file_keeps_extra_metadata_and_an_int64_seqlen(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    kv = torch.randn(9, D_QK, generator=torch.Generator().manual_seed(5))
+    path = tmp_path / "c.safetensors"
+    write_fp8_cache(FP8CacheFile([FP8CacheLayer(1, quantize_layer_cache(kv), 9)], model="m",
+                                 extra_metadata={"source": "d.st"}), path)
+    back = read_fp8_cache(path)
+    assert back.model == "m" and back.extra_metadata == {"source": "d.st"}
+    seqlen = load_file(str(path))["layers.1.seqlen"]
+    assert seqlen.dtype == torch.int64 and seqlen.shape == () and int(seqlen) == 9
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 100])

@@ -137,6 +137,20 @@ def test_other_mla_widths_are_refused(tmp_path: Path, key: str) -> None:
     _bad_dump(tmp_path, {}, f"{key}=256", "snapmla supports", meta={**DUMP_META, key: "256"})
 
 
+def test_a_dump_without_tensors_is_refused(tmp_path: Path) -> None:
+    _refused(read_dump, _write(tmp_path, {}, DUMP_META), "holds no layers")
+
+
+def test_positions_must_have_one_per_token(tmp_path: Path) -> None:
+    short = {"layers.0.positions": torch.arange(TOKENS - 1)}
+    _bad_dump(tmp_path, short, "layer 0", f"positions has shape ({TOKENS - 1},)", f"expected [{TOKENS}]")
+
+
+def test_queries_of_another_width_are_refused(tmp_path: Path) -> None:
+    narrow = {"layers.0.queries": torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(2))}
+    _bad_dump(tmp_path, narrow, "layer 0", "queries has shape (2, 3, 512)", "expected [n, h_q, 576]")
+
+
 def test_layers_come_back_in_numeric_order(tmp_path: Path) -> None:
     """Layer 10's key sorts before layer 2's as text; the layers are read as numbers."""
     kv = {f"layers.{i}.kv": _kv() * (i + 1) for i in (10, 2, 0)}
@@ -176,6 +190,36 @@ def test_bad_seqlen(tmp_path: Path, seqlen: torch.Tensor, needle: str) -> None:
 def test_seqlen_out_of_range(tmp_path: Path, seqlen: int) -> None:
     _refused(read_fp8_cache, _cache_file(tmp_path, seqlen=torch.tensor(seqlen)), "layer 0",
              f"seqlen {seqlen}", "does not fit 1 pages")
+
+
+def test_an_empty_cache_of_no_tokens_is_refused(tmp_path: Path) -> None:
+    empty = torch.zeros(0, 64, 656, dtype=torch.uint8)
+    _refused(read_fp8_cache, _cache_file(tmp_path, empty, torch.tensor(0)), "layer 0",
+             "seqlen 0 does not fit 0 pages")
+
+
+@pytest.mark.parametrize("reshape, needle", [
+    (lambda c: c.reshape(1, 32, 2 * 656), "cache is torch.uint8 (1, 32, 1312)"),  # same bytes, other rows
+    (lambda c: c.view(torch.int8), "cache is torch.int8 (1, 64, 656)"),
+])
+def test_a_cache_of_another_layout_or_dtype_is_refused(tmp_path: Path, reshape, needle: str) -> None:
+    cache = reshape(quantize_layer_cache(_kv(64)))
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache, torch.tensor(64)), "layer 0", needle,
+             "expected uint8 [num_blocks, 64, 656]")
+
+
+def test_a_cache_layer_without_its_seqlen_is_refused(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"layers.0.cache": quantize_layer_cache(_kv())}, CACHE_META)
+    _refused(read_fp8_cache, path, "layer 0 needs both 'cache' and 'seqlen' tensors")
+
+
+def test_cache_layers_come_back_in_numeric_order(tmp_path: Path) -> None:
+    tensors = {}
+    for i, tokens in ((10, 3), (2, 5)):
+        tensors[f"layers.{i}.cache"] = quantize_layer_cache(_kv(tokens))
+        tensors[f"layers.{i}.seqlen"] = torch.tensor(tokens)
+    layers = read_fp8_cache(_write(tmp_path, tensors, CACHE_META)).layers
+    assert [(layer.index, layer.seqlen) for layer in layers] == [(2, 5), (10, 3)]
 
 
 def test_cache_version(tmp_path: Path) -> None:

@@ -116,6 +116,13 @@ def test_every_kernel_source_is_registered() -> None:
     assert not DIAGNOSTIC_SOURCES & set(KERNEL_SOURCES)
 
 
+def test_every_combine_width_the_ops_launch_is_registered() -> None:
+    from snapmla_cli.ops.split_fold import combine_rows_per_cta
+
+    registered = {int(v.defines["COMBINE_ROWS"]) for v in KERNEL_SOURCES["combine.cu"]}
+    assert {combine_rows_per_cta(rows) for rows in (1, 1024, 1025, 2**20)} == registered == {1, 4}
+
+
 def test_registry_entry_is_one_line() -> None:
     v = variant("k1", "k2", archs=("sm_90a",), TILE=64)
     assert v.kernels == ("k1", "k2") and dict(v.defines) == {"TILE": 64}
@@ -319,6 +326,42 @@ def test_missing_source_and_bad_arguments() -> None:
         nvrtc.compile_module(PREP_SOURCE, arch="hopper")
 
 
+def test_defines_and_options_are_validated_and_canonical(tmp_path: Path) -> None:
+    """No NVRTC needed: the defines' stable form, the option list and the arch check."""
+    assert nvrtc.normalize_defines({"B": 1, "A": True, "C": "x.y-1"}) == (("A", "1"), ("B", "1"), ("C", "x.y-1"))
+    assert nvrtc.normalize_defines(None) == () and nvrtc.normalize_defines({}) == ()
+    for bad in ({"A": "x y"}, {"A": "1;rm"}, {"A": 1.5}, {"A B": 1}):
+        with pytest.raises(SnapmlaError, match="defines: "):
+            nvrtc.normalize_defines(bad)
+    options = nvrtc.build_options("sm_89", (("A", "1"),), "00ff", tmp_path)
+    assert options[0] == "-arch=sm_89" and f"-I{tmp_path}" in options and "-DA=1" in options
+    assert options[-1] == "-DSNAPMLA_SRC_HASH=0x00ff"
+    for arch in ("hopper", "sm_90x", "compute_90"):
+        with pytest.raises(SnapmlaError, match="arch: expected something like 'sm_90a' or 'sm_89'"):
+            nvrtc.build_options(arch, (), "00ff", tmp_path)
+
+
+def test_the_cache_key_covers_the_name_expressions_and_the_source_hash(tmp_path: Path) -> None:
+    options = nvrtc.build_options("sm_90a", (), "00ff", tmp_path)
+    key = nvrtc._cache_key("prep.cu", "sm_90a", options, (), (12, 8))
+    assert key != nvrtc._cache_key("prep.cu", "sm_90a", options, ("k<1>",), (12, 8))
+    edited = nvrtc.build_options("sm_90a", (), "0100", tmp_path)
+    assert key != nvrtc._cache_key("prep.cu", "sm_90a", edited, (), (12, 8))
+
+
+def test_the_source_tree_hash_skips_hidden_files_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(nvrtc.KERNEL_DIR_ENV, raising=False)
+    assert nvrtc.kernel_dir() == REPO_KERNELS
+    (tmp_path / "a.cu").write_text("int a;")
+    before = nvrtc.source_tree_hash(tmp_path)
+    (tmp_path / ".a.cu.swp").write_text("editor state")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "x.pyc").write_bytes(b"x")
+    assert nvrtc.source_tree_hash(tmp_path) == before
+    (tmp_path / "a.cu").write_text("int a ;")
+    assert nvrtc.source_tree_hash(tmp_path) != before
+
+
 def test_missing_kernel_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(nvrtc.KERNEL_DIR_ENV, str(tmp_path / "absent"))
     with pytest.raises(SnapmlaError, match=nvrtc.KERNEL_DIR_ENV):
@@ -342,6 +385,9 @@ def test_scalar_wrappers() -> None:
     assert isinstance(f32(0.5), np.float32)
     with pytest.raises(SnapmlaError):
         i32(2**31)
+    assert i32(-(2**31)) == -(2**31) and i32(2**31 - 1) == 2**31 - 1  # both ends of a C int
+    with pytest.raises(SnapmlaError, match="does not fit a 32-bit int"):
+        i32(-(2**31) - 1)
 
 
 def test_launch_rejects_bare_python_numbers() -> None:

@@ -95,6 +95,48 @@ def test_a_folder_that_takes_no_new_file_is_refused_up_front(tmp_path: Path,
     check_writable(tmp_path / "x.st", force=False, what="--output")  # a writable folder next to it
 
 
+def test_a_path_ending_in_dot_dot_is_no_file_name(tmp_path: Path) -> None:
+    """``x/..`` names a folder, not a file: refused as having no file name, also where ``x`` does
+    not exist (there the folder check would only say that ``x`` is missing)."""
+    for path in (tmp_path / "missing" / "..", tmp_path / ".."):
+        with pytest.raises(SnapmlaError, match=r"--output: expected a file path, got '.*\.\.'"):
+            check_writable(path, force=True, what="--output")
+
+
+def test_a_socket_is_refused_even_with_force(tmp_path: Path) -> None:
+    """Not only fifos: any special file (a socket here; devices alike) is never replaced."""
+    import socket
+
+    path = tmp_path / "s"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+        for force in (False, True):
+            with pytest.raises(SnapmlaError, match="is a socket, not a regular file"):
+                check_writable(path, force=force, what="--output")
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+def test_a_symlink_into_a_missing_folder_names_its_target(tmp_path: Path) -> None:
+    link = tmp_path / "out.st"
+    link.symlink_to("missing-folder/x.st")
+    with pytest.raises(SnapmlaError) as caught:
+        check_writable(link, force=True, what="--output")
+    message = str(caught.value)
+    assert f"--output {link} (symlink to {tmp_path / 'missing-folder' / 'x.st'})" in message
+    assert "does not exist" in message
+
+
+def test_plot_formats_are_matched_whatever_their_case() -> None:
+    from snapmla_cli.plot_files import check_plot_output, check_plot_path
+
+    for name in ("f.png", "f.PNG", "f.Pdf", "f.svg"):
+        check_plot_path(Path(name))
+    assert check_plot_output(Path("f.SVG")).__name__ == "matplotlib.pyplot"
+    for name in ("f.txt", "f", "f.png.bak"):
+        with pytest.raises(SnapmlaError, match=f"--plot {name}: expected a .png, .pdf, .svg file"):
+            check_plot_path(Path(name))
+
+
 def test_symlink_to_a_file_is_written_through(tmp_path: Path) -> None:
     target, link = tmp_path / "target.json", tmp_path / "link.json"
     target.write_text("old")
@@ -163,6 +205,17 @@ def test_hard_links_and_symlinks_are_the_same_file(tmp_path: Path) -> None:
     check_distinct([("--json", a), ("--plot", None), ("--output", tmp_path / "b")], [("DUMP", None)])
 
 
+def test_a_new_output_inside_an_input_folder_is_allowed(tmp_path: Path) -> None:
+    """Only an existing file of an input folder is protected: a new file written into it (a dump
+    next to the checkpoint's files) replaces nothing."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    check_distinct([("--output", model / "new.st")], [("--model", model)])
+    with pytest.raises(SnapmlaError, match="would replace a file inside --model"):
+        check_distinct([("--output", model / "config.json")], [("--model", model)])
+
+
 def test_bench_json_and_plot_must_differ(tmp_path: Path) -> None:
     same = tmp_path / "x.png"
     assert_one_line_error(invoke("bench", "--cpu-fake", "--json", same, "--plot", same), "--json", "--plot", "same file")
@@ -207,6 +260,20 @@ def test_full_disk_is_one_error_naming_the_path(tmp_path: Path, failure: Excepti
     assert ".tmp" not in message and "\n" not in message
     assert isinstance(caught.value, OSError)  # callers that skip an unwritable folder still do
     assert path.read_text() == "previous" and listing(tmp_path) == ["out.st"]
+
+
+def test_a_writer_error_naming_the_temp_file_names_the_output(tmp_path: Path) -> None:
+    """A writer's own exception (not an OSError) that quotes the temp path it was given is
+    reported with the user's path in its place."""
+    path = tmp_path / "out.st"
+
+    def fail(tmp: Path) -> None:
+        raise ValueError(f"cannot serialize into {tmp}")
+
+    with pytest.raises(OutputWriteError) as caught:
+        write_atomic(path, fail)
+    assert str(caught.value) == f"could not write {path}: cannot serialize into {path}"
+    assert listing(tmp_path) == []
 
 
 def test_interrupt_is_not_swallowed_and_leaves_no_temp(tmp_path: Path) -> None:

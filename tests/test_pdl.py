@@ -50,3 +50,48 @@ def test_environment_switch(monkeypatch) -> None:
 def test_only_sm90_builds_launch_programmatically(arch: str, expected: bool) -> None:
     kernel = SimpleNamespace(compiled=SimpleNamespace(arch=arch))
     assert supports_programmatic(kernel) is expected  # type: ignore[arg-type]
+
+
+def test_only_zero_switches_pdl_off(monkeypatch) -> None:
+    for value, expected in (("1", True), ("true", True), ("2", True), ("0", False)):
+        monkeypatch.setenv("SNAPMLA_PDL", value)
+        assert pdl.enabled() is expected
+
+
+def test_the_programmatic_attribute_and_the_launch_configuration() -> None:
+    attr = pdl.programmatic_attribute()
+    assert attr.id == 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert ctypes.c_int.from_buffer(attr.value).value == 1  # allowed
+    config = pdl.launch_config((4,), (128, 2), 1024, 0xABC0, attr)
+    assert (config.grid_x, config.grid_y, config.grid_z) == (4, 1, 1)
+    assert (config.block_x, config.block_y, config.block_z) == (128, 2, 1)
+    assert config.shared_mem == 1024 and config.stream == 0xABC0
+    assert config.num_attrs == 1 and ctypes.addressof(config.attrs.contents) == ctypes.addressof(attr)
+    pdl.check_status(pdl.CUDA_SUCCESS, config)
+    with pytest.raises(SnapmlaError, match=r"CUresult 1 \(grid \(4, 1, 1\), block \(128, 2, 1\), 1024 B"):
+        pdl.check_status(1, config)  # CUDA_ERROR_INVALID_VALUE
+
+
+def test_a_prepared_launch_sets_the_stream_and_the_arguments_of_each_call(monkeypatch) -> None:
+    launched: list[tuple[int, int, int, int]] = []
+
+    def fake_launch_kernel_ex(config_ref, function, params, extra) -> int:
+        config = config_ref._obj
+        launched.append((config.stream, function.value, ctypes.c_void_p.from_address(params[0]).value,
+                         ctypes.c_int32.from_address(params[1]).value))
+        return 0
+
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: fake_launch_kernel_ex)
+    prepared = pdl.ProgrammaticLaunch(0x1234, (2,), (64,), 0, [ctypes.c_void_p, ctypes.c_int32])
+    prepared(0x77, [0xBEEF000, 5])
+    prepared(0x78, [0xCAFE000, -6])
+    assert launched == [(0x77, 0x1234, 0xBEEF000, 5), (0x78, 0x1234, 0xCAFE000, -6)]
+    with pytest.raises(ValueError):
+        prepared(0x78, [0xCAFE000])  # one argument short: never launched with a stale value
+    assert len(launched) == 2
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: (lambda *args: 2))
+    with pytest.raises(SnapmlaError, match="cuLaunchKernelEx failed with CUresult 2"):
+        prepared(0x77, [0xBEEF000, 5])
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: None)
+    with pytest.raises(SnapmlaError, match="cuLaunchKernelEx is not available"):
+        prepared(0x77, [0xBEEF000, 5])

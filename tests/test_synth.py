@@ -77,3 +77,56 @@ def test_probe_queries_anchor_position() -> None:
     kv, _ = synth_layer_kv(1024, 1.0, 0, 7)
     q = probe_queries(kv, 2, 4, seed=0, anchors=[100, 1023])
     assert q.shape == (2, 4, 576)
+
+
+def test_bad_sizes_and_anchors_are_one_line_errors() -> None:
+    import pytest
+
+    from snapmla_cli.errors import SnapmlaError
+
+    with pytest.raises(SnapmlaError, match="synth: tokens must be at least 1, got 0"):
+        synth_layer_kv(0, 0.5, 0)
+    for spec in (SynthSpec(layers=1, tokens=8, heads=0), SynthSpec(layers=0, tokens=8), SynthSpec(tokens=0)):
+        with pytest.raises(SnapmlaError, match="synth: need layers, tokens, heads >= 1 and queries >= 0"):
+            synth_dump(spec)
+    kv, _ = synth_layer_kv(10, 0.5, 0)
+    for anchors in ([10], [-1], [3, 4]):
+        with pytest.raises(SnapmlaError, match=r"probe queries: need 1 anchors within 0\.\.9"):
+            probe_queries(kv, 1, 2, 0, anchors=anchors)
+    assert probe_queries(kv, 1, 2, 0, anchors=[9]).shape == (1, 2, 576)
+
+
+def test_probe_queries_of_a_short_cache_spread_over_at_most_half_its_keys() -> None:
+    """The drawn effective key count (8 .. 1024) is capped at half the keys: over 32 keys no row
+    attends (nearly) uniformly."""
+    kv, _ = synth_layer_kv(32, 0.5, 0, 2)
+    q = probe_queries(kv, 4, 8, seed=3)
+    n_eff = effective_keys(default_softmax_scale() * (q.double().reshape(-1, 576) @ kv.double().T))
+    assert float(n_eff.max()) < 0.55 * 32 and float(n_eff.min()) > 4
+
+
+def test_layer_stats_use_nearest_rank_quantiles_and_the_median_token() -> None:
+    from snapmla_cli.cache.synth import _quantile
+
+    assert _quantile(torch.arange(1.0, 11.0), 0.25) == 3.0 and _quantile(torch.arange(1.0, 11.0), 1.0) == 10.0
+    kv = torch.zeros(5, 576)
+    kv[:, 0] = torch.tensor([1.0, 1.0, 1.0, 2.0, 10.0])
+    kv[:, D_CONTENT + 3] = 0.5
+    stats = layer_stats(kv)
+    assert stats.token_amax_spread == 10.0 and stats.content_absmax == 10.0 and stats.rope_absmax == 0.5
+
+
+def test_synth_bytes_count_every_layers_cache() -> None:
+    from snapmla_cli.cache.synth import synth_bytes
+
+    one, eight = SynthSpec(layers=1, tokens=1000), SynthSpec(layers=8, tokens=1000)
+    assert synth_bytes(eight) - synth_bytes(one) == 7 * 1000 * 576 * 2
+
+
+def test_probe_queries_are_sized_for_the_softmax_scale_given() -> None:
+    """The attention spread is matched at the caller's softmax scale: half the scale, twice the
+    query (the logits, and so the spread, stay the same)."""
+    kv, _ = synth_layer_kv(256, 0.5, 0, 1)
+    q = probe_queries(kv, 2, 4, seed=0).float()
+    q_half = probe_queries(kv, 2, 4, seed=0, softmax_scale=default_softmax_scale() / 2).float()
+    assert float((q_half - 2 * q).norm() / (2 * q).norm()) < 1e-2

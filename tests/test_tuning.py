@@ -22,7 +22,7 @@ from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
 from snapmla_cli.ops.schedule import SplitPolicy
 from snapmla_cli.sizes import parse_int_list
 from snapmla_cli.tuning import db as tdb
-from snapmla_cli.tuning import lookup
+from snapmla_cli.tuning import describe_database, lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, load_file, normalise_gpu_name, save_entries
 from snapmla_cli.tuning.space import (
     FP8_VERSIONS,
@@ -117,6 +117,7 @@ def test_range_and_list_parsing():
     assert parse_ranges("1,8,64", "--batch") == [(1, 1), (8, 8), (64, 64)]
     assert parse_ranges("16-128", "--batch") == [(16, 128)]
     assert parse_ranges("16k,32k-64k", "--ctx") == [(16384, 16384), (32768, 65536)]
+    assert parse_ranges("64,", "--batch") == [(64, 64)] and parse_ranges("8, ,16", "--batch") == [(8, 8), (16, 16)]
     assert parse_int_list("16,64,16", "--heads", 1024) == [16, 64]
     assert parse_formats("both") == ["fp8", "bf16"] and parse_formats("BF16") == ["bf16"]
     for bad in ("128-16", "", "x", "0"):
@@ -754,6 +755,103 @@ def test_matching_entries_and_describe(isolated_db):
     assert any("none" in line for line in describe_database([replace(facts, name="Other")]))
 
 
+def test_a_gpu_name_with_spaces_around_it_matches_by_name(isolated_db):
+    """NVML names are matched stripped: a name given with spaces around it finds the sections."""
+    user, _ = isolated_db
+    save_entries(user, GPU, [entry(), entry(context=CTX[1])])
+    assert len(lookup.matching_entries("  Test GPU X100 ")) == 2
+    assert lookup.matching_entries("Test GPU X10") == []
+
+
+def test_fp8_and_bf16_answers_are_memoised_apart(isolated_db):
+    user, _ = isolated_db
+    bf16 = heuristic_config(128, False)
+    save_entries(user, GPU, [entry(cfg=alt_config()), entry(fmt="bf16", cfg=bf16)])
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), batch=64) == alt_config()
+    assert lookup.lookup_decode_config(rows=128, fp8=False, device=cuda0(), batch=64) == bf16
+
+
+def test_a_gpu_without_an_sm_count_matches_by_name_and_capability(isolated_db):
+    """torch could not count the SMs (no usable CUDA): the sections of that name and compute
+    capability apply, whatever their SM count."""
+    from snapmla_cli.runtime.gpu_facts import GpuFacts
+
+    user, shipped = isolated_db
+    save_entries(user, GPU, [entry()])
+    save_entries(shipped, replace(GPU, sm_count=114), [entry(context=CTX[1])])
+    facts = GpuFacts(0, "Test GPU X100", "GPU-1", None, (9, 0), 80 << 30, None, None, "580", "13.0")
+    assert [m.origin for m in lookup.matching_entries(facts)] == ["user", "shipped"]
+    assert lookup.matching_entries(replace(facts, compute_capability=(8, 9))) == []
+
+
+def test_describe_database_names_a_missing_user_folder_and_lists_the_files(isolated_db, tmp_path,
+                                                                          monkeypatch):
+    user, shipped = isolated_db
+    save_entries(shipped, GPU, [entry()])
+    lines = describe_database([])
+    assert lines[0] == f"tuning database folders: user {user}, shipped {shipped}"
+    assert lines[-1] == "tuning files: Test_GPU_X100.yaml"
+    missing = tmp_path / "nope"
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(missing))
+    assert describe_database([])[0] == f"tuning database folders: user {missing} (missing: ignored), shipped {shipped}"
+    monkeypatch.delenv(tdb.TUNING_DIR_ENV)
+    monkeypatch.setenv("HOME", str(tmp_path))  # the default folder, absent: not worth a note
+    assert "missing" not in describe_database([])[0]
+
+
+def test_only_multi_token_buckets_decode_causally():
+    assert not Bucket(64, 1, (8, 8), (4096, 4096), "fp8").causal
+    assert Bucket(64, 2, (8, 8), (4096, 4096), "fp8").causal
+
+
+def test_shared_memory_exactly_at_the_per_cta_limit_is_allowed():
+    """The BF16 mma.sync layout rg2 st5 bn32 needs exactly the 227 KB a CTA may opt into."""
+    cfg = DecodeConfig.of({"row_groups": 2, "stages": 5, "min_ctas_per_sm": 1, "block_n": 32,
+                           "kernel_version": dc.BF16_MMA_SYNC})
+    assert smem_bytes(cfg, "bf16") == dc.MAX_SMEM_PER_CTA
+    assert config_problem(cfg, "bf16", 32) is None
+    assert cfg in kernel_variants(32, "bf16")[0]
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_one_pipeline_stage_is_refused(fp8):
+    cfg = replace(heuristic_config(128, fp8), stages=1)
+    assert config_problem(cfg, "fp8" if fp8 else "bf16").rule == "min_ctas_per_sm >= 1 and stages >= 2 required"
+
+
+def test_config_ids_name_block_n_only_where_it_applies_and_a_split_cap():
+    mma = heuristic_config(128, False, dc.BF16_MMA_SYNC)
+    assert "-bn32-" in config_id(mma, "bf16")
+    wgmma = heuristic_config(128, False, dc.BF16_WGMMA)
+    assert "-bn" not in config_id(wgmma, "bf16")
+    fp8 = heuristic_config(128)
+    capped = replace(fp8, split=replace(fp8.split, max_splits_per_request=8))
+    assert config_id(capped, "fp8") == config_id(fp8, "fp8") + "-ms8"
+
+
+def test_split_policies_start_with_the_kernels_own_ctas_per_sm():
+    """A kernel built for 2 CTAs per SM is tried first with the split plan that targets 2 CTAs
+    per SM and the default's waves and minimum split (then the other products)."""
+    default = heuristic_config(128).split
+    kernel = next(c for c in kernel_variants(128, "fp8")[0] if c.min_ctas_per_sm == 2)
+    fixed = [p for p in split_policies(kernel, default) if not (p.balanced or p.auto_balance)]
+    first = fixed[0]
+    assert (first.ctas_per_sm, first.waves, first.min_blocks_per_split) == (2, default.waves,
+                                                                            default.min_blocks_per_split)
+
+
+@pytest.mark.parametrize("bucket", [Bucket(16, 1, (8, 8), (4096, 4096), "bf16"),
+                                    Bucket(64, 2, (64, 64), (16384, 16384), "fp8")])
+def test_every_kernel_and_split_pair_is_the_default_a_candidate_or_an_alias(bucket):
+    """Each kernel variant appears once, and every (kernel, split policy) pair is counted once:
+    the default itself, a candidate, or an alias of an earlier one (the default is no alias)."""
+    space = search_space(bucket, 132)
+    assert len(set(space.kernels)) == len(space.kernels)
+    assert space.kernels[0] == replace(space.default, split=SplitPolicy())
+    pairs = sum(len(split_policies(k, space.default.split, bucket.fp8)) for k in space.kernels)
+    assert pairs == len(space.candidates) + space.aliases
+
+
 # ---------------------------------------------------------------------------------------------
 # the search loop with injected measurements
 
@@ -1140,6 +1238,29 @@ def test_tune_dry_run_lists_search_space(isolated_db):
     assert "fp8 kernel variants for 128 rows" in out and "bf16 kernel variants" in out
     assert "h_q 64 s_q 2 batch 64 ctx 128k fp8" in out and "8 buckets" in out
     assert "40 candidates per bucket" in out and "pruned" in out
+    # one table per kernel family and row count, however many buckets share it
+    assert out.count("fp8 kernel variants for 128 rows") == 1 == out.count("bf16 kernel variants for 128 rows")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="names the file of a machine without a GPU")
+def test_tune_dry_run_names_the_database_file_it_would_write(isolated_db, tmp_path):
+    folder = tmp_path / "db"
+    result = CliRunner().invoke(tiny_app(), ["--heads", "16", "--mtp", "1", "--batch", "4", "--ctx", "1k",
+                                             "--budget", "4", "--dry-run", "--db-dir", str(folder)])
+    assert result.exit_code == 0, result.output
+    assert f"database: {folder / '<GPU name>.yaml'}" in " ".join(result.output.split())
+
+
+def test_tune_interrupted_exits_130_and_says_it_resumes(isolated_db, monkeypatch):
+    from snapmla_cli.cli import tune as tune_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tune_cli, "_tune", interrupted)
+    result = CliRunner().invoke(tiny_app(), ["--dry-run"])
+    assert result.exit_code == 130
+    assert result.stderr.startswith("interrupted: measurements so far are kept") and "resume" in result.stderr
 
 
 def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, monkeypatch, tmp_path):
@@ -1319,3 +1440,38 @@ def test_shipped_databases_are_clean_measurements():
                 assert e.command.startswith("snapmla tune "), e.command
                 assert e.kernels and e.date and e.default_config is not None and e.candidates > 0
                 assert e.time_us <= e.default_time_us, (e.bucket.id, e.time_us, e.default_time_us)
+
+
+def test_list_gpus_reads_nvml_and_matches_torch_sm_counts_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML's CUDA driver version 13010 is "13.1" (major 13); a GPU's SM count is torch's for
+    its UUID, else for its index; a clock NVML cannot report is None."""
+    import sys
+    from types import SimpleNamespace
+
+    from snapmla_cli.runtime import gpu_facts
+
+    def max_clock(handle: int, which: int) -> int:
+        if which == 1:
+            raise RuntimeError("NVMLError_NotSupported")
+        return 1980
+
+    count = {"n": 2}
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, NVML_CLOCK_SM=0, NVML_CLOCK_MEM=1,
+        nvmlSystemGetDriverVersion=lambda: b"580.65.06", nvmlSystemGetCudaDriverVersion_v2=lambda: 13010,
+        nvmlDeviceGetCount=lambda: count["n"], nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h}f", nvmlDeviceGetName=lambda h: b"NVIDIA H200",
+        nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=141 * 2**30), nvmlDeviceGetMaxClockInfo=max_clock)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(gpu_facts, "_sm_counts", lambda: {"GPU-1f": 132, "index-0": 114})
+    listing = gpu_facts.list_gpus()
+    assert listing.reason == "" and [g.sm_count for g in listing.gpus] == [114, 132]
+    g = listing.gpus[1]
+    assert (g.name, g.uuid, g.driver_version, g.cuda_driver_version) == ("NVIDIA H200", "GPU-1f", "580.65.06", "13.1")
+    assert g.cuda_driver_major == 13 and g.key == ("NVIDIA H200", 132, (9, 0), 13)
+    assert (g.max_sm_clock_mhz, g.max_mem_clock_mhz) == (1980, None)
+    assert gpu_facts.nvml_uuid(SimpleNamespace(uuid="1f")) == "GPU-1f"
+    assert gpu_facts.nvml_uuid(SimpleNamespace()) is None
+    count["n"] = 0
+    assert gpu_facts.list_gpus() == gpu_facts.GpuListing([], "NVML reports no GPU")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +99,7 @@ MALFORMED = [
     ("split waves .nan", setter("config", "split", "waves", value=float("nan")), "config: waves"),
     ("default stages .inf", setter("default_config", "stages", value=float("inf")),
      "default_config: stages"),
+    ("format fp16", setter("bucket", "format", value="fp16"), "bucket: format 'fp16' is not fp8 or bf16"),
 ]
 
 
@@ -265,3 +267,90 @@ def test_no_warning_for_clean_folders(isolated_db):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is not None
+
+
+def test_a_compute_capability_of_three_numbers_is_malformed():
+    with pytest.raises(DbError, match=r"compute_capability must be \[major, minor\], got \[9, 0, 1\]"):
+        GpuKey.from_dict({**GPU.as_dict(), "compute_capability": [9, 0, 1]})
+
+
+def test_the_gpu_key_of_gpu_facts_takes_the_driver_major():
+    from types import SimpleNamespace
+
+    facts = SimpleNamespace(name="NVIDIA H200", sm_count=132, compute_capability=(9, 0),
+                            cuda_driver_version="12.8")
+    assert GpuKey.from_facts(facts) == GpuKey("NVIDIA H200", 132, (9, 0), 12)
+    assert GpuKey.from_facts(SimpleNamespace(**{**vars(facts), "cuda_driver_version": "n/a"})).cuda_driver_major is None
+
+
+def test_a_user_folder_that_is_the_shipped_one_is_searched_once(isolated_db, monkeypatch):
+    user, shipped = isolated_db
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(shipped))
+    assert tdb.search_dirs() == [("shipped", shipped)]
+    monkeypatch.setenv(tdb.TUNING_DIR_ENV, str(user))
+    assert tdb.search_dirs() == [("user", user), ("shipped", shipped)]
+
+
+def test_an_entry_of_zero_candidates_loads():
+    """A bucket whose budget ran out after the default stores candidates: 0 and reads it back."""
+    entry = replace(make_entry(BAD), candidates=0)
+    assert Entry.from_dict(entry.as_dict()) == entry
+
+
+def test_an_empty_database_file_is_an_empty_database(isolated_db):
+    user, _ = isolated_db
+    path = user / DB_NAME
+    path.write_text("")
+    loaded = load_file(path)
+    assert (loaded.sections, loaded.problems) == ([], [])
+    save_entries(user, GPU, [make_entry(GOOD)])  # no --force needed: nothing would be dropped
+    assert find_entry(user, GPU, GOOD) == make_entry(GOOD)
+
+
+def test_entries_that_are_not_a_list_are_one_named_problem(isolated_db):
+    user, _ = isolated_db
+    path = user / DB_NAME
+    path.write_text(yaml.safe_dump({"format": "snapmla-tuning", "version": 1,
+                                    "devices": [{"gpu": GPU.as_dict(), "entries": {"a": 1}}]}))
+    loaded = load_file(path)
+    assert loaded.problems == ["devices[0].entries: expected a list"]
+    assert [(s.gpu, s.entries) for s in loaded.sections] == [(GPU, [])]
+
+
+def test_entries_are_written_in_bucket_order(isolated_db):
+    user, _ = isolated_db
+    small = Bucket(16, 1, (8, 8), (4096, 4096), "fp8")
+    path, _ = save_entries(user, GPU, [make_entry(GOOD), make_entry(small), make_entry(BAD)])
+    assert [e.bucket for e in load_file(path).sections[0].entries] == [small, BAD, GOOD]
+
+
+@pytest.mark.parametrize("bad", [1, 2])
+def test_the_refusal_to_drop_malformed_entries_counts_them(isolated_db, bad):
+    user, _ = isolated_db
+    path = write_db(user, setter("candidates", value=-1))
+    if bad == 2:
+        data = yaml.safe_load(path.read_text())
+        for entry in data["devices"][0]["entries"]:
+            entry["candidates"] = -1
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with pytest.raises(SnapmlaError) as info:
+        save_entries(user, GPU, [make_entry(GOOD)])
+    words = ("1 malformed entry", "which would drop it (") if bad == 1 else ("2 malformed entries", "drop them (")
+    for needle in words:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_a_gpu_name_that_is_not_text_is_malformed():
+    for name in (5, None, ["H200"]):
+        with pytest.raises(DbError, match="gpu: expected a mapping with a name"):
+            GpuKey.from_dict({**GPU.as_dict(), "name": name})
+
+
+def test_find_entry_wants_exactly_this_gpu_driver_included(isolated_db):
+    """A resumed `snapmla tune` skips only buckets stored for this very key: another CUDA
+    driver's section (same GPU model) is timed again."""
+    user, _ = isolated_db
+    older = GpuKey(GPU.name, GPU.sm_count, GPU.compute_capability, 12)
+    save_entries(user, older, [make_entry(BAD)])
+    assert find_entry(user, older, BAD) == make_entry(BAD)
+    assert find_entry(user, GPU, BAD) is None
