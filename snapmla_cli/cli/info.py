@@ -5,19 +5,8 @@ from __future__ import annotations
 from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
 from ..runtime.gpu_facts import GpuFacts, list_gpus, toolchain_facts
 from ..tables import figure_table
+from ..tuning import describe_database
 from .common import console
-
-
-def _tuning_lines(gpus: list[GpuFacts]) -> list[str]:
-    """The seam for the tuning package: ``snapmla_cli.tuning.describe_database(gpus)`` returns
-    lines describing the entries found for these GPUs, when it exists."""
-    from .. import tuning
-
-    describe = getattr(tuning, "describe_database", None)
-    if describe is None:
-        return ["tuning database: none found"]
-    return list(describe(gpus)) or ["tuning database: none found"]
-
 
 KERNELS_RUN = "yes"
 
@@ -54,5 +43,5 @@ def info_command() -> None:
               f"CUDA usable: {'yes' if tc.cuda_available else 'no'})")
     out.print(f"CuPy: {tc.cupy_version or 'not usable (' + str(tc.cupy_error) + ')'}")
     out.print(f"NVRTC: {tc.nvrtc_version or 'not usable (' + str(tc.nvrtc_error) + ')'}")
-    for line in _tuning_lines(listing.gpus):
+    for line in describe_database(listing.gpus):
         out.print(line)
