@@ -32,7 +32,7 @@ import torch
 
 from ..cache.atomic import write_text_atomic
 from ..errors import NoGpuError, SnapmlaError
-from ..runtime.gpu_arch import UnsupportedGpuError, kernels_gpu_problem
+from ..runtime.gpu_arch import kernels_gpu_problem, refuse_if
 from ..sizes import counted
 from .plan import BenchPlan
 from .results import BenchReport, Measurement
@@ -168,9 +168,7 @@ def preflight(
     if env is not None and env.local_rank >= count:
         raise SnapmlaError(f"LOCAL_RANK {env.local_rank} has no GPU: this node has {count}")
     for index in (range(plan.world) if env is None else (env.local_rank,)):
-        reason = gpu_problem(index)
-        if reason is not None:
-            raise UnsupportedGpuError(reason)
+        refuse_if(gpu_problem(index))
 
 
 class DistComm:

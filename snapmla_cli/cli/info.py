@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
-from ..runtime.gpu_facts import GpuFacts, list_gpus, toolchain_facts
+from ..runtime.gpu_facts import list_gpus, toolchain_facts
 from ..tables import figure_table
 from ..tuning import describe_database
 from .common import console
-
-KERNELS_RUN = "yes"
-
-
-def _kernels_cell(gpu: GpuFacts) -> str:
-    """Whether snapmla's kernels run on ``gpu``: built for its compute capability or not."""
-    return KERNELS_RUN if device_arch(gpu.compute_capability) in common_archs() else "no"
 
 
 def info_command() -> None:
@@ -24,17 +17,19 @@ def info_command() -> None:
     out = console()
     listing = list_gpus()
     if listing.gpus:
+        archs = common_archs()
+        runs_kernels = [device_arch(g.compute_capability) in archs for g in listing.gpus]
         table = figure_table("GPUs", ("#", "name", "SMs", "cc", "memory GiB", "max SM MHz", "max mem MHz", "driver",
                                       "CUDA driver", "kernels"))
-        for g in listing.gpus:
+        for g, runs in zip(listing.gpus, runs_kernels):
             table.add_row(str(g.index), g.name, "n/a" if g.sm_count is None else str(g.sm_count),
                           f"{g.compute_capability[0]}.{g.compute_capability[1]}",
                           f"{g.memory_bytes / 2**30:.1f}", str(g.max_sm_clock_mhz or "n/a"),
                           str(g.max_mem_clock_mhz or "n/a"), g.driver_version, g.cuda_driver_version,
-                          _kernels_cell(g))
+                          "yes" if runs else "no")
         out.print(table)
-        if any(_kernels_cell(g) != KERNELS_RUN for g in listing.gpus):
-            out.print(f"snapmla's kernels are built for compute capability {describe_archs(common_archs())}; "
+        if not all(runs_kernels):
+            out.print(f"snapmla's kernels are built for compute capability {describe_archs(archs)}; "
                       "on the other GPUs only the reference and the emulation run")
     else:
         out.print(f"GPU: none ({listing.reason}); decode kernels cannot run here, the CPU reference and emulation can")

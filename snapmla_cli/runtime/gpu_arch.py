@@ -73,11 +73,16 @@ def _gpu(index: int) -> tuple[str, tuple[int, int]]:
     return torch.cuda.get_device_name(index), (int(major), int(minor))
 
 
-def require_arch(source: str, index: int) -> None:
-    """Raise :class:`UnsupportedGpuError` unless GPU ``index`` is one ``source`` is built for."""
-    reason = unsupported_reason(source, supported_archs(source), index, *_gpu(index))
+def refuse_if(reason: str | None) -> None:
+    """Raise :class:`UnsupportedGpuError` with ``reason`` (one of the ``..._problem`` answers)
+    unless it is None."""
     if reason is not None:
         raise UnsupportedGpuError(reason)
+
+
+def require_arch(source: str, index: int) -> None:
+    """Raise :class:`UnsupportedGpuError` unless GPU ``index`` is one ``source`` is built for."""
+    refuse_if(unsupported_reason(source, supported_archs(source), index, *_gpu(index)))
 
 
 def kernels_gpu_problem(index: int) -> str | None:
@@ -88,6 +93,4 @@ def kernels_gpu_problem(index: int) -> str | None:
 
 def require_kernels_gpu(index: int) -> None:
     """Raise :class:`UnsupportedGpuError` when :func:`kernels_gpu_problem` finds one."""
-    reason = kernels_gpu_problem(index)
-    if reason is not None:
-        raise UnsupportedGpuError(reason)
+    refuse_if(kernels_gpu_problem(index))
