@@ -11,7 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mypy import api as mypy_api  # in the test extra: pip install -e ".[test]"
+# mypy is in the test extra (pip install -e ".[test]", which CI runs); the GPU machine's image has
+# no mypy, and its `pytest -m gpu` run must still collect this module.
+mypy_api = pytest.importorskip("mypy.api", reason="mypy is in the test extra")
 
 ROOT = Path(__file__).resolve().parents[1]
 
