@@ -63,7 +63,7 @@ for step in $steps; do
   echo "== $step"
   case "$step" in
     precompile) python3 scripts/precompile.py 2>&1 | tail -3 ;;
-    tests)  python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
+    tests)  python3 -m pytest -q -m gpu --continue-on-collection-errors tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -4 ;;
     verify) snap verify --ctx 32k --fp8-kernel default,v2,v3,v3-alt,v3-rows-m,v3-vt --json "$OUT/verify.json" 2>&1 \
               | tee "$OUT/verify.log" | tail -40 ;;
     probe)  for shape in "16 1 32768 4" "128 2 32768 2"; do python3 scripts/probe_precision.py $shape; done 2>&1 \
