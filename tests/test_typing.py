@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 # mypy is in the test extra (pip install -e ".[test]", which CI runs); the GPU machine's image has
 # no mypy, and its `pytest -m gpu` run must still collect this module.
 mypy_api = pytest.importorskip("mypy.api", reason="mypy is in the test extra")
