@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # less pytest; transformers is on that image).
 ABSENT_ON_GPU_IMAGE = ("mypy", "matplotlib")
 
-# A child interpreter in which importing ABSENT_ON_GPU_IMAGE fails as it does on that image, then
-# pytest's collection of the GPU selection; the exit status is pytest's.
+# A child interpreter in which importing the packages of argv[1] fails as it does on that image,
+# then pytest's collection of argv[2] with the GPU marker; the exit status is pytest's.
 COLLECT_WITHOUT_EXTRA = """
 import sys, importlib.abc
 absent = set(sys.argv[1].split(","))
@@ -32,19 +32,24 @@ class Absent(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Absent())
 import pytest
-sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]))
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", sys.argv[2]]))
 """
 
 
-def test_the_gpu_selection_collects_without_the_test_extra() -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", COLLECT_WITHOUT_EXTRA, ",".join(ABSENT_ON_GPU_IMAGE)],
-        cwd=ROOT,
+def collect_without(absent: tuple[str, ...], target: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """pytest's collection of `target` (GPU marker) in a child where `absent` cannot be imported."""
+    return subprocess.run(
+        [sys.executable, "-c", COLLECT_WITHOUT_EXTRA, ",".join(absent), target],
+        cwd=cwd,
         check=False,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_the_gpu_selection_collects_without_the_test_extra() -> None:
+    result = collect_without(ABSENT_ON_GPU_IMAGE, "tests", ROOT)
     errors = [line for line in result.stdout.splitlines() if line.startswith("ERROR")]
     assert result.returncode == 0, f"collection failed: {errors or result.stdout[-2000:]}"
     assert "tests/gpu/" in result.stdout, "the GPU selection collected no GPU test"
@@ -52,16 +57,8 @@ def test_the_gpu_selection_collects_without_the_test_extra() -> None:
 
 def test_the_stand_in_makes_the_extra_unimportable(tmp_path: Path) -> None:
     """The stand-in itself bites: a module importing mypy at its top fails to collect under it."""
-    probe = COLLECT_WITHOUT_EXTRA.replace('"tests"]', "sys.argv[2]]")
     imports_mypy = tmp_path / "test_imports_mypy.py"
     imports_mypy.write_text("import mypy.api\n\n\ndef test_nothing() -> None:\n    pass\n")
-    result = subprocess.run(
-        [sys.executable, "-c", probe, "mypy", str(imports_mypy)],
-        cwd=tmp_path,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = collect_without(("mypy",), str(imports_mypy), tmp_path)
     assert result.returncode != 0, result.stdout[-2000:]
     assert "No module named 'mypy" in result.stdout, result.stdout[-2000:]
