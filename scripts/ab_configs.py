@@ -52,7 +52,7 @@ def main() -> None:
     for shape in args.shapes.split(","):
         h_q, s_q = (int(x) for x in shape.split(":"))
         for ctx in (int(c) for c in args.ctx.split(",")):
-            base = choose_config(h_q * s_q, True, device, args.batch, ctx)
+            base = choose_config(h_q * s_q, True, device, args.batch, ctx, s_q=s_q)
             sides: dict[str, DecodeConfig] = {"A": base}
             for k, text in enumerate(args.b):
                 cfg = overlaid(base, parse_defines(text))

@@ -60,7 +60,7 @@ def main() -> None:
         for s in map(int, args.mtp.split(",")):
             for ctx in map(int, args.ctx.split(",")):
                 rows = h * s
-                tuned = choose_config(rows, fp8, device, args.batch, ctx)
+                tuned = choose_config(rows, fp8, device, args.batch, ctx, s_q=s)
                 heuristic = heuristic_config(rows, fp8).with_sms(sms)
                 if tuned == heuristic and not args.all:
                     for c in states:
