@@ -4,8 +4,8 @@
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
-# the shipped 1, 8 and 64; `ship-b1`: FP8 entries for batch 1 (16k, 128k), the current ones
-# skipped; `ship16-small`: the same for BF16; `ship16-hN`:
+# the shipped 1, 8 and 64; `ship16-small`: the same for BF16; `ship-b1`: FP8 entries for batch 1
+# (16k, 128k), the buckets already current skipped (the tuner resumes by default); `ship16-hN`:
 # the BF16 entries of h_q N only, replacing the stored ones (--force: after a BF16 kernel change),
 # 33-36 s each on a warm machine; `ship16-retune`: re-tune the BF16 entries of h_q 64 / 128 that
 # were timed against another default (--resume skips the current ones); `ship16`:
@@ -72,9 +72,9 @@ for step in $steps; do
     tune)   tune_db tune 20 $SHAPES --batch 64 --ctx 32k --format fp8 --budget 8s ;;
     ship)   tune_db tune_ship 40 $SHAPES --batch 64 --ctx $SWEEP_CTX --format fp8 --budget 8s --force ;;
     ship-small) tune_db tune_ship_small 40 $SHAPES --batch 4,16 --ctx 16k,128k --format fp8 --budget 6s ;;
-    ship-b1) # FP8 entries for batch 1 (16k, 128k); --resume skips the buckets already current (on the
-            # H100 the forty-third session's run stopped after 11 of the 16)
-            tune_db tune_ship_b1 24 $SHAPES --batch 1 --ctx 16k,128k --format fp8 --budget 5s --resume ;;
+    ship-b1) # resumes: the buckets already current are skipped (the H100's run of the forty-fourth
+            # session stopped after 11 of the 16)
+            tune_db tune_ship_b1 24 $SHAPES --batch 1 --ctx 16k,128k --format fp8 --budget 5s ;;
     ship16-small) tune_db tune_ship16_small 40 $SHAPES --batch 4,16 --ctx 16k,128k --format bf16 --budget 4s ;;
     ship16) tune_db tune_ship16 40 $SHAPES --batch 64 --ctx $SWEEP_CTX --format bf16 --budget 4s ;;
     ship16-retune)
