@@ -18,7 +18,7 @@ import torch
 from snapmla_cli.bench.decode_case import DecodeCall, DecodeCase
 from snapmla_cli.bench.timing import BURST, STEADY, Clocks, time_graph
 from snapmla_cli.ops.config_choice import choose_config
-from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
+from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_for_work
 from snapmla_cli.tuning.space import config_id
 
 
@@ -61,7 +61,7 @@ def main() -> None:
             for ctx in map(int, args.ctx.split(",")):
                 rows = h * s
                 tuned = choose_config(rows, fp8, device, args.batch, ctx, s_q=s)
-                heuristic = heuristic_config(rows, fp8).with_sms(sms)
+                heuristic = heuristic_for_work(rows, fp8, args.batch, ctx, sms).with_sms(sms)
                 if tuned == heuristic and not args.all:
                     for c in states:
                         ratios[c.name].append(1.0)

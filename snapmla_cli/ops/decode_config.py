@@ -8,6 +8,7 @@ the same limit, and the wgmma kernels the host's exact launch size).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -465,6 +466,56 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
         cfg = DecodeConfig(row_groups=row_groups, stages=2, block_n=block_n, min_ctas_per_sm=1,
                            kernel_version=BF16_MMA_SYNC)
     return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
+
+
+# Row-tile pages per SM below which 64-row tiles (rows = M) are split into smaller row tiles on
+# the alternate-pages kernel. A 64-row tile's page is one long chain (QK, softmax, PV of 64 rows);
+# with few pages per SM the call is that chain's latency, and more CTAs over the same pages finish
+# sooner. From both GPUs' sweeps of 64 / 32 / 16-row tiles (scripts/ab_small_work.py, docs/PERF.md,
+# forty-fifth session): requests of two or more 64-row tiles ran fastest as 64-row tiles from 7.8
+# tile-pages per SM on, and slower below 6 but for one shape (2.5%); requests of one 64-row tile
+# (64 rows) still gained 6-16% from 32-row tiles at 7.8 (0.6% lost on the H200 at one shape), and
+# split the GPUs at 15.5, so their threshold sits between the two.
+SMALL_WORK_TILE_PAGES_PER_SM = 6.0
+SMALL_WORK_ONE_TILE_PAGES_PER_SM = 12.0
+# 16-row tiles only where the call has at most this many (request, 32-row tile) pairs: with more,
+# each page is read by more CTAs than the shorter chains save (h64 s1 b 4 4k and h128 s2 b 1 4k,
+# eight pairs, ran 6-17% faster as 32-row tiles on both GPUs; with two or four pairs 16-row tiles
+# beat 32-row ones by up to 1.17x, h64 s1 b 1 4k).
+SMALL_WORK_MAX_PAIRS_FOR_16_ROWS = 4
+
+
+def small_work_row_groups(rows: int, batch: int, context: float, sms: int) -> int:
+    """Row groups (16 rows each) of the row tile for ``rows`` rows of ``batch`` requests of mean
+    ``context`` tokens on ``sms`` SMs: the largest tile, from the 64-row one down, whose tiles
+    times pages give every SM enough work (``SMALL_WORK_ONE_TILE_PAGES_PER_SM`` for requests of
+    one 64-row tile, ``SMALL_WORK_TILE_PAGES_PER_SM`` otherwise); below that 16-row tiles where
+    the 32-row pairs are few (``SMALL_WORK_MAX_PAIRS_FOR_16_ROWS``), else 32-row tiles."""
+    pages = batch * max(1, math.ceil(context / PAGE_TOKENS))
+    for groups in (ROWS_M_ROW_GROUPS, RING_ROW_GROUPS):
+        tiles = math.ceil(rows / (groups * ROWS_PER_GROUP))
+        one_tile = groups == ROWS_M_ROW_GROUPS and tiles == 1
+        enough = SMALL_WORK_ONE_TILE_PAGES_PER_SM if one_tile else SMALL_WORK_TILE_PAGES_PER_SM
+        if tiles * pages >= enough * sms:
+            return groups
+    pairs_32 = batch * math.ceil(rows / (RING_ROW_GROUPS * ROWS_PER_GROUP))
+    return 1 if pairs_32 <= SMALL_WORK_MAX_PAIRS_FOR_16_ROWS else RING_ROW_GROUPS
+
+
+def heuristic_for_work(rows: int, fp8: bool, batch: int | None, context: float | None,
+                       sms: int) -> DecodeConfig:
+    """The built-in choice for a call whose work is known: :func:`heuristic_config`, except that
+    an FP8 call of 64-row tiles with too few pages per SM runs the configuration of smaller row
+    tiles (:func:`small_work_row_groups`), which the kernel runs over any row count. Unknown work
+    (``batch`` or ``context`` None, a host that does not know the lengths) keeps the rows-only
+    choice, as do BF16 and the mma.sync kernel."""
+    cfg = heuristic_config(rows, fp8)
+    if batch is None or context is None or batch < 1 or sms < 1:
+        return cfg
+    if not (fp8 and cfg.kernel_version == FP8_WGMMA and cfg.row_groups == ROWS_M_ROW_GROUPS):
+        return cfg
+    groups = small_work_row_groups(rows, batch, context, sms)
+    return cfg if groups == ROWS_M_ROW_GROUPS else heuristic_config(groups * ROWS_PER_GROUP, fp8)
 
 
 def variant_config(rows: int, version: int = DEFAULT_FP8_KERNEL, **overrides: int) -> DecodeConfig:

@@ -21,7 +21,7 @@ from itertools import product
 from ..errors import SnapmlaError
 from ..ops import cluster_fold
 from ..ops import decode_config as dc
-from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_config
+from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_for_work
 from ..ops.schedule import SplitPolicy, work_columns
 from ..sizes import MAX_SIZE, counted, format_size, parse_size, refuse_long_number
 from .fields import DbError, read_int, read_pair, show
@@ -319,8 +319,10 @@ def config_id(cfg: DecodeConfig, fmt: str) -> str:
 
 
 def default_config(bucket: Bucket, num_sms: int) -> DecodeConfig:
-    """What runs without a database entry: the built-in heuristic."""
-    return heuristic_config(bucket.rows, bucket.fp8).with_sms(num_sms)
+    """What runs without a database entry: the built-in heuristic for the bucket's timed shape
+    (which, for FP8 64-row tiles, depends on the work per SM)."""
+    return heuristic_for_work(bucket.rows, bucket.fp8, bucket.timed_batch, bucket.timed_context,
+                              num_sms).with_sms(num_sms)
 
 
 def kernel_variants(rows: int, fmt: str
