@@ -1240,6 +1240,10 @@ def test_tune_dry_run_lists_search_space(isolated_db):
     assert "40 candidates per bucket" in out and "pruned" in out
     # one table per kernel family and row count, however many buckets share it
     assert out.count("fp8 kernel variants for 128 rows") == 1 == out.count("bf16 kernel variants for 128 rows")
+    # the small-work rule gives b 1 16k 32-row tiles and the other FP8 buckets 64-row tiles: both
+    # defaults are marked in the one FP8 table, and the buckets table names each bucket's
+    assert "v3-rg2-wa-rr3-st5-c1 (default)" in out and "v3-rg4-wm-st4-c1 (default)" in out
+    assert "v3-rg2-wa-rr3-st5-c1/1x1-mb4" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="names the file of a machine without a GPU")

@@ -149,12 +149,15 @@ def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
         if (b.format, b.rows) in shown:
             continue
         shown.add((b.format, b.rows))
+        # the default kernel can differ per bucket of the same rows (the small-work rule):
+        # every one of them is marked, the buckets table below says which bucket runs which
+        defaults = {s.kernels[0] for s in spaces if (s.bucket.format, s.bucket.rows) == (b.format, b.rows)}
         table = figure_table(f"{b.format} kernel variants for {b.rows} rows (h_q x s_q)",
                              ("kernel", "row groups", "kv split", "stages", "block_n", "CTAs/SM",
                               "smem B", "split policies"))
         for k in space.kernels:
             kid = config_id(k, b.format).split("/")[0]
-            table.add_row(kid + (" (default)" if k == space.kernels[0] else ""),
+            table.add_row(kid + (" (default)" if k in defaults else ""),
                           str(k.row_groups), str(getattr(k, "kv_split", "-")) if b.fp8 else "-",
                           str(k.stages), str(k.block_n) if not b.fp8 else "-",
                           str(k.min_ctas_per_sm), str(smem_bytes(k, b.format)),
