@@ -663,3 +663,33 @@ def test_graph_work_list_replays_every_steps_plan(s_q, h_q):
         results.append((out.clone(), lse.clone()))
     assert torch.equal(results[0][0], results[-1][0]) and torch.equal(results[0][1], results[-1][1])
     assert work.metadata.shape == (work.capacity, 1, 4)
+
+
+# The small-work rule's smaller tiles over 64+ rows (decode_config.heuristic_for_work), through the
+# default path with no database entry: (seqlens, s_q, h_q, causal, row groups the rule picks on
+# 132 SMs). Odd lengths, an empty request, 80 rows (not a power of two).
+SMALL_WORK_CASES = [
+    ([4000], 1, 64, False, 1),
+    ([4097, 63, 0, 4000], 1, 64, False, 2),
+    ([16000], 1, 128, False, 2),
+    ([4001], 2, 40, True, 1),
+    ([3000, 65], 2, 64, True, 2),
+]
+
+
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal,groups", SMALL_WORK_CASES)
+def test_small_work_tiles_run_the_default_path_and_match_emulation(seqlens, s_q, h_q, causal, groups, monkeypatch):
+    """Without a database entry get_mla_metadata picks the rule's tile from the lengths, the
+    decode runs it, and the result matches the emulation (NaN-poisoned output and cache rows)."""
+    from snapmla_cli.ops.config_choice import metadata_plan
+    from snapmla_cli.tuning import lookup
+
+    device = torch.device("cuda")
+    if torch.cuda.get_device_properties(device).multi_processor_count != 132:
+        pytest.skip("the expected tiles are those of a 132-SM GPU")
+    monkeypatch.setattr(lookup, "lookup_decode_config", lambda **kw: None)  # the heuristic runs
+    prob = random_problem(seqlens, s_q, h_q, causal=causal, seed=sum(seqlens) + h_q)
+    out, lse, cache, meta, splits = _run_fp8(prob, device)
+    plan = metadata_plan(meta)
+    assert plan is not None and plan.config.row_groups == groups
+    _check_fp8_against_emulation(prob, out, lse, cache, meta, splits, device)
