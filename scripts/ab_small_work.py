@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import torch
 from ab_tuning import alternating_medians  # this folder is sys.path[0]
@@ -23,6 +24,7 @@ from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import BURST
 from snapmla_cli.ops.decode_config import (
     PAGE_TOKENS,
+    RING_ROW_GROUPS,
     ROWS_M_ROW_GROUPS,
     ROWS_PER_GROUP,
     heuristic_config,
@@ -30,11 +32,7 @@ from snapmla_cli.ops.decode_config import (
 )
 from snapmla_cli.tuning.space import config_id
 
-TILE_ROWS = (ROWS_M_ROW_GROUPS * ROWS_PER_GROUP, 2 * ROWS_PER_GROUP, ROWS_PER_GROUP)  # 64, 32, 16
-
-
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+TILE_ROWS = tuple(g * ROWS_PER_GROUP for g in (ROWS_M_ROW_GROUPS, RING_ROW_GROUPS, 1))  # 64, 32, 16
 
 
 def main() -> None:
@@ -72,8 +70,11 @@ def main() -> None:
                       f"rows-only, {times[best] / t_rule:.3f}x the fastest)", flush=True)
                 del case
                 torch.cuda.empty_cache()
-    print(f"rule over the rows-only heuristic: geomean {geomean(over_rows_only):.4f}x over {len(over_rows_only)} "
-          f"shapes; over the fastest of the three: {geomean(over_best):.4f}x")
+    if not over_rows_only:
+        print(f"no shape below {args.max_units} tile-pages per SM")
+        return
+    print(f"rule over the rows-only heuristic: geomean {statistics.geometric_mean(over_rows_only):.4f}x over "
+          f"{len(over_rows_only)} shapes; over the fastest of the three: {statistics.geometric_mean(over_best):.4f}x")
 
 
 if __name__ == "__main__":

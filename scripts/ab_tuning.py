@@ -10,7 +10,6 @@ fifteenth session). The database is the one the runtime reads
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 
 import torch
@@ -78,7 +77,7 @@ def main() -> None:
                 del case
                 torch.cuda.empty_cache()
     for name, r in ratios.items():
-        print(f"{name}: geomean tuned over heuristic {math.exp(sum(map(math.log, r)) / len(r)):.4f}x "
+        print(f"{name}: geomean tuned over heuristic {statistics.geometric_mean(r):.4f}x "
               f"over {len(r)} shapes (entries equal to the heuristic count 1.0)")
 
 

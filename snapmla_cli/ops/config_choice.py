@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tuning import lookup
-from .decode_config import DecodeConfig, heuristic_config, heuristic_for_work, settle_blind
+from .decode_config import DecodeConfig, heuristic_for_work, settle_blind
+from .schedule import SplitPolicy
 from .split_fold import SplitFold
 
 
@@ -24,7 +25,7 @@ def choose_config(rows: int, fp8: bool, device: torch.device, batch: int | None 
     tuned = lookup.lookup_decode_config(rows=rows, fp8=fp8, device=device, batch=batch, context=context,
                                         s_q=s_q)
     sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda"
-           else heuristic_config(rows, fp8).split.num_sms)
+           else SplitPolicy().num_sms)
     cfg = tuned if tuned is not None else heuristic_for_work(rows, fp8, batch, context, sms)
     return cfg.with_sms(sms)
 
