@@ -33,6 +33,7 @@ from snapmla_cli.tuning.space import (
     Budget,
     config_id,
     config_problem,
+    default_config,
     kernel_variants,
     max_row_groups,
     parse_budget,
@@ -753,6 +754,37 @@ def test_matching_entries_and_describe(isolated_db):
     lines = describe_database([facts])
     assert any("2 (" in line for line in lines) and any("1.20x" in line for line in lines)
     assert any("none" in line for line in describe_database([replace(facts, name="Other")]))
+
+
+def test_describe_marks_the_entries_a_resumed_tune_would_retime(isolated_db, monkeypatch, tmp_path):
+    """After an upgrade, ``snapmla info`` names the entries whose times no longer describe what
+    the default runs: timed with other kernel sources, or against another default (the small-work
+    rule changed the default of the b 1 16k buckets of 64+ rows); current entries carry no mark,
+    and without an SM count only the kernel sources are compared."""
+    from snapmla_cli.runtime.gpu_facts import GpuFacts
+    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+
+    user, _ = isolated_db
+    kernels = source_tree_hash(kernel_dir())
+    b64 = Bucket(64, 2, (64, 64), (16384, 16384), "fp8")
+    b1 = Bucket(64, 2, (1, 1), (16384, 16384), "fp8")
+    current = replace(entry(), kernels=kernels, default_config=tdb.strip_sms(default_config(b64, 132)))
+    old_default = replace(entry(batch=(1, 1)), kernels=kernels, default_config=heuristic_config(128))
+    assert old_default.default_config != tdb.strip_sms(default_config(b1, 132))  # the rule moved it
+    old_kernels = replace(entry(context=CTX[2]), kernels="0123456789abcdef",
+                          default_config=tdb.strip_sms(default_config(Bucket(64, 2, (64, 64), CTX[2], "fp8"), 132)))
+    save_entries(user, GPU, [current, old_default, old_kernels])
+    facts = GpuFacts(0, "Test GPU X100", "GPU-1", 132, (9, 0), 80 << 30, 1980, 2619, "580", "13.0")
+    lines = describe_database([facts])
+    marked = {line.split(":")[0].strip(): line for line in lines if line.startswith("  h_q")}
+    assert "stale" not in marked[b64.label()]
+    assert marked[b1.label()].endswith("[stale: timed with another default]")
+    assert marked[Bucket(64, 2, (64, 64), CTX[2], "fp8").label()].endswith("[stale: timed with other kernel sources]")
+    assert lines[-1].startswith("  2 of 3 entries are stale")
+    no_sms = describe_database([replace(facts, sm_count=None)])
+    assert sum("[stale" in line for line in no_sms) == 1 and "1 of 3 entries are stale" in no_sms[-1]
+    monkeypatch.setenv("SNAPMLA_KERNEL_DIR", str(tmp_path / "no-kernels"))  # nothing to compare with
+    assert not any("stale" in line for line in describe_database([facts]))
 
 
 def test_a_gpu_name_with_spaces_around_it_matches_by_name(isolated_db):

@@ -272,7 +272,17 @@ class Entry:
         built-in heuristic of today): only then may a resumed ``snapmla tune`` skip its bucket.
         An entry timed against an older heuristic can lose to the new one (a b 8 entry of the
         H200 was 7% slower after the 16-row heuristic changed, docs/PERF.md)."""
-        return self.kernels == kernels and self.default_config == strip_sms(default)
+        return self.stale_reason(kernels, default) is None
+
+    def stale_reason(self, kernels: str, default: DecodeConfig | None) -> str | None:
+        """Why a resumed ``snapmla tune`` would re-time this entry (None: it is current), for
+        ``snapmla info``; ``default`` None: the default is not known (no SM count), only the
+        kernel sources are compared. A stale entry still applies at run time."""
+        if self.kernels != kernels:
+            return "other kernel sources"
+        if default is not None and self.default_config != strip_sms(default):
+            return "another default"
+        return None
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..errors import SnapmlaError
 from ..ops.decode_config import WG_ALT_PAGES, WG_ROWS_M_MODES, DecodeConfig, pads_row_tile
 from .db import (
     TUNING_DIR_ENV,
@@ -320,10 +321,27 @@ def matching_entries(gpu: Any) -> list[Located]:
         return []
 
 
-def entry_line(loc: Located) -> str:
+def entry_line(loc: Located, stale: str | None = None) -> str:
     e = loc.entry
     return (f"{e.bucket.label()}: {config_id(e.config, e.bucket.format)} {e.time_us:.1f} us, "
-            f"{e.speedup:.2f}x vs default ({e.date or 'undated'}, {loc.origin})")
+            f"{e.speedup:.2f}x vs default ({e.date or 'undated'}, {loc.origin})"
+            + (f" [stale: timed with {stale}]" if stale else ""))
+
+
+def stale_reasons(found: list[Located], sm_count: int | None) -> list[str | None]:
+    """Per entry, why a resumed ``snapmla tune`` would re-time it (None: current): after an
+    upgrade changes the kernels or the built-in heuristic, ``snapmla info`` shows which stored
+    times no longer describe what the default would run. Without an SM count only the kernel
+    sources are compared (the default depends on the SMs)."""
+    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+    from .space import default_config
+
+    try:
+        kernels = source_tree_hash(kernel_dir())
+    except SnapmlaError:  # no kernel sources to compare with (info still lists the entries)
+        return [None] * len(found)
+    return [loc.entry.stale_reason(kernels, None if sm_count is None else default_config(loc.entry.bucket, sm_count))
+            for loc in found]
 
 
 def file_problem(path: Path) -> str | None:
@@ -358,7 +376,11 @@ def describe_database(gpus: list[Any]) -> list[str]:
             continue
         files = sorted({str(loc.path) for loc in found})
         lines.append(f"tuning entries for {g.name}: {len(found)} ({', '.join(files)})")
-        lines += ["  " + entry_line(loc) for loc in found]
+        reasons = stale_reasons(found, g.sm_count)
+        lines += ["  " + entry_line(loc, why) for loc, why in zip(found, reasons)]
+        if stale := sum(why is not None for why in reasons):
+            lines.append(f"  {stale} of {len(found)} entries are stale (timed with other kernel sources or against "
+                         "another default): they still apply; `snapmla tune` over their buckets re-times them")
     if not gpus:
         names = sorted({p.name for d in usable for p in d.glob("*.yaml")})
         lines.append("tuning files: " + (", ".join(names) if names else "none"))
