@@ -1299,7 +1299,7 @@ def test_tune_interrupted_exits_130_and_says_it_resumes(isolated_db, monkeypatch
     assert result.stderr.startswith("interrupted: measurements so far are kept") and "resume" in result.stderr
 
 
-def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, monkeypatch, tmp_path):
+def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, monkeypatch, tmp_path, capsys):
     """A resumed ``snapmla tune`` skips a bucket whose stored entry is current (these kernel
     sources, this default); with ``--force`` it is timed again. The GPU measurer is replaced by
     FakeMeasurer, so the real run path (cli/tune.py ``_run``) runs on the CPU."""
@@ -1333,8 +1333,16 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
                                      candidates=1)])
     tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, False, "snapmla tune")
     assert runs[-1].timed == []  # already tuned: skipped
+    assert "re-timed" not in capsys.readouterr().out
     tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, True, "snapmla tune --force")
     assert runs[-1].timed and runs[-1].timed[0] == config_id(space.default, "fp8")
+    # an entry timed with other kernel sources is re-timed on resume, and the table says why
+    stored = tdb.find_entry(folder, GPU, bucket)
+    save_entries(folder, GPU, [replace(stored, kernels="0123456789abcdef")], force=True)
+    capsys.readouterr()
+    tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, False, "snapmla tune")
+    assert runs[-1].timed
+    assert "re-timed: the stored entry was timed with other kernel sources" in capsys.readouterr().out
 
 
 def test_tune_errors_are_one_line(isolated_db):

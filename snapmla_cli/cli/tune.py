@@ -215,14 +215,18 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
         err.print(partial.note)
     results: list[BucketResult] = []
     todo = []
+    stale: dict[str, str] = {}  # bucket id: why its stored entry is re-timed
     for space in spaces:
         stored = find_entry(folder, gpu, space.bucket) if resume and not force else None
-        if stored is not None and stored.is_current(kernels, space.default):
+        why = None if stored is None else stored.stale_reason(kernels, space.default)
+        if stored is not None and why is None:
             results.append(BucketResult(space.bucket, None, None, [], stored.default_time_us / 1e6,
                                         stored.time_us / 1e6, skipped="already tuned",
                                         entry=stored))
         else:
             todo.append(space)
+            if why is not None:
+                stale[space.bucket.id] = why
     tuner = Tuner(measurer, limit, EntryInfo(__version__, command, kernels), partial=partial)
     t0 = time.monotonic()
     with progress(err) as bar:
@@ -236,6 +240,8 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
         for space, n in zip(todo, planned):
             tuner.progress = functools.partial(_advance, bar, task, offset)
             result = tuner.tune(space)
+            if space.bucket.id in stale:
+                result.notes.insert(0, f"re-timed: the stored entry was timed with {stale[space.bucket.id]}")
             offset += n
             bar.update(task, completed=offset)
             if result.entry is not None:
