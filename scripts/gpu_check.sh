@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship-b1|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|smallwork|retune-stale|ab32-rest|ab-pipe|cluster|cluster16|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady|bench-kimi ...]
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship-b1|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|smallwork|retune-stale|stale|ab32-rest|ab-pipe|cluster|cluster16|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady|bench-kimi ...]
 # With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
@@ -15,7 +15,8 @@
 # `ab`: the database's entries against the heuristic at boost clocks, both formats (scripts/ab_tuning.py);
 # `ab-small`: the same for FP8 at batches 1, 4, 8 and 16 (16k, 128k); `smallwork`: the heuristic's small-work
 # rule against 64 / 32 / 16-row tiles and the b 1 16k entries it made stale re-tuned; `retune-stale`: the b 1 / b 4 16k
-# entries timed against the old default re-tuned, then their A/B; `ab32-rest`: ship32-rest's buckets; `ab-pipe`: the QK_DEPTH and
+# entries timed against the old default re-tuned, then their A/B; `stale`: `snapmla tune --stale`
+# into tuning_db/ for at most STALE_S seconds (resumes next call); `ab32-rest`: ship32-rest's buckets; `ab-pipe`: the QK_DEPTH and
 # PV_FRAG_AHEAD switches against the build before them at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
 # decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
@@ -128,6 +129,12 @@ for step in $steps; do
             tune_db tune_retune_stale 24 --heads 32,64,128 --mtp 1,2 --batch 1,4 --ctx 16k --format fp8 --budget 5s
             for b in 1 4; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
               2>&1 | tee "$OUT/ab_tuning_retune.log" | grep -v '^$' ;;
+    stale)  # re-time the shipped database's stale entries for this GPU (`snapmla tune --stale`, both formats), stopped
+            # by SIGINT after STALE_S seconds (default 420) so that it fits one call: the tuner keeps the buckets it
+            # finished and the next call resumes with the rest
+            timeout -s INT "${STALE_S:-420}" python3 -m snapmla_cli.cli.app tune --stale --budget 5s --db-dir tuning_db \
+              > "$OUT/tune_stale.log" 2>&1; echo "tune --stale: rc $?"; tail -30 "$OUT/tune_stale.log"
+            cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     ab32-rest) # ship32-rest's entries against the heuristic (the buckets whose entry differs from it)
             { for b in 1 4 8 16; do python3 scripts/ab_tuning.py --format fp8 --heads 16,32 --mtp 1 --batch "$b" \
                 --ctx 16384,131072 --rounds 3; python3 scripts/ab_tuning.py --format fp8 --heads 16 --mtp 2 --batch "$b" \

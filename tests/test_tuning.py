@@ -1345,6 +1345,93 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
     assert "re-timed: the stored entry was timed with other kernel sources" in capsys.readouterr().out
 
 
+def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isolated_db, monkeypatch, tmp_path):
+    """``snapmla tune --stale`` takes its buckets from this GPU's stale entries (the user's entry
+    shadows the shipped one of the same bucket), re-times them into the folder, and each new entry
+    records the command that names its bucket; a bucket option next to it is refused, and so is a
+    run with nothing stale. The measurer is FakeMeasurer on the CPU."""
+    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+    from snapmla_cli.tuning import measure
+
+    user, shipped = isolated_db
+    kernels = source_tree_hash(kernel_dir())
+    space = small_space()
+    bucket = space.bucket  # h64 s2 b1 4k fp8
+    shadowed = Bucket(64, 2, (1, 1), (8192, 8192), "fp8")
+    runs: list[FakeMeasurer] = []
+
+    class CpuMeasurer(FakeMeasurer):
+        device, sm_count = torch.device("cpu"), 132
+
+        def __init__(self) -> None:
+            super().__init__(space, fastest_wrong=False)
+            runs.append(self)
+
+        def precompile(self, items, progress) -> None:
+            pass
+
+    monkeypatch.setattr(measure, "GpuMeasurer", CpuMeasurer)
+    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def stored(b: Bucket, stamp: str) -> Entry:
+        cfg = tdb.strip_sms(default_config(b, 132))
+        return Entry(bucket=b, config=cfg, time_us=1.0, default_time_us=1.0, date="2026-12-01",
+                     snapmla_version="0.1.0", command="snapmla tune", default_config=cfg, kernels=stamp,
+                     timed_at={"batch": b.timed_batch, "context": b.timed_context}, candidates=1)
+
+    save_entries(shipped, GPU, [stored(bucket, "0123456789abcdef"), stored(shadowed, "0123456789abcdef")])
+    save_entries(user, GPU, [stored(shadowed, kernels)])  # current, and the lookup takes it first
+    assert lookup.stale_buckets(GPU, ["fp8", "bf16"]) == [(bucket, "other kernel sources")]
+    assert lookup.stale_buckets(GPU, ["bf16"]) == []
+
+    refused = CliRunner().invoke(tiny_app(), ["--stale", "--heads", "64"])
+    assert refused.exit_code == 2
+    assert refused.stderr.strip() == "error: --stale takes its buckets from the tuning database; drop --heads"
+    result = CliRunner().invoke(tiny_app(), ["--stale", "--budget", "2", "--db-dir", str(user)])
+    assert result.exit_code == 0, result.output
+    assert runs and runs[-1].timed
+    [new] = [e for e in load_file(user / tdb.db_filename(GPU.name)).sections[0].entries if e.bucket == bucket]
+    assert new.kernels == kernels
+    assert new.command == "snapmla tune --heads 64 --mtp 2 --batch 1 --ctx 4k --format fp8 --budget 2"
+    # the user's entry now shadows the shipped stale one: nothing is left to re-time
+    nothing = CliRunner().invoke(tiny_app(), ["--stale", "--db-dir", str(user)])
+    assert nothing.exit_code == 2 and "no stale tuning entry applies" in nothing.stderr
+
+
+def test_bucket_command_names_the_bucket_it_came_from():
+    """The command an entry re-timed by --stale records parses back to its own bucket."""
+    from snapmla_cli.sizes import parse_int_list
+    from snapmla_cli.tuning.space import bucket_command, make_buckets
+
+    for b in (Bucket(64, 2, (1, 1), (16384, 16384), "fp8"), Bucket(16, 1, (16, 128), (16384, 65536), "bf16")):
+        words = bucket_command(b, "5s").split()
+        opts = dict(zip(words[2::2], words[3::2]))
+        assert words[:2] == ["snapmla", "tune"] and opts["--budget"] == "5s"
+        rebuilt = make_buckets(parse_int_list(opts["--heads"], "--heads", 128), parse_int_list(opts["--mtp"], "--mtp", 8),
+                               parse_ranges(opts["--batch"], "--batch"), parse_ranges(opts["--ctx"], "--ctx"),
+                               parse_formats(opts["--format"]))
+        assert rebuilt == [b]
+
+
+def test_a_stored_entry_timed_with_other_kernels_gives_way_and_is_named(isolated_db):
+    """A faster stored entry timed with other kernel sources is replaced (its time says nothing
+    about these kernels, and kept it would stay stale for every resumed run), and the log names
+    its configuration."""
+    from snapmla_cli.cli.tune import merge_note
+
+    user, _ = isolated_db
+    save_entries(user, GPU, [replace(entry(t=100.0), kernels="old-kernels")])
+    new = entry(t=130.0)
+    _, [outcome] = save_entries(user, GPU, [new])
+    assert outcome.action == "replaced" and outcome.previous.kernels == "old-kernels"
+    note = merge_note(outcome, new)
+    assert note is not None and note.startswith("replaced a stored entry timed with other kernel sources (100.0 us")
+    _, [same] = save_entries(user, GPU, [entry(t=140.0)])  # the same kernels, slower: kept
+    assert same.action == "kept_old"
+
+
 def test_tune_errors_are_one_line(isolated_db):
     runner = CliRunner()
     bad = runner.invoke(tiny_app(), ["--budget", "lots", "--dry-run"])
@@ -1354,6 +1441,11 @@ def test_tune_errors_are_one_line(isolated_db):
         assert nogpu.exit_code == 2, nogpu.output
         lines = nogpu.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and "GPU" in lines[0]
+        for args in (["--stale"], ["--stale", "--dry-run"]):  # which entries are stale depends on the GPU
+            stale = runner.invoke(tiny_app(), args)
+            assert stale.exit_code == 2
+            assert stale.stderr.strip() == ("error: --stale: no CUDA GPU here, and which entries are stale "
+                                            "depends on the GPU")
 
 
 class _FakeGraph:

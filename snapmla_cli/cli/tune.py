@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -25,17 +25,42 @@ if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays 
     from ..tuning.space import Bucket, Budget
     from ..tuning.tuner import BucketResult
 
+# the bucket options' values when none is given (and --stale is not)
+DEFAULT_BUCKETS = {"heads": "64", "mtp": "1", "batch": "64", "ctx": "16k,32k,64k,128k", "format": "fp8"}
+
+
+@dataclass(frozen=True)
+class BucketOptions:
+    """The bucket options as typed (None: not given): --stale takes its buckets from the
+    database and refuses explicit ones, the other runs fill in DEFAULT_BUCKETS."""
+
+    heads: str | None
+    mtp: str | None
+    batch: str | None
+    ctx: str | None
+    fmt: str | None
+
+    def given(self) -> list[str]:
+        return [flag for flag, value in (("--heads", self.heads), ("--mtp", self.mtp), ("--batch", self.batch),
+                                         ("--ctx", self.ctx)) if value is not None]
+
+    def text(self, name: str) -> str:
+        value = getattr(self, "fmt" if name == "format" else name)
+        return DEFAULT_BUCKETS[name] if value is None else value
+
+
 HELP_BUDGET = ("Per bucket: seconds of checking and timing candidates ('120s', '2m'; the bucket's "
                "setup is not counted) or a number of candidates besides the default ('40').")
 
 
 def tune_command(
-    heads: Annotated[str, typer.Option("--heads", help="Query heads h_q, e.g. 64 or 16,64,128.")] = "64",
-    mtp: Annotated[str, typer.Option("--mtp", help="Query tokens per request s_q (2 with MTP); list allowed.")] = "1",
-    batch: Annotated[str, typer.Option("--batch", help="Batch buckets: 64, 1,8,64 or a range 16-128.")] = "64",
-    ctx: Annotated[str, typer.Option("--ctx", help="Context buckets: 16k,32k,64k,128k or ranges (16k-64k).")] = "16k,32k,64k,128k",
-    fmt: Annotated[str, typer.Option("--format", help="Cache format: fp8, bf16 or both.")] = "fp8",
+    heads: Annotated[str | None, typer.Option("--heads", help=f"Query heads h_q, e.g. 64 or 16,64,128 [default: {DEFAULT_BUCKETS['heads']}].", show_default=False)] = None,
+    mtp: Annotated[str | None, typer.Option("--mtp", help=f"Query tokens per request s_q (2 with MTP); list allowed [default: {DEFAULT_BUCKETS['mtp']}].", show_default=False)] = None,
+    batch: Annotated[str | None, typer.Option("--batch", help=f"Batch buckets: 64, 1,8,64 or a range 16-128 [default: {DEFAULT_BUCKETS['batch']}].", show_default=False)] = None,
+    ctx: Annotated[str | None, typer.Option("--ctx", help=f"Context buckets: 16k,32k,64k,128k or ranges (16k-64k) [default: {DEFAULT_BUCKETS['ctx']}].", show_default=False)] = None,
+    fmt: Annotated[str | None, typer.Option("--format", help="Cache format: fp8, bf16 or both [default: fp8; with --stale: both].", show_default=False)] = None,
     budget: Annotated[str, typer.Option("--budget", help=HELP_BUDGET)] = "60s",
+    stale: Annotated[bool, typer.Option("--stale", help="Re-time the buckets whose entries for this GPU are stale (timed with other kernel sources or against another default; `snapmla info` marks them) instead of naming buckets.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the search space and exit (no GPU needed).")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted run and skip buckets already tuned with these kernel sources against this default.")] = True,
     db_dir: Annotated[Path | None, output_option("--db-dir", folder=True, help="Database folder (default: $SNAPMLA_TUNING_DIR or ~/.config/snapmla/tuning).")] = None,
@@ -47,7 +72,7 @@ def tune_command(
     and split policy is compiled, checked against the reference numerics, and timed with CUDA
     events; the fastest is stored next to the heuristic default's time."""
     try:
-        _tune(heads, mtp, batch, ctx, fmt, budget, dry_run, resume, db_dir, force)
+        _tune(BucketOptions(heads, mtp, batch, ctx, fmt), budget, dry_run, resume, db_dir, force, stale)
     except SnapmlaError as exc:
         typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
         raise typer.Exit(2) from None
@@ -62,8 +87,8 @@ def _advance(bar: Progress, task: TaskID, offset: int, desc: str, done: int, tot
     bar.update(task, completed=offset + done, description=desc)
 
 
-def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry_run: bool,
-          resume: bool, db_dir: Path | None, force: bool) -> None:
+def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_dir: Path | None, force: bool,
+          stale: bool) -> None:
     from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, parse_int_list
     from ..tuning.space import (
         MAX_TUNE_BATCH,
@@ -73,18 +98,44 @@ def _tune(heads: str, mtp: str, batch: str, ctx: str, fmt: str, budget: str, dry
         parse_ranges,
     )
 
-    buckets = make_buckets(parse_int_list(heads, "--heads", MAX_QUERY_HEADS),
-                           parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS),
-                           parse_ranges(batch, "--batch", MAX_TUNE_BATCH), parse_ranges(ctx, "--ctx"),
-                           parse_formats(fmt))
     limit = parse_budget(budget)
     folder, origin = _database_folder(db_dir)
-    command = (f"snapmla tune --heads {heads} --mtp {mtp} --batch {batch} --ctx {ctx} "
-               f"--format {fmt} --budget {budget}")
+    if stale:
+        buckets, commands = _stale_buckets(options, budget)
+        command = f"snapmla tune --stale --budget {budget}"
+    else:
+        buckets = make_buckets(parse_int_list(options.text("heads"), "--heads", MAX_QUERY_HEADS),
+                               parse_int_list(options.text("mtp"), "--mtp", MAX_QUERY_TOKENS),
+                               parse_ranges(options.text("batch"), "--batch", MAX_TUNE_BATCH),
+                               parse_ranges(options.text("ctx"), "--ctx"), parse_formats(options.text("format")))
+        commands = {}
+        command = (f"snapmla tune --heads {options.text('heads')} --mtp {options.text('mtp')} "
+                   f"--batch {options.text('batch')} --ctx {options.text('ctx')} --format {options.text('format')} "
+                   f"--budget {budget}")
     if dry_run:
         _dry_run(buckets, limit, folder)
     else:
-        _run(buckets, limit, folder, origin, resume, force, command)
+        _run(buckets, limit, folder, origin, resume, force, command, commands)
+
+
+def _stale_buckets(options: BucketOptions, budget: str) -> tuple[list[Bucket], dict[str, str]]:
+    """--stale: the buckets of this GPU's stale entries (the user's database, then the shipped
+    one, as the lookup reads them) in the formats asked for, and per bucket the command that
+    names it (stored in its new entry, so that the entry says how to reproduce it)."""
+    import torch
+
+    from ..tuning.lookup import device_gpu_key, stale_buckets
+    from ..tuning.space import bucket_command, parse_formats
+
+    if options.given():
+        raise SnapmlaError(f"--stale takes its buckets from the tuning database; drop {', '.join(options.given())}")
+    if not torch.cuda.is_available():
+        raise NoGpuError("--stale: no CUDA GPU here, and which entries are stale depends on the GPU")
+    gpu = device_gpu_key(torch.cuda.current_device())
+    found = stale_buckets(gpu, parse_formats(options.fmt or "both"))
+    if not found:
+        raise SnapmlaError(f"--stale: no stale tuning entry applies to {gpu.label()} (`snapmla info` lists them)")
+    return [b for b, _ in found], {b.id: bucket_command(b, budget) for b, _ in found}
 
 
 def _database_folder(db_dir: Path | None) -> tuple[Path, str]:
@@ -188,8 +239,10 @@ def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
 # the real run
 
 
-def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume: bool, force: bool, command: str
-         ) -> None:
+def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume: bool, force: bool, command: str,
+         commands: dict[str, str] | None = None) -> None:
+    """Tune ``buckets`` into ``folder``; each new entry records ``command``, or the bucket's own
+    in ``commands`` (--stale)."""
     import torch
 
     from .. import __version__
@@ -227,7 +280,8 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
             todo.append(space)
             if why is not None:
                 stale[space.bucket.id] = why
-    tuner = Tuner(measurer, limit, EntryInfo(__version__, command, kernels), partial=partial)
+    info = EntryInfo(__version__, command, kernels)
+    tuner = Tuner(measurer, limit, info, partial=partial)
     t0 = time.monotonic()
     with progress(err) as bar:
         items = [(s.bucket.format, settled_at(c, s.bucket)) for s in todo for c in tuner.likely_candidates(s)]
@@ -239,6 +293,7 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
         offset = 0
         for space, n in zip(todo, planned):
             tuner.progress = functools.partial(_advance, bar, task, offset)
+            tuner.info = replace(info, command=(commands or {}).get(space.bucket.id, command))
             result = tuner.tune(space)
             if space.bucket.id in stale:
                 result.notes.insert(0, f"re-timed: the stored entry was timed with {stale[space.bucket.id]}")
@@ -270,13 +325,20 @@ def merge_note(outcome: MergeOutcome, new: Entry) -> str | None:
     """What the database merge did that the user should hear about: the stored entry kept
     because it was faster, or (--force) a clearly faster stored entry replaced by this run's,
     which happens when a small --budget times fewer candidates than the run that stored it
-    (docs/PERF.md, twenty-eighth session: b 1 16k, 25.2 us stored over 22.2)."""
+    (docs/PERF.md, twenty-eighth session: b 1 16k, 25.2 us stored over 22.2), or a clearly
+    faster stored entry timed with other kernel sources given way (its configuration is named:
+    a run with a larger --budget may find it again)."""
+    from ..tuning.space import config_id
+
     old = outcome.previous
     if old is None:
         return None
     if outcome.action == "kept_old":
         return f"kept the stored entry ({old.time_us:.1f} us), faster than this run's; --force to replace it"
     if old.time_us * (1 + FORCED_SLOWER_MARGIN) < new.time_us and old.default_config == new.default_config:
+        if old.kernels != new.kernels:
+            return (f"replaced a stored entry timed with other kernel sources ({old.time_us:.1f} us, "
+                    f"{config_id(old.config, old.bucket.format)}, {old.date}): its time does not describe these kernels")
         return (f"--force replaced a faster stored entry ({old.time_us:.1f} us, {old.candidates} candidates, "
                 f"{old.date}) with this run's {new.time_us:.1f} us ({new.candidates} candidates)")
     return None

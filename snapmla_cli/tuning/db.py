@@ -444,14 +444,16 @@ def merge_entry(entries: list[Entry], new: Entry, force: bool = False
                 ) -> tuple[list[Entry], MergeOutcome]:
     """``entries`` with ``new`` merged in: per bucket the faster entry stays (``force``: the new
     one); entries of other buckets are kept untouched. A stored entry timed against another
-    default than ``new`` (the heuristic has changed since) gives way whatever its time: only
-    ``new`` shows that it beats today's default."""
+    default than ``new`` (the heuristic has changed since), or with other kernel sources, gives
+    way whatever its time: only ``new`` shows what today's kernels do against today's default
+    (and a kept stale entry would be re-timed by every resumed or ``--stale`` run)."""
     out = [e for e in entries if e.bucket != new.bucket]
     same = [e for e in entries if e.bucket == new.bucket]
     previous = min(same, key=lambda e: e.time_us) if same else None
     if previous is None:
         return out + [new], MergeOutcome("added")
-    if force or new.time_us < previous.time_us or previous.default_config != new.default_config:
+    if (force or new.time_us < previous.time_us or previous.default_config != new.default_config
+            or previous.kernels != new.kernels):
         return out + [new], MergeOutcome("replaced", previous)
     return out + [previous], MergeOutcome("kept_old", previous)
 

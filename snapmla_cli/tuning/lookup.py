@@ -48,7 +48,7 @@ from .db import (
     load_file,
     search_dirs,
 )
-from .space import config_id, config_problem, max_row_groups
+from .space import Bucket, config_id, config_problem, max_row_groups
 
 MAX_ROWS_LOG2 = 1.0  # use entries tuned for at most 2x more or fewer rows
 _MEMO_LIMIT = 4096
@@ -342,6 +342,23 @@ def stale_reasons(found: list[Located], sm_count: int | None) -> list[str | None
         return [None] * len(found)
     return [loc.entry.stale_reason(kernels, None if sm_count is None else default_config(loc.entry.bucket, sm_count))
             for loc in found]
+
+
+def stale_buckets(gpu: GpuKey, formats: list[str]) -> list[tuple[Bucket, str]]:
+    """(bucket, why) of the entries for ``gpu`` that are stale, in ``formats``: per bucket the
+    entry the lookup would take (the user's before the shipped one), as ``snapmla tune --stale``
+    re-times them."""
+    found = matching_entries(gpu)
+    seen: set[str] = set()
+    out: list[tuple[Bucket, str]] = []
+    for loc, why in zip(found, stale_reasons(found, gpu.sm_count)):
+        bucket = loc.entry.bucket
+        if bucket.id in seen:
+            continue
+        seen.add(bucket.id)
+        if why is not None and bucket.format in formats:
+            out.append((bucket, why))
+    return out
 
 
 def file_problem(path: Path) -> str | None:

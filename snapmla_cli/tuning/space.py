@@ -136,6 +136,13 @@ def _range_text(r: tuple[int, int], sizes: bool = False) -> str:
     return f(r[0]) if r[0] == r[1] else f"{f(r[0])}-{f(r[1])}"
 
 
+def bucket_command(bucket: Bucket, budget: str) -> str:
+    """The ``snapmla tune`` command line that names exactly ``bucket`` (what an entry re-timed
+    by ``--stale`` records as its command)."""
+    return (f"snapmla tune --heads {bucket.h_q} --mtp {bucket.s_q} --batch {_range_text(bucket.batch)} "
+            f"--ctx {_range_text(bucket.context, sizes=True)} --format {bucket.format} --budget {budget}")
+
+
 # The largest batch a bucket may name: planning a work list is linear in the batch (a dry run of
 # b 16384 took 25 s), and no engine decodes more requests than this on one GPU in one step.
 MAX_TUNE_BATCH = 4096
