@@ -103,6 +103,8 @@ def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_d
     if stale:
         buckets, commands = _stale_buckets(options, budget)
         command = f"snapmla tune --stale --budget {budget}"
+        if not buckets:
+            return
     else:
         buckets = make_buckets(parse_int_list(options.text("heads"), "--heads", MAX_QUERY_HEADS),
                                parse_int_list(options.text("mtp"), "--mtp", MAX_QUERY_TOKENS),
@@ -121,7 +123,8 @@ def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_d
 def _stale_buckets(options: BucketOptions, budget: str) -> tuple[list[Bucket], dict[str, str]]:
     """--stale: the buckets of this GPU's stale entries (the user's database, then the shipped
     one, as the lookup reads them) in the formats asked for, and per bucket the command that
-    names it (stored in its new entry, so that the entry says how to reproduce it)."""
+    names it (stored in its new entry, so that the entry says how to reproduce it). None stale
+    is not an error: it says so, and the run stops there."""
     import torch
 
     from ..tuning.lookup import device_gpu_key, stale_buckets
@@ -134,7 +137,7 @@ def _stale_buckets(options: BucketOptions, budget: str) -> tuple[list[Bucket], d
     gpu = device_gpu_key(torch.cuda.current_device())
     found = stale_buckets(gpu, parse_formats(options.fmt or "both"))
     if not found:
-        raise SnapmlaError(f"--stale: no stale tuning entry applies to {gpu.label()} (`snapmla info` lists them)")
+        console().print(f"no stale tuning entry applies to {gpu.label()}: nothing to re-time")
     return [b for b, _ in found], {b.id: bucket_command(b, budget) for b, _ in found}
 
 
