@@ -1540,6 +1540,15 @@ def test_tune_on_gpu_end_to_end(isolated_db):
     [stored] = section.entries
     assert stored.time_us > 0 and stored.default_time_us > 0 and stored.candidates >= 2
     assert not list(user.glob("*.partial.json"))
+    # the same entry made stale (other kernel sources): --stale re-times exactly that bucket
+    save_entries(user, monkey_key, [replace(stored, kernels="0123456789abcdef")], force=True)
+    lookup.clear_cache()
+    again = CliRunner().invoke(tiny_app(), ["--stale", "--budget", "2", "--db-dir", str(user)])
+    assert again.exit_code == 0, again.output + again.stderr
+    assert "re-timed: the stored entry was timed with other kernel sources" in again.output
+    [retimed] = load_file(path).sections[0].entries
+    assert retimed.kernels == stored.kernels and retimed.time_us > 0
+    assert retimed.command == "snapmla tune --heads 16 --mtp 1 --batch 4 --ctx 2k --format fp8 --budget 2"
 
 
 def test_config_from_spec_parses_the_kernel_scripts_format():
