@@ -397,7 +397,7 @@ def describe_database(gpus: list[Any]) -> list[str]:
         lines += ["  " + entry_line(loc, why) for loc, why in zip(found, reasons)]
         if stale := sum(why is not None for why in reasons):
             lines.append(f"  {stale} of {len(found)} entries are stale (timed with other kernel sources or against "
-                         "another default): they still apply; `snapmla tune` over their buckets re-times them")
+                         "another default): they still apply; `snapmla tune --stale` re-times them")
     if not gpus:
         names = sorted({p.name for d in usable for p in d.glob("*.yaml")})
         lines.append("tuning files: " + (", ".join(names) if names else "none"))
