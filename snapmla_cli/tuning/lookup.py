@@ -340,8 +340,14 @@ def stale_reasons(found: list[Located], sm_count: int | None) -> list[str | None
         kernels = source_tree_hash(kernel_dir())
     except SnapmlaError:  # no kernel sources to compare with (info still lists the entries)
         return [None] * len(found)
-    return [loc.entry.stale_reason(kernels, None if sm_count is None else default_config(loc.entry.bucket, sm_count))
-            for loc in found]
+
+    def today(bucket: Bucket) -> DecodeConfig | None:
+        try:
+            return None if sm_count is None else default_config(bucket, sm_count)
+        except SnapmlaError:  # a bucket the heuristic cannot place: compare the kernel sources only
+            return None
+
+    return [loc.entry.stale_reason(kernels, today(loc.entry.bucket)) for loc in found]
 
 
 def stale_buckets(gpu: GpuKey, formats: list[str]) -> list[tuple[Bucket, str]]:
