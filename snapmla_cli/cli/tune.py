@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays 
     from ..tuning.tuner import BucketResult
 
 # the bucket options' values when none is given (and --stale is not)
-DEFAULT_BUCKETS = {"heads": "64", "mtp": "1", "batch": "64", "ctx": "16k,32k,64k,128k", "format": "fp8"}
+DEFAULT_BUCKETS = {"heads": "64", "mtp": "1", "batch": "64", "ctx": "16k,32k,64k,128k", "fmt": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class BucketOptions:
                                          ("--ctx", self.ctx)) if value is not None]
 
     def text(self, name: str) -> str:
-        value = getattr(self, "fmt" if name == "format" else name)
+        value = getattr(self, name)
         return DEFAULT_BUCKETS[name] if value is None else value
 
 
@@ -106,14 +106,14 @@ def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_d
         if not buckets:
             return
     else:
-        buckets = make_buckets(parse_int_list(options.text("heads"), "--heads", MAX_QUERY_HEADS),
-                               parse_int_list(options.text("mtp"), "--mtp", MAX_QUERY_TOKENS),
-                               parse_ranges(options.text("batch"), "--batch", MAX_TUNE_BATCH),
-                               parse_ranges(options.text("ctx"), "--ctx"), parse_formats(options.text("format")))
+        heads, mtp, batch, ctx, fmt = (options.text(name) for name in ("heads", "mtp", "batch", "ctx", "fmt"))
+        buckets = make_buckets(parse_int_list(heads, "--heads", MAX_QUERY_HEADS),
+                               parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS),
+                               parse_ranges(batch, "--batch", MAX_TUNE_BATCH), parse_ranges(ctx, "--ctx"),
+                               parse_formats(fmt))
         commands = {}
-        command = (f"snapmla tune --heads {options.text('heads')} --mtp {options.text('mtp')} "
-                   f"--batch {options.text('batch')} --ctx {options.text('ctx')} --format {options.text('format')} "
-                   f"--budget {budget}")
+        command = (f"snapmla tune --heads {heads} --mtp {mtp} --batch {batch} --ctx {ctx} "
+                   f"--format {fmt} --budget {budget}")
     if dry_run:
         _dry_run(buckets, limit, folder)
     else:

@@ -328,17 +328,25 @@ def entry_line(loc: Located, stale: str | None = None) -> str:
             + (f" [stale: timed with {stale}]" if stale else ""))
 
 
-def stale_reasons(found: list[Located], sm_count: int | None) -> list[str | None]:
+def kernel_stamp() -> str | None:
+    """The kernel sources' stamp that entries are compared with (None: no kernel sources here)."""
+    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+
+    try:
+        return source_tree_hash(kernel_dir())
+    except SnapmlaError:
+        return None
+
+
+def stale_reasons(found: list[Located], sm_count: int | None, kernels: str | None) -> list[str | None]:
     """Per entry, why a resumed ``snapmla tune`` would re-time it (None: current): after an
     upgrade changes the kernels or the built-in heuristic, ``snapmla info`` shows which stored
     times no longer describe what the default would run. Without an SM count only the kernel
-    sources are compared (the default depends on the SMs)."""
-    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+    sources are compared (the default depends on the SMs); without kernel sources (``kernels``
+    None, :func:`kernel_stamp`) nothing is marked."""
     from .space import default_config
 
-    try:
-        kernels = source_tree_hash(kernel_dir())
-    except SnapmlaError:  # no kernel sources to compare with (info still lists the entries)
+    if kernels is None:  # nothing to compare with (info still lists the entries)
         return [None] * len(found)
 
     def today(bucket: Bucket) -> DecodeConfig | None:
@@ -357,7 +365,7 @@ def stale_buckets(gpu: GpuKey, formats: list[str]) -> list[tuple[Bucket, str]]:
     found = matching_entries(gpu)
     seen: set[str] = set()
     out: list[tuple[Bucket, str]] = []
-    for loc, why in zip(found, stale_reasons(found, gpu.sm_count)):
+    for loc, why in zip(found, stale_reasons(found, gpu.sm_count, kernel_stamp())):
         bucket = loc.entry.bucket
         if bucket.id in seen:
             continue
@@ -392,6 +400,7 @@ def describe_database(gpus: list[Any]) -> list[str]:
             problem = file_problem(path)
             if problem:
                 lines.append(f"tuning file {path}: {problem}")
+    kernels = kernel_stamp() if gpus else None  # read once for every GPU's entries
     for g in gpus:
         found = matching_entries(g)
         if not found:
@@ -399,7 +408,7 @@ def describe_database(gpus: list[Any]) -> list[str]:
             continue
         files = sorted({str(loc.path) for loc in found})
         lines.append(f"tuning entries for {g.name}: {len(found)} ({', '.join(files)})")
-        reasons = stale_reasons(found, g.sm_count)
+        reasons = stale_reasons(found, g.sm_count, kernels)
         lines += ["  " + entry_line(loc, why) for loc, why in zip(found, reasons)]
         if stale := sum(why is not None for why in reasons):
             lines.append(f"  {stale} of {len(found)} entries are stale (timed with other kernel sources or against "
