@@ -129,10 +129,12 @@ for step in $steps; do
             tune_db tune_retune_stale 24 --heads 32,64,128 --mtp 1,2 --batch 1,4 --ctx 16k --format fp8 --budget 5s
             for b in 1 4; do python3 scripts/ab_tuning.py --format fp8 --batch "$b" --ctx 16384,131072 --rounds 3; done \
               2>&1 | tee "$OUT/ab_tuning_retune.log" | grep -v '^$' ;;
-    stale)  # re-time the shipped database's stale entries for this GPU (`snapmla tune --stale`, both formats), stopped
-            # by SIGINT after STALE_S seconds (default 420) so that it fits one call: the tuner keeps the buckets it
-            # finished and the next call resumes with the rest
-            timeout -s INT "${STALE_S:-420}" python3 -m snapmla_cli.cli.app tune --stale --budget 5s --db-dir tuning_db \
+    stale)  # re-time the shipped database's stale entries for this GPU (`snapmla tune --stale`, both formats, the
+            # urgent ones first, each bucket's stored configuration right after the default), stopped by SIGINT after
+            # STALE_S seconds (default 420) so that it fits one call: the tuner keeps the buckets it finished and the
+            # next call resumes with the rest; STALE_BUDGET per bucket (default 3s: the H200's 172 in about 17 min)
+            timeout -s INT "${STALE_S:-420}" python3 -m snapmla_cli.cli.app tune --stale --budget "${STALE_BUDGET:-3s}" \
+              --db-dir tuning_db \
               > "$OUT/tune_stale.log" 2>&1; echo "tune --stale: rc $?"; tail -30 "$OUT/tune_stale.log"
             cp tuning_db/*.yaml "$OUT/" 2>/dev/null ;;
     ab32-rest) # ship32-rest's entries against the heuristic (the buckets whose entry differs from it)

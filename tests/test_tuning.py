@@ -41,6 +41,7 @@ from snapmla_cli.tuning.space import (
     parse_ranges,
     same_kernel,
     search_space,
+    seeded,
     smem_bytes,
     split_policies,
 )
@@ -966,6 +967,31 @@ def test_tuner_count_budget_and_phase_order():
     assert Tuner(fake, Budget(seconds=5), INFO).planned(space) == len(space.candidates)
 
 
+def test_tuner_measures_the_stored_configuration_right_after_the_default():
+    """A re-tune starts from the bucket's stored entry: its configuration (stored without the SM
+    count) is measured right after the default, so even a one-candidate budget keeps the former
+    winner in the race, and its kernel variant is not measured a second time in phase one. A
+    stored default or a configuration that today's space lacks seeds nothing; the latter says so."""
+    space = small_space()
+    last = space.candidates[-1]  # the last of the static order: a budget cut would drop it
+    with_prior, note = seeded(space, tdb.strip_sms(last))
+    assert note is None and with_prior.prior == last and space.prior is None
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    one = Tuner(fake, Budget(count=1), INFO, confirm_rounds=0).tune(with_prior)
+    assert [m.cid for m in one.measured] == [config_id(space.default, "fp8"), config_id(last, "fp8")]
+    assert Tuner(fake, Budget(count=1), INFO).likely_candidates(with_prior) == [space.default, last]
+    n_kernels = len(space.kernels)
+    phase_one = Tuner(fake, Budget(count=n_kernels - 1), INFO, confirm_rounds=0).tune(with_prior)
+    kernel_ids = [m.cid.split("/")[0] for m in phase_one.measured]
+    assert len(set(kernel_ids)) == len(kernel_ids) == n_kernels  # one per kernel variant
+    everything = Tuner(fake, Budget(count=10_000), INFO, confirm_rounds=0).tune(with_prior)
+    assert sorted(m.cid for m in everything.measured) == sorted(space.ids())  # each exactly once
+    assert seeded(space, tdb.strip_sms(space.default)) == (space, None)
+    bf16_only = search_space(replace(space.bucket, format="bf16"), 132).candidates[-1]
+    unseeded, why = seeded(space, tdb.strip_sms(bf16_only))
+    assert unseeded.prior is None and why is not None and "not in today's search space" in why
+
+
 def test_tuner_time_budget_with_fake_clock():
     space = small_space()
     now = [0.0]
@@ -1278,6 +1304,24 @@ def test_tune_dry_run_lists_search_space(isolated_db):
     assert "v3-rg2-wa-rr3-st5-c1/1x1-mb4" in out
 
 
+def test_tune_dry_run_names_the_stored_configuration_timed_after_the_default(isolated_db, monkeypatch):
+    """On a GPU, --dry-run's buckets table names what a run measures right after the default: the
+    configuration of the bucket's stored entry (here the shipped one), or '-' without an entry."""
+    _, shipped = isolated_db
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
+    space = small_space()
+    last = space.candidates[-1]
+    save_entries(shipped, GPU, [replace(entry(64, 2, (1, 1), (4096, 4096)), config=tdb.strip_sms(last))])
+    result = CliRunner().invoke(tiny_app(), ["--heads", "64", "--mtp", "2", "--batch", "1", "--ctx", "4k,8k",
+                                             "--budget", "4", "--dry-run"], terminal_width=250)
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if "h_q 64 s_q 2 batch 1" in line]
+    assert len(rows) == 2 and config_id(last, "fp8") in rows[0] and config_id(last, "fp8") not in rows[1]
+    assert rows[1].rstrip(" │|").endswith("-")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="names the file of a machine without a GPU")
 def test_tune_dry_run_names_the_database_file_it_would_write(isolated_db, tmp_path):
     folder = tmp_path / "db"
@@ -1343,6 +1387,13 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
     tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, False, "snapmla tune")
     assert runs[-1].timed
     assert "re-timed: the stored entry was timed with other kernel sources" in capsys.readouterr().out
+    # the re-timing measures the stored configuration right after the default, even with a
+    # one-candidate budget that the static order would spend on another kernel variant
+    last = space.candidates[-1]
+    stored = tdb.find_entry(folder, GPU, bucket)
+    save_entries(folder, GPU, [replace(stored, config=tdb.strip_sms(last), kernels="0123456789abcdef")], force=True)
+    tune_cli._run([bucket], Budget(count=1), folder, "--db-dir", True, False, "snapmla tune")
+    assert runs[-1].timed[:2] == [config_id(space.default, "fp8"), config_id(last, "fp8")]
 
 
 def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isolated_db, monkeypatch, tmp_path):
@@ -1399,6 +1450,33 @@ def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isol
     done = len(runs)
     nothing = CliRunner().invoke(tiny_app(), ["--stale", "--db-dir", str(user)])
     assert nothing.exit_code == 0 and "nothing to re-time" in nothing.output and len(runs) == done
+
+
+def test_stale_buckets_come_in_order_of_urgency(isolated_db):
+    """``snapmla tune --stale`` re-times entries timed against another default first (they may
+    now lose to the heuristic), then FP8 before BF16, then in the file's order, so that a run cut
+    short by time (``gpu_check.sh stale``) has done the urgent ones."""
+    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+
+    user, _ = isolated_db
+    kernels = source_tree_hash(kernel_dir())
+
+    def stale(b: Bucket, stamp: str, default: DecodeConfig) -> Entry:
+        return replace(entry(b.h_q, b.s_q, b.batch, b.context, b.format), kernels=stamp, default_config=default)
+
+    old = "0123456789abcdef"
+    bf16 = Bucket(64, 2, (64, 64), (16384, 16384), "bf16")
+    fp8_kernels = Bucket(64, 2, (64, 64), (131072, 131072), "fp8")
+    fp8_default = Bucket(64, 2, (1, 1), (16384, 16384), "fp8")  # the small-work rule moved its default
+    fp8_both = Bucket(64, 1, (1, 1), (16384, 16384), "fp8")
+    today = {b: tdb.strip_sms(default_config(b, GPU.sm_count)) for b in (bf16, fp8_kernels, fp8_default, fp8_both)}
+    assert heuristic_config(128) not in (today[fp8_default], today[fp8_both])
+    save_entries(user, GPU, [stale(bf16, old, today[bf16]), stale(fp8_kernels, old, today[fp8_kernels]),
+                             stale(fp8_default, kernels, heuristic_config(128)),
+                             stale(fp8_both, old, heuristic_config(128))])
+    assert lookup.stale_buckets(GPU, ["fp8", "bf16"]) == [
+        (fp8_both, "other kernel sources"), (fp8_default, "another default"),
+        (fp8_kernels, "other kernel sources"), (bf16, "other kernel sources")]
 
 
 def test_bucket_command_names_the_bucket_it_came_from():

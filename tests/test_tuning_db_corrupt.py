@@ -187,6 +187,38 @@ def test_deeply_nested_yaml_is_one_bad_file(isolated_db):
                for line in describe_database([]))
 
 
+@pytest.mark.parametrize("depth", [20_000, 60_000])
+def test_nesting_past_libyamls_reach_is_one_bad_file_not_a_crash(isolated_db, depth):
+    """libyaml's loader has no depth guard (60,000 nested brackets crash the process), so such
+    text goes to the Python loader, whose RecursionError is the one-line error: were the guard
+    wrong, this test would take pytest down with it."""
+    user, _ = isolated_db
+    path = user / DB_NAME
+    text = "format: snapmla-tuning\nversion: 1\ndevices: " + "[" * depth + "]" * depth + "\n"
+    assert tdb.yaml_loader(text) is yaml.SafeLoader
+    with pytest.raises(DbError, match="nested too deeply"):
+        tdb.parse_text(text, path)
+
+
+def test_the_shipped_databases_parse_and_dump_alike_with_libyaml():
+    """The shipped files take the fast loader where PyYAML has libyaml, it reads them exactly as
+    the Python loader does (entries, problems and all), and the fast dumper writes them back
+    byte for byte as the Python dumper would."""
+    files = sorted((Path(__file__).resolve().parents[1] / "tuning_db").glob("*.yaml"))  # (tests isolate shipped_dir)
+    assert files
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        if getattr(yaml, "CSafeLoader", None) is not None:
+            assert tdb.yaml_loader(text) is yaml.CSafeLoader
+        assert yaml.load(text, Loader=tdb.yaml_loader(text)) == yaml.load(text, Loader=yaml.SafeLoader)
+        loaded = tdb.load_file(path)
+        assert tdb.parse_text(text, path) == loaded
+        # written back unchanged, and the Python dumper would write the same text
+        assert tdb.dump_text(loaded.sections) == text
+        data = yaml.load(text, Loader=yaml.SafeLoader)
+        assert text.endswith(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
+
+
 def test_an_integer_past_pythons_digit_limit_is_one_bad_file(isolated_db):
     user, _ = isolated_db
     path = user / DB_NAME

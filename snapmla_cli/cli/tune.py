@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # (the database module imports torch: `snapmla --help` stays 
     from rich.progress import Progress, TaskID
 
     from ..tuning.db import Entry, GpuKey, MergeOutcome
-    from ..tuning.space import Bucket, Budget
+    from ..tuning.space import Bucket, Budget, SearchSpace
     from ..tuning.tuner import BucketResult
 
 # the bucket options' values when none is given (and --stale is not)
@@ -226,16 +226,43 @@ def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
               "of the two per batch) / min blocks per split): "
               + ", ".join(config_id(replace(spaces[0].default, split=p), spaces[0].bucket.format).split("/", 1)[1]
                           for p in policies))
-    table = figure_table("buckets", ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default"))
+    table = figure_table("buckets", ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default",
+                                     "then (stored entry)"))
+    previous = _previous_entries(folder, gpu)
     for space in spaces:
         b = space.bucket
         table.add_row(b.label(), f"batch {b.timed_batch} x ctx {format_size(b.timed_context)}",
                       str(len(space.candidates)), str(space.aliases),
-                      config_id(space.default, b.format))
+                      config_id(space.default, b.format), _prior_text(space, previous.get(b)))
     out.print(table)
     total = sum(len(s.candidates) for s in spaces)
     out.print(f"{counted(len(spaces), 'bucket')}, {counted(total, 'candidate')}; budget {limit}; GPU: {gpu_text}; "
               f"database: {where}")
+
+
+def _previous_entries(folder: Path, gpu: GpuKey | None) -> dict[Bucket, Entry]:
+    """Per bucket, the entry a run starts from: the one in the folder it writes, else the one the
+    lookup takes for this GPU (the user's, then the shipped one); none without a GPU. Each file
+    is read once per run, not once per bucket."""
+    from ..tuning.db import entries_for
+    from ..tuning.lookup import stored_entries
+
+    if gpu is None:
+        return {}
+    return stored_entries(gpu) | entries_for(folder, gpu)
+
+
+def _prior_text(space: SearchSpace, previous: Entry | None) -> str:
+    """What the tuner measures right after the default: the configuration of the bucket's
+    stored entry ('-' without one)."""
+    from ..tuning.space import config_id, seeded
+
+    if previous is None:
+        return "-"
+    seeded_space, note = seeded(space, previous.config)
+    if seeded_space.prior is not None:
+        return config_id(seeded_space.prior, space.bucket.format)
+    return "not in the space" if note else "(the default)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,10 +277,10 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
 
     from .. import __version__
     from ..runtime.nvrtc import kernel_dir, source_tree_hash
-    from ..tuning.db import db_filename, find_entry, save_entries, sections_to_merge
+    from ..tuning.db import db_filename, entries_for, save_entries, sections_to_merge
     from ..tuning.lookup import clear_cache, device_gpu_key
     from ..tuning.measure import GpuMeasurer
-    from ..tuning.space import search_space, settled_at
+    from ..tuning.space import search_space, seeded, settled_at
     from ..tuning.tuner import BucketResult, EntryInfo, PartialStore, Tuner, partial_path
 
     try:
@@ -271,18 +298,26 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
         err.print(partial.note)
     results: list[BucketResult] = []
     todo = []
-    stale: dict[str, str] = {}  # bucket id: why its stored entry is re-timed
+    notes: dict[str, list[str]] = {}  # bucket id: what the table says of its re-timing
+    in_folder_entries = entries_for(folder, gpu)
+    previous_entries = _previous_entries(folder, gpu)
     for space in spaces:
-        stored = find_entry(folder, gpu, space.bucket) if resume and not force else None
+        in_folder = in_folder_entries.get(space.bucket)
+        stored = in_folder if resume and not force else None
         why = None if stored is None else stored.stale_reason(kernels, space.default)
         if stored is not None and why is None:
             results.append(BucketResult(space.bucket, None, None, [], stored.default_time_us / 1e6,
                                         stored.time_us / 1e6, skipped="already tuned",
                                         entry=stored))
-        else:
-            todo.append(space)
-            if why is not None:
-                stale[space.bucket.id] = why
+            continue
+        said = notes.setdefault(space.bucket.id, [])
+        if why is not None:
+            said.append(f"re-timed: the stored entry was timed with {why}")
+        previous = previous_entries.get(space.bucket)
+        if previous is not None:
+            space, note = seeded(space, previous.config)
+            said += [note] if note else []
+        todo.append(space)
     info = EntryInfo(__version__, command, kernels)
     tuner = Tuner(measurer, limit, info, partial=partial)
     t0 = time.monotonic()
@@ -298,8 +333,7 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
             tuner.progress = functools.partial(_advance, bar, task, offset)
             tuner.info = replace(info, command=(commands or {}).get(space.bucket.id, command))
             result = tuner.tune(space)
-            if space.bucket.id in stale:
-                result.notes.insert(0, f"re-timed: the stored entry was timed with {stale[space.bucket.id]}")
+            result.notes[:0] = notes[space.bucket.id]
             offset += n
             bar.update(task, completed=offset)
             if result.entry is not None:

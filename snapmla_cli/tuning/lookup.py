@@ -344,35 +344,51 @@ def stale_reasons(found: list[Located], sm_count: int | None, kernels: str | Non
     times no longer describe what the default would run. Without an SM count only the kernel
     sources are compared (the default depends on the SMs); without kernel sources (``kernels``
     None, :func:`kernel_stamp`) nothing is marked."""
-    from .space import default_config
-
     if kernels is None:  # nothing to compare with (info still lists the entries)
         return [None] * len(found)
+    return [loc.entry.stale_reason(kernels, _today_default(loc.entry.bucket, sm_count)) for loc in found]
 
-    def today(bucket: Bucket) -> DecodeConfig | None:
-        try:
-            return None if sm_count is None else default_config(bucket, sm_count)
-        except SnapmlaError:  # a bucket the heuristic cannot place: compare the kernel sources only
-            return None
 
-    return [loc.entry.stale_reason(kernels, today(loc.entry.bucket)) for loc in found]
+def _today_default(bucket: Bucket, sm_count: int | None) -> DecodeConfig | None:
+    """The built-in heuristic's configuration for ``bucket`` (None: no SM count, or a bucket the
+    heuristic cannot place; then only the kernel sources are compared)."""
+    from .space import default_config
+
+    try:
+        return None if sm_count is None else default_config(bucket, sm_count)
+    except SnapmlaError:
+        return None
 
 
 def stale_buckets(gpu: GpuKey, formats: list[str]) -> list[tuple[Bucket, str]]:
     """(bucket, why) of the entries for ``gpu`` that are stale, in ``formats``: per bucket the
     entry the lookup would take (the user's before the shipped one), as ``snapmla tune --stale``
-    re-times them."""
+    re-times them. Order: entries timed against another default first (their configuration may
+    now be slower than what the heuristic runs), then FP8 before BF16 (the product before its
+    baseline), then the file's order; a re-timing cut short by time does the urgent ones."""
     found = matching_entries(gpu)
     seen: set[str] = set()
-    out: list[tuple[Bucket, str]] = []
+    out: list[tuple[tuple[bool, bool], Bucket, str]] = []
     for loc, why in zip(found, stale_reasons(found, gpu.sm_count, kernel_stamp())):
         bucket = loc.entry.bucket
         if bucket.id in seen:
             continue
         seen.add(bucket.id)
         if why is not None and bucket.format in formats:
-            out.append((bucket, why))
-    return out
+            today = _today_default(bucket, gpu.sm_count)
+            same_default = today is None or loc.entry.stale_reason(loc.entry.kernels, today) is None
+            out.append(((same_default, not bucket.fp8), bucket, why))
+    return [(bucket, why) for _, bucket, why in sorted(out, key=lambda item: item[0])]
+
+
+def stored_entries(gpu: GpuKey) -> dict[Bucket, Entry]:
+    """Per bucket, the entry of exactly that bucket that the lookup takes for ``gpu`` (the user's
+    folder before the shipped one): ``snapmla tune`` measures its configuration right after the
+    default, so a user's first run starts from what the shipped database found."""
+    found: dict[Bucket, Entry] = {}
+    for loc in matching_entries(gpu):
+        found.setdefault(loc.entry.bucket, loc.entry)
+    return found
 
 
 def file_problem(path: Path) -> str | None:

@@ -401,9 +401,33 @@ class SearchSpace:
     kernels: list[DecodeConfig]  # distinct kernel variants among the candidates, default's first
     pruned: list[tuple[DecodeConfig, ConfigProblem]]  # kernel variants the kernels would refuse
     aliases: int  # candidates dropped: same work list as an earlier one at the timed shape
+    # the candidate that runs what the bucket's stored entry runs, measured right after the
+    # default (None: no stored entry, or it is the default): see :func:`seeded`
+    prior: DecodeConfig | None = None
 
     def ids(self) -> list[str]:
         return [config_id(c, self.bucket.format) for c in self.candidates]
+
+
+def seeded(space: SearchSpace, stored: DecodeConfig) -> tuple[SearchSpace, str | None]:
+    """``space`` with the candidate that runs the same kernel build and work list as ``stored``
+    (a database entry's configuration, SM count stripped) as its prior, which the tuner measures
+    right after the default. Why: re-timing a bucket after a kernel change (``--stale``,
+    ``--force``) with a short budget must not lose the configuration that won before to a budget
+    cut; it is the likeliest winner again. Returns a note (not an error) when today's space has no
+    such candidate: the stored kernel variant was dropped or its split plan is no longer searched."""
+    bucket = space.bucket
+    try:
+        wanted = _signature(stored.with_sms(space.num_sms), bucket)
+    except SnapmlaError as exc:
+        return space, f"the stored configuration {config_id(stored, bucket.format)} does not run today ({exc})"
+    if wanted == _signature(space.default, bucket):
+        return space, None  # the default is measured first anyway
+    for cfg in space.candidates[1:]:
+        if _signature(cfg, bucket) == wanted:
+            return replace(space, prior=cfg), None
+    return space, (f"the stored configuration {config_id(stored, bucket.format)} is not in today's search "
+                   f"space; not timed first")
 
 
 def settled_at(cfg: DecodeConfig, bucket: Bucket) -> DecodeConfig:

@@ -5,7 +5,9 @@ Correctness and timing come from a :class:`Measurer` (the GPU one is
 and the partial results of an interrupted run live in a JSON file (:class:`PartialStore`), so
 that the selection, budget and resume logic is tested on the CPU.
 
-Order per bucket: the heuristic default first (always measured), then every kernel variant
+Order per bucket: the heuristic default first (always measured), then the configuration of the
+bucket's stored entry where there is one (``SearchSpace.prior``: a re-tune after a kernel change
+keeps the former winner in any budget of one candidate or more), then every other kernel variant
 with its own default split policy, then the remaining split policies, kernels in the order of
 their first-phase times (the most promising kernel's policies first), so a budget cut keeps the
 most useful measurements. A candidate must pass the correctness gate before it is timed; one
@@ -262,12 +264,16 @@ class Tuner:
 
     # ordering ------------------------------------------------------------------------------
     def _order(self, space: SearchSpace, done: dict[str, Measurement]) -> Iterator[DecodeConfig]:
-        firsts: list[DecodeConfig] = []
+        leading = [space.default] + ([space.prior] if space.prior is not None else [])
+        firsts: list[DecodeConfig] = []  # one per kernel variant that leading does not cover
         rest: list[DecodeConfig] = []
         for cfg in space.candidates[1:]:
-            (rest if any(same_kernel(cfg, f) for f in firsts) or same_kernel(cfg, space.default)
-             else firsts).append(cfg)
+            if cfg == space.prior:
+                continue
+            (rest if any(same_kernel(cfg, f) for f in leading + firsts) else firsts).append(cfg)
         yield space.default
+        if space.prior is not None:
+            yield space.prior
         yield from firsts
 
         def kernel_rank(cfg: DecodeConfig) -> float:
