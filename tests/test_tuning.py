@@ -1392,8 +1392,13 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
     last = space.candidates[-1]
     stored = tdb.find_entry(folder, GPU, bucket)
     save_entries(folder, GPU, [replace(stored, config=tdb.strip_sms(last), kernels="0123456789abcdef")], force=True)
+    capsys.readouterr()
     tune_cli._run([bucket], Budget(count=1), folder, "--db-dir", True, False, "snapmla tune")
     assert runs[-1].timed[:2] == [config_id(space.default, "fp8"), config_id(last, "fp8")]
+    now_us = runs[-1].times[config_id(last, "fp8")] * 1e6
+    said = " ".join(capsys.readouterr().out.split())
+    assert (f"the stored configuration {config_id(last, 'fp8')}: {now_us:.1f} us now, {stored.time_us:.1f} us stored"
+            in said)
 
 
 def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isolated_db, monkeypatch, tmp_path):
@@ -1618,15 +1623,20 @@ def test_tune_on_gpu_end_to_end(isolated_db):
     [stored] = section.entries
     assert stored.time_us > 0 and stored.default_time_us > 0 and stored.candidates >= 2
     assert not list(user.glob("*.partial.json"))
-    # the same entry made stale (other kernel sources): --stale re-times exactly that bucket
-    save_entries(user, monkey_key, [replace(stored, kernels="0123456789abcdef")], force=True)
+    # the entry made stale (other kernel sources) with a configuration the static order reaches
+    # last: --stale re-times exactly that bucket, and that configuration right after the default
+    last = search_space(stored.bucket, monkey_key.sm_count or 132).candidates[-1]
+    save_entries(user, monkey_key, [replace(stored, kernels="0123456789abcdef", config=tdb.strip_sms(last))],
+                 force=True)
     lookup.clear_cache()
-    again = CliRunner().invoke(tiny_app(), ["--stale", "--budget", "2", "--db-dir", str(user)])
+    again = CliRunner().invoke(tiny_app(), ["--stale", "--budget", "1", "--db-dir", str(user)], terminal_width=250)
     assert again.exit_code == 0, again.output + again.stderr
     assert "re-timed: the stored entry was timed with other kernel sources" in again.output
+    assert f"the stored configuration {config_id(last, 'fp8')}: " in again.output
     [retimed] = load_file(path).sections[0].entries
-    assert retimed.kernels == stored.kernels and retimed.time_us > 0
-    assert retimed.command == "snapmla tune --heads 16 --mtp 1 --batch 4 --ctx 2k --format fp8 --budget 2"
+    assert retimed.kernels == stored.kernels and retimed.time_us > 0 and retimed.candidates == 2
+    assert retimed.config in (tdb.strip_sms(last), stored.default_config)
+    assert retimed.command == "snapmla tune --heads 16 --mtp 1 --batch 4 --ctx 2k --format fp8 --budget 1"
 
 
 def test_config_from_spec_parses_the_kernel_scripts_format():

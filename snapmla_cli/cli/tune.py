@@ -333,7 +333,7 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
             tuner.progress = functools.partial(_advance, bar, task, offset)
             tuner.info = replace(info, command=(commands or {}).get(space.bucket.id, command))
             result = tuner.tune(space)
-            result.notes[:0] = notes[space.bucket.id]
+            result.notes[:0] = notes[space.bucket.id] + _prior_note(space, result, previous_entries.get(space.bucket))
             offset += n
             bar.update(task, completed=offset)
             if result.entry is not None:
@@ -351,6 +351,23 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
     order = {b: i for i, b in enumerate(buckets)}
     results.sort(key=lambda r: order[r.bucket])
     _render(out, results, gpu, folder, time.monotonic() - t0)
+
+
+def _prior_note(space: SearchSpace, result: BucketResult, previous: Entry | None) -> list[str]:
+    """How the stored configuration, measured right after the default, fares with today's
+    kernels next to its stored time: after a kernel change this says whether the former winner
+    got slower, which the new entry alone (perhaps another configuration) would not."""
+    from ..tuning.space import config_id
+
+    if space.prior is None or previous is None:
+        return []
+    cid = config_id(space.prior, space.bucket.format)
+    m = next((m for m in result.measured if m.cid == cid), None)
+    if m is None:  # a budget of no candidates
+        return []
+    if not m.ok or m.time_s is None:
+        return [f"the stored configuration {cid} failed with these kernels ({m.detail})"]
+    return [f"the stored configuration {cid}: {m.time_s * 1e6:.1f} us now, {previous.time_us:.1f} us stored"]
 
 
 # A stored entry faster than this by more than the run-to-run spread of a timing is worth a note
