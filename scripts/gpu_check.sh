@@ -132,7 +132,7 @@ for step in $steps; do
     stale)  # re-time the shipped database's stale entries for this GPU (`snapmla tune --stale`, both formats, the
             # urgent ones first, each bucket's stored configuration right after the default), stopped by SIGINT after
             # STALE_S seconds (default 420) so that it fits one call: the tuner keeps the buckets it finished and the
-            # next call resumes with the rest; STALE_BUDGET per bucket (default 3s: 7.75 s a b 64 bucket on an H100, the H200's 172 in about 22 min)
+            # next call resumes with the rest; STALE_BUDGET per bucket (default 3s: 5.1 s a bucket on an H100, the H200's 172 in about 15 min)
             timeout -s INT "${STALE_S:-420}" python3 -m snapmla_cli.cli.app tune --stale --budget "${STALE_BUDGET:-3s}" \
               --db-dir tuning_db \
               > "$OUT/tune_stale.log" 2>&1; echo "tune --stale: rc $?"; tail -30 "$OUT/tune_stale.log"

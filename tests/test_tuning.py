@@ -15,7 +15,7 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from snapmla_cli.cli.tune import tune_command
+from snapmla_cli.cli.tune import _line, tune_command
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.ops import decode_config as dc
 from snapmla_cli.ops.decode_config import DecodeConfig, heuristic_config
@@ -1027,6 +1027,14 @@ def test_tuner_budget_starts_after_the_buckets_setup():
     fake = SlowSetup(space, fastest_wrong=False)
     result = Tuner(fake, Budget(seconds=35.0), INFO, clock=lambda: now[0], confirm_rounds=0).tune(space)
     assert fake.prepared == 1 and len(result.measured) == 4  # as without the setup
+    assert result.phase_s == {"setup": 100.0, "candidates": 40.0, "confirmation": 0.0}
+    # the table's line says where the bucket's time went; the confirmation re-times the top
+    # three and the default once each
+    again = Tuner(SlowSetup(space, fastest_wrong=False), Budget(seconds=35.0), INFO, clock=lambda: now[0],
+                  confirm_rounds=1).tune(space)
+    contenders = len({m.cid for m in sorted(again.measured, key=lambda m: m.time_s)[:3]} | {again.default.cid})
+    assert again.phase_s == {"setup": 100.0, "candidates": 40.0, "confirmation": 10.0 * contenders}
+    assert _line(again).endswith(f"; 100.0 s setup + 40.0 s candidates + {10.0 * contenders:.1f} s confirmation")
 
 
 def test_tuner_confirmation_medians_decide():

@@ -406,7 +406,13 @@ def _line(r: BucketResult) -> str:
         return f"{r.bucket.label()}: nothing stored ({len(r.measured)} measured, {r.failed} failed)"
     return (f"{r.bucket.label()}: default {_us(r.default_time_s)} us, tuned {_us(r.best_time_s)}"
             f" us ({r.speedup:.3f}x) {config_id(r.entry.config, r.bucket.format)}; "
-            f"{len(r.measured)} measured, {r.failed} failed")
+            f"{len(r.measured)} measured, {r.failed} failed; {_phases(r)}")
+
+
+def _phases(r: BucketResult) -> str:
+    """'2.1 s setup + 3.0 s candidates + 1.6 s confirmation': where the bucket's wall time went
+    (--budget counts only the candidates)."""
+    return " + ".join(f"{seconds:.1f} s {phase}" for phase, seconds in r.phase_s.items())
 
 
 def _us(seconds: float | None) -> str:
@@ -433,4 +439,8 @@ def _render(out: Console, results: list[BucketResult], gpu: GpuKey, folder: Path
         for m in r.measured:
             if not m.ok and "wrong result" in m.detail:
                 out.print(f"{r.bucket.label()}: {m.cid} failed the gate ({m.detail})")
-    out.print(f"database: {folder / db_filename(gpu.name)} ({wall:.0f} s)")
+    totals: Counter[str] = Counter()
+    for r in results:
+        totals.update(r.phase_s)
+    spent = "; " + " + ".join(f"{seconds:.0f} s {phase}" for phase, seconds in totals.items()) if totals else ""
+    out.print(f"database: {folder / db_filename(gpu.name)} ({wall:.0f} s{spent})")

@@ -98,6 +98,9 @@ class BucketResult:
     skipped: str = ""  # why nothing was measured (e.g. already in the database)
     entry: Entry | None = None
     notes: list[str] = field(default_factory=list)
+    # wall seconds of this run's phases: the inputs and checks (not in --budget), the candidates,
+    # the confirmation round; where a bucket's time goes beyond its budget
+    phase_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def speedup(self) -> float | None:
@@ -351,6 +354,7 @@ class Tuner:
         before = self.partial.elapsed(bucket.id) if self.partial else 0.0
         total = self.planned(space)
         self.progress(f"{bucket.label()}: preparing inputs and checks", 0, total)
+        setup_start = self.clock()
         self.measurer.prepare(bucket)
         start = self.clock()  # after the setup: the budget is for the candidates
 
@@ -383,7 +387,10 @@ class Tuner:
             if default_m is not None and not default_m.ok:
                 result.notes.append(f"the heuristic default failed the correctness gate: "
                                     f"{default_m.detail}")
+            confirm_start = self.clock()
             self._confirm(space, result)
+            result.phase_s = {"setup": start - setup_start, "candidates": confirm_start - start,
+                              "confirmation": self.clock() - confirm_start}
         finally:
             self.measurer.release()
         if result.best is not None and result.best_time_s and result.default_time_s:
