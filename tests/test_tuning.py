@@ -992,6 +992,24 @@ def test_tuner_measures_the_stored_configuration_right_after_the_default():
     assert unseeded.prior is None and why is not None and "not in today's search space" in why
 
 
+def test_a_stored_alias_seeds_the_candidate_that_runs_the_same_work():
+    """A stored configuration that today's space dropped as an alias (another split policy with
+    the same work list at the timed shape) seeds the candidate that runs it; one that aliases
+    the default seeds nothing (the default is measured first)."""
+    from snapmla_cli.tuning.space import _signature
+
+    space = small_space()
+    default_sig = _signature(space.default, space.bucket)
+    by_sig = {_signature(c, space.bucket): c for c in space.candidates[1:]}
+    dropped = [replace(k, split=p) for k in space.kernels for p in split_policies(k, space.default.split, True)]
+    dropped = [c for c in dropped if c not in space.candidates]
+    of_default = next(c for c in dropped if _signature(c, space.bucket) == default_sig)
+    of_candidate = next(c for c in dropped if _signature(c, space.bucket) in by_sig)
+    assert seeded(space, tdb.strip_sms(of_default)) == (space, None)
+    with_prior, note = seeded(space, tdb.strip_sms(of_candidate))
+    assert note is None and with_prior.prior == by_sig[_signature(of_candidate, space.bucket)] != of_candidate
+
+
 def test_tuner_time_budget_with_fake_clock():
     space = small_space()
     now = [0.0]

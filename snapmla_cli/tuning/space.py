@@ -417,12 +417,17 @@ def seeded(space: SearchSpace, stored: DecodeConfig) -> tuple[SearchSpace, str |
     cut; it is the likeliest winner again. Returns a note (not an error) when today's space has no
     such candidate: the stored kernel variant was dropped or its split plan is no longer searched."""
     bucket = space.bucket
-    try:
-        wanted = _signature(stored.with_sms(space.num_sms), bucket)
+    target = stored.with_sms(space.num_sms)
+    if target == space.default:
+        return space, None  # measured first anyway
+    if target in space.candidates:  # the usual case, without a work list per candidate
+        return replace(space, prior=target), None
+    try:  # an alias: another configuration that runs the same kernel build and work list
+        wanted = _signature(target, bucket)
     except SnapmlaError as exc:
         return space, f"the stored configuration {config_id(stored, bucket.format)} does not run today ({exc})"
     if wanted == _signature(space.default, bucket):
-        return space, None  # the default is measured first anyway
+        return space, None
     for cfg in space.candidates[1:]:
         if _signature(cfg, bucket) == wanted:
             return replace(space, prior=cfg), None
