@@ -14,7 +14,6 @@ Usage: PYTHONPATH=. python3 scripts/ab_small_work.py [--shapes 64:1,128:1,128:2]
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 
 import torch
@@ -23,12 +22,12 @@ from ab_tuning import alternating_medians  # this folder is sys.path[0]
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import BURST
 from snapmla_cli.ops.decode_config import (
-    PAGE_TOKENS,
     RING_ROW_GROUPS,
     ROWS_M_ROW_GROUPS,
     ROWS_PER_GROUP,
     heuristic_config,
     heuristic_for_work,
+    tile_pages_per_sm,
 )
 from snapmla_cli.tuning.space import config_id
 
@@ -53,7 +52,7 @@ def main() -> None:
         rows = h * s
         for batch in map(int, args.batch.split(",")):
             for ctx in map(int, args.ctx.split(",")):
-                units = math.ceil(rows / TILE_ROWS[0]) * batch * math.ceil(ctx / PAGE_TOKENS) / sms
+                units = tile_pages_per_sm(rows, batch, ctx, sms)
                 if units >= args.max_units:
                     continue
                 configs = [heuristic_config(t).with_sms(sms) for t in TILE_ROWS]

@@ -189,7 +189,7 @@ def _gpu_for_dry_run() -> tuple[GpuKey | None, int]:
 
 
 def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
-    from ..tuning.db import db_filename
+    from ..tuning.db import db_filename, entries_for
     from ..tuning.space import config_id, search_space, smem_bytes, split_policies
 
     out = console()
@@ -228,7 +228,7 @@ def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
                           for p in policies))
     table = figure_table("buckets", ("bucket", "timed at", "candidates", "same-plan aliases dropped", "default",
                                      "then (stored entry)"))
-    previous = _previous_entries(folder, gpu)
+    previous = _previous_entries(entries_for(folder, gpu) if gpu else {}, gpu)
     for space in spaces:
         b = space.bucket
         table.add_row(b.label(), f"batch {b.timed_batch} x ctx {format_size(b.timed_context)}",
@@ -240,16 +240,15 @@ def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
               f"database: {where}")
 
 
-def _previous_entries(folder: Path, gpu: GpuKey | None) -> dict[Bucket, Entry]:
-    """Per bucket, the entry a run starts from: the one in the folder it writes, else the one the
-    lookup takes for this GPU (the user's, then the shipped one); none without a GPU. Each file
-    is read once per run, not once per bucket."""
-    from ..tuning.db import entries_for
+def _previous_entries(in_folder: dict[Bucket, Entry], gpu: GpuKey | None) -> dict[Bucket, Entry]:
+    """Per bucket, the entry a run starts from: the one in the folder it writes (``in_folder``,
+    read by the caller), else the one the lookup takes for this GPU (the user's, then the shipped
+    one); none without a GPU. Each file is read once per run, not once per bucket."""
     from ..tuning.lookup import stored_entries
 
     if gpu is None:
         return {}
-    return stored_entries(gpu) | entries_for(folder, gpu)
+    return stored_entries(gpu) | in_folder
 
 
 def _prior_text(space: SearchSpace, previous: Entry | None) -> str:
@@ -300,7 +299,7 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
     todo = []
     notes: dict[str, list[str]] = {}  # bucket id: what the table says of its re-timing
     in_folder_entries = entries_for(folder, gpu)
-    previous_entries = _previous_entries(folder, gpu)
+    previous_entries = _previous_entries(in_folder_entries, gpu)
     for space in spaces:
         in_folder = in_folder_entries.get(space.bucket)
         stored = in_folder if resume and not force else None

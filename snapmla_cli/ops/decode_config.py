@@ -485,18 +485,23 @@ SMALL_WORK_ONE_TILE_PAGES_PER_SM = 12.0
 SMALL_WORK_MAX_PAIRS_FOR_16_ROWS = 4
 
 
+def tile_pages_per_sm(rows: int, batch: int, context: float, sms: int, groups: int = ROWS_M_ROW_GROUPS) -> float:
+    """(request, row tile) pages per SM of a call whose row tiles hold ``groups`` row groups: the
+    work measure of the small-work rule (and of scripts/ab_small_work.py's shape filter)."""
+    tiles = math.ceil(rows / (groups * ROWS_PER_GROUP))
+    return tiles * batch * max(1, math.ceil(context / PAGE_TOKENS)) / sms
+
+
 def small_work_row_groups(rows: int, batch: int, context: float, sms: int) -> int:
     """Row groups (16 rows each) of the row tile for ``rows`` rows of ``batch`` requests of mean
     ``context`` tokens on ``sms`` SMs: the largest tile, from the 64-row one down, whose tiles
     times pages give every SM enough work (``SMALL_WORK_ONE_TILE_PAGES_PER_SM`` for requests of
     one 64-row tile, ``SMALL_WORK_TILE_PAGES_PER_SM`` otherwise); below that 16-row tiles where
     the 32-row pairs are few (``SMALL_WORK_MAX_PAIRS_FOR_16_ROWS``), else 32-row tiles."""
-    pages = batch * max(1, math.ceil(context / PAGE_TOKENS))
     for groups in (ROWS_M_ROW_GROUPS, RING_ROW_GROUPS):
-        tiles = math.ceil(rows / (groups * ROWS_PER_GROUP))
-        one_tile = groups == ROWS_M_ROW_GROUPS and tiles == 1
+        one_tile = groups == ROWS_M_ROW_GROUPS and rows <= groups * ROWS_PER_GROUP
         enough = SMALL_WORK_ONE_TILE_PAGES_PER_SM if one_tile else SMALL_WORK_TILE_PAGES_PER_SM
-        if tiles * pages >= enough * sms:
+        if tile_pages_per_sm(rows, batch, context, sms, groups) >= enough:
             return groups
     pairs_32 = batch * math.ceil(rows / (RING_ROW_GROUPS * ROWS_PER_GROUP))
     return 1 if pairs_32 <= SMALL_WORK_MAX_PAIRS_FOR_16_ROWS else RING_ROW_GROUPS

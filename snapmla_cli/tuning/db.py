@@ -280,9 +280,14 @@ class Entry:
         kernel sources are compared. A stale entry still applies at run time."""
         if self.kernels != kernels:
             return "other kernel sources"
-        if default is not None and self.default_config != strip_sms(default):
+        if self.default_moved(default):
             return "another default"
         return None
+
+    def default_moved(self, default: DecodeConfig | None) -> bool:
+        """Whether this entry was timed against another default than ``default`` (today's
+        heuristic; None: not known, so not moved): its configuration may now lose to it."""
+        return default is not None and self.default_config != strip_sms(default)
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -366,18 +366,17 @@ def stale_buckets(gpu: GpuKey, formats: list[str]) -> list[tuple[Bucket, str]]:
     re-times them. Order: entries timed against another default first (their configuration may
     now be slower than what the heuristic runs), then FP8 before BF16 (the product before its
     baseline), then the file's order; a re-timing cut short by time does the urgent ones."""
-    found = matching_entries(gpu)
-    seen: set[str] = set()
+    kernels = kernel_stamp()
+    if kernels is None:  # nothing to compare with, as in stale_reasons
+        return []
     out: list[tuple[tuple[bool, bool], Bucket, str]] = []
-    for loc, why in zip(found, stale_reasons(found, gpu.sm_count, kernel_stamp())):
-        bucket = loc.entry.bucket
-        if bucket.id in seen:
+    for bucket, entry in stored_entries(gpu).items():
+        if bucket.format not in formats:
             continue
-        seen.add(bucket.id)
-        if why is not None and bucket.format in formats:
-            today = _today_default(bucket, gpu.sm_count)
-            same_default = today is None or loc.entry.stale_reason(loc.entry.kernels, today) is None
-            out.append(((same_default, not bucket.fp8), bucket, why))
+        today = _today_default(bucket, gpu.sm_count)
+        why = entry.stale_reason(kernels, today)
+        if why is not None:
+            out.append(((not entry.default_moved(today), not bucket.fp8), bucket, why))
     return [(bucket, why) for _, bucket, why in sorted(out, key=lambda item: item[0])]
 
 
