@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -405,13 +406,13 @@ def _line(r: BucketResult) -> str:
         return f"{r.bucket.label()}: nothing stored ({len(r.measured)} measured, {r.failed} failed)"
     return (f"{r.bucket.label()}: default {_us(r.default_time_s)} us, tuned {_us(r.best_time_s)}"
             f" us ({r.speedup:.3f}x) {config_id(r.entry.config, r.bucket.format)}; "
-            f"{len(r.measured)} measured, {r.failed} failed; {_phases(r)}")
+            f"{len(r.measured)} measured, {r.failed} failed; {_phases(r.phase_s, 1)}")
 
 
-def _phases(r: BucketResult) -> str:
-    """'2.1 s setup + 3.0 s candidates + 1.6 s confirmation': where the bucket's wall time went
-    (--budget counts only the candidates)."""
-    return " + ".join(f"{seconds:.1f} s {phase}" for phase, seconds in r.phase_s.items())
+def _phases(phase_s: Mapping[str, float], digits: int) -> str:
+    """'2.1 s setup + 3.0 s candidates + 1.6 s confirmation': where a bucket's (or the run's)
+    wall time went (--budget counts only the candidates)."""
+    return " + ".join(f"{seconds:.{digits}f} s {phase}" for phase, seconds in phase_s.items())
 
 
 def _us(seconds: float | None) -> str:
@@ -441,5 +442,5 @@ def _render(out: Console, results: list[BucketResult], gpu: GpuKey, folder: Path
     totals: Counter[str] = Counter()
     for r in results:
         totals.update(r.phase_s)
-    spent = "; " + " + ".join(f"{seconds:.0f} s {phase}" for phase, seconds in totals.items()) if totals else ""
+    spent = f"; {_phases(totals, 0)}" if totals else ""
     out.print(f"database: {folder / db_filename(gpu.name)} ({wall:.0f} s{spent})")
