@@ -282,6 +282,22 @@ def test_a_reader_that_left_ends_the_command_quietly(lines: int) -> None:
     assert status in (0, 1) and errors == "", (status, errors)
 
 
+def test_version_names_the_package_and_the_kernel_sources(monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    from snapmla_cli import __version__
+    from snapmla_cli.runtime.nvrtc import KERNEL_DIR_ENV, kernel_dir, source_tree_hash
+
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"snapmla {__version__} (kernel sources {source_tree_hash(kernel_dir())})\n"
+    # without kernel sources the version still prints, with the reason in place of the hash
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path / "absent"))
+    result = invoke("--version", "info")  # eager: nothing after it runs
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"snapmla {__version__} (kernel sources: folder ")
+    assert "absent" in result.stdout and KERNEL_DIR_ENV in result.stdout and "GPU" not in result.stdout
+
+
 def test_top_level_help_lists_the_commands() -> None:
     result = invoke("--help")
     assert result.exit_code == 0

@@ -106,6 +106,33 @@ app = typer.Typer(
 )
 
 
+def version_line() -> str:
+    """``snapmla 0.1.0 (kernel sources c5d237604e542694)``: the package's version and the hash
+    the tuning database's entries are stamped with, so a report names the exact kernels."""
+    from .. import __version__
+    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+
+    try:
+        kernels = f"kernel sources {source_tree_hash(kernel_dir())}"
+    except SnapmlaError as exc:
+        kernels = one_line(exc)
+    return f"snapmla {__version__} ({kernels})"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", help="Show the version and the kernel sources' hash, then exit.",
+                                 callback=_show_version, is_eager=True),
+) -> None:
+    """The options of ``snapmla`` itself (the help text is the app's ``help``)."""
+
+
 def _register() -> None:
     for name, module_name, function, required in COMMANDS:
         full = f"{__package__}.{module_name}"

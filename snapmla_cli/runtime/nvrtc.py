@@ -21,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
+from ..bundled import KERNELS, bundled_dir
 from ..errors import SnapmlaError
 from . import kernel_cache
 from .ptxas import KernelResources, parse_ptxas_log
@@ -77,9 +78,9 @@ class CompiledModule:
 
 
 def kernel_dir() -> Path:
-    """``$SNAPMLA_KERNEL_DIR`` or the repository's ``kernels/`` (next to ``snapmla_cli/``)."""
+    """``$SNAPMLA_KERNEL_DIR``, else the shipped ``kernels/`` (:mod:`snapmla_cli.bundled`)."""
     env = os.environ.get(KERNEL_DIR_ENV)
-    folder = Path(env).expanduser() if env else Path(__file__).resolve().parents[2] / "kernels"
+    folder = Path(env).expanduser() if env else bundled_dir(KERNELS)
     if not folder.is_dir():
         raise SnapmlaError(
             f"kernel sources: folder {folder} not found "

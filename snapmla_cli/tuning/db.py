@@ -43,6 +43,7 @@ try:  # POSIX advisory locks; elsewhere merges are not serialized (one tune at a
 except ImportError:  # pragma: no cover - not Linux
     fcntl = None  # type: ignore[assignment]
 
+from ..bundled import TUNING_DB, bundled_dir
 from ..cache.atomic import final_target, write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import FP8_MMA_SYNC, ROPE_RING_CHOICES, WG_MODES, DecodeConfig
@@ -151,8 +152,8 @@ def expand_folder(folder: Path) -> Path:
 
 
 def shipped_dir() -> Path:
-    """The repository's ``tuning_db/`` (next to ``snapmla_cli/``)."""
-    return Path(__file__).resolve().parents[2] / "tuning_db"
+    """The shipped ``tuning_db/``: the checkout's, or the installed package's (:mod:`snapmla_cli.bundled`)."""
+    return bundled_dir(TUNING_DB)
 
 
 def search_dirs() -> list[tuple[str, Path]]:
