@@ -12,6 +12,7 @@ import pytest
 import torch
 from cli_checks import assert_one_line_error, invoke
 
+from snapmla_cli import __version__
 from snapmla_cli.analysis import verify as verify_analysis
 from snapmla_cli.cli import info
 from snapmla_cli.cli import verify as verify_cli
@@ -164,3 +165,21 @@ def test_info_marks_the_gpus_the_kernels_do_not_run_on(monkeypatch: pytest.Monke
     assert "snapmla's kernels are built for compute capability 9.0 (Hopper" in " ".join(result.stdout.split())
     monkeypatch.setattr(info, "list_gpus", lambda: GpuListing([_facts(0, *H200)]))
     assert "snapmla's kernels are built for" not in invoke("info").stdout
+
+
+def test_info_json_holds_the_gpus_the_toolchain_and_the_database(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    monkeypatch.setattr(info, "list_gpus", lambda: GpuListing([_facts(0, *H200), _facts(1, *A100)]))
+    path = tmp_path / "info.json"
+    result = invoke("info", "--json", path)
+    assert result.exit_code == 0, result.output
+    data = json.loads(path.read_text())
+    assert data["format"] == info.INFO_JSON_FORMAT and data["snapmla_version"] == __version__
+    assert [(g["name"], g["compute_capability"], g["sm_count"], g["runs_kernels"]) for g in data["gpus"]] == [
+        ("NVIDIA H200", [9, 0], 132, True), ("NVIDIA A100-SXM4-80GB", [8, 0], 132, False)]
+    assert data["no_gpu_reason"] is None and data["kernel_archs"] == ["sm_90a"]
+    assert data["toolchain"]["torch_version"] == torch.__version__
+    assert [g["name"] for g in data["tuning"]["gpus"]] == ["NVIDIA H200", "NVIDIA A100-SXM4-80GB"]
+    assert {f["origin"] for f in data["tuning"]["folders"]} <= {"user", "shipped"}
+    assert_one_line_error(invoke("info", "--json", path), "--json", "--force")  # never overwritten silently
+    assert invoke("info", "--json", path, "--force").exit_code == 0

@@ -784,6 +784,15 @@ def test_describe_marks_the_entries_a_resumed_tune_would_retime(isolated_db, mon
     assert lines[-1].startswith("  2 of 3 entries are stale")
     no_sms = describe_database([replace(facts, sm_count=None)])
     assert sum("[stale" in line for line in no_sms) == 1 and "1 of 3 entries are stale" in no_sms[-1]
+    # the same survey as `snapmla info --json` gives it: every entry whole, its reason or None
+    (gpu,) = lookup.survey_database([facts]).as_dict()["gpus"]
+    assert gpu["name"] == "Test GPU X100" and len(gpu["entries"]) == 3
+    stale = {Bucket.from_dict(e["bucket"]).label(): e["stale"] for e in gpu["entries"]}
+    assert stale == {b64.label(): None, b1.label(): "another default",
+                     Bucket(64, 2, (64, 64), CTX[2], "fp8").label(): "other kernel sources"}
+    (whole,) = [e for e in gpu["entries"] if Bucket.from_dict(e["bucket"]) == b64]
+    assert whole["origin"] == "user" and whole["file"].startswith(str(user)) and whole["kernels"] == kernels
+    assert tdb.Entry.from_dict(whole) == current  # the stored fields, not a summary of them
     monkeypatch.setenv("SNAPMLA_KERNEL_DIR", str(tmp_path / "no-kernels"))  # nothing to compare with
     assert not any("stale" in line for line in describe_database([facts]))
 

@@ -1,24 +1,59 @@
-"""``snapmla info``: the GPUs, the CUDA toolchain and the tuning database this machine would use."""
+"""``snapmla info``: the GPUs, the CUDA toolchain and the tuning database this machine would use,
+as a table and lines, or (``--json``) as one document that a deployment check or a bug report
+can read without parsing the text."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .. import __version__
+from ..cache.atomic import check_outputs
 from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
-from ..runtime.gpu_facts import list_gpus, toolchain_facts
+from ..runtime.gpu_facts import GpuListing, ToolchainFacts, list_gpus, toolchain_facts
 from ..tables import figure_table
-from ..tuning import describe_database
-from .common import console
+from ..tuning import describe_database, survey_database
+from .common import console, output_option, write_json
+
+INFO_JSON_FORMAT = "snapmla-info/1"  # bumped when a field changes meaning or goes away
 
 
-def info_command() -> None:
+def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFacts) -> dict[str, Any]:
+    """Everything ``snapmla info`` prints, as plain data: the GPUs with NVML's facts and whether
+    snapmla's kernels run on each, the toolchain, the kernel sources' hash and the database
+    (folders, skipped files, every entry that applies per GPU with why it is stale)."""
+    from ..tuning.lookup import kernel_stamp
+
+    return {
+        "format": INFO_JSON_FORMAT,
+        "snapmla_version": __version__,
+        "kernel_sources": kernel_stamp(),
+        "kernel_archs": sorted(common_archs()),
+        "gpus": [{**dataclasses.asdict(g), "compute_capability": list(g.compute_capability),
+                  "runs_kernels": runs} for g, runs in zip(listing.gpus, runs_kernels)],
+        "no_gpu_reason": listing.reason or None,
+        "toolchain": dataclasses.asdict(tc),
+        "tuning": survey_database(listing.gpus).as_dict(),
+    }
+
+
+def info_command(
+    json_path: Annotated[Path | None, output_option("--json", help="Write the facts as JSON (format snapmla-info/1).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
+) -> None:
     """Show the GPUs, the CUDA toolchain (NVRTC, CuPy, torch) and the tuning database.
 
     GPU facts come from NVML (SM count from torch). Without a GPU or driver it says so and
     still exits 0."""
+    check_outputs([("--json", json_path)], force)
     out = console()
     listing = list_gpus()
+    archs = common_archs()
+    runs_kernels = [device_arch(g.compute_capability) in archs for g in listing.gpus]
     if listing.gpus:
-        archs = common_archs()
-        runs_kernels = [device_arch(g.compute_capability) in archs for g in listing.gpus]
         table = figure_table("GPUs", ("#", "name", "SMs", "cc", "memory GiB", "max SM MHz", "max mem MHz", "driver",
                                       "CUDA driver", "kernels"))
         for g, runs in zip(listing.gpus, runs_kernels):
@@ -40,3 +75,6 @@ def info_command() -> None:
     out.print(f"NVRTC: {tc.nvrtc_version or 'not usable (' + str(tc.nvrtc_error) + ')'}")
     for line in describe_database(listing.gpus):
         out.print(line)
+    if json_path is not None:
+        write_json(json_path, info_as_dict(listing, runs_kernels, tc), force=force)
+        out.print(f"wrote {json_path}")

@@ -19,6 +19,13 @@ def describe_database(gpus: list[Any]) -> list[str]:
     return describe(gpus)
 
 
+def survey_database(gpus: list[Any]) -> Any:
+    """The same as a ``DatabaseSurvey`` (``as_dict()`` for ``snapmla info --json``)."""
+    from .lookup import survey_database as survey
+
+    return survey(gpus)
+
+
 def matching_entries(gpu: Any) -> list[Any]:
     """Database entries for a ``GpuFacts``, a ``GpuKey`` or an NVML GPU name (user folder
     first); each has ``entry``, ``path``, ``origin`` and ``gpu``."""
@@ -27,4 +34,4 @@ def matching_entries(gpu: Any) -> list[Any]:
     return match(gpu)
 
 
-__all__ = ["describe_database", "matching_entries"]
+__all__ = ["describe_database", "matching_entries", "survey_database"]

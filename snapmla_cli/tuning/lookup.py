@@ -401,34 +401,73 @@ def file_problem(path: Path) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class GpuEntries:
+    """The entries that apply to one GPU (lookup order) and, per entry, why it is stale."""
+
+    gpu: Any  # a GpuFacts
+    found: list[Located]
+    stale: list[str | None]
+
+
+@dataclass(frozen=True)
+class DatabaseSurvey:
+    """What ``snapmla info`` reports of the database, as text or as JSON: the folders searched
+    with why one cannot be used, the files skipped whole or in part, and per GPU its entries."""
+
+    folders: list[tuple[str, Path, str | None]]  # origin, folder, problem (None: usable or absent)
+    skipped_files: list[tuple[Path, str]]
+    gpus: list[GpuEntries]
+    files: list[str]  # the database files' names in the usable folders
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "folders": [{"origin": o, "path": str(p), "problem": why} for o, p, why in self.folders],
+            "skipped_files": [{"path": str(p), "problem": why} for p, why in self.skipped_files],
+            "files": self.files,
+            "gpus": [{"index": g.gpu.index, "name": g.gpu.name, "entries": [
+                {"file": str(loc.path), "origin": loc.origin, "stale": why, **loc.entry.as_dict()}
+                for loc, why in zip(g.found, g.stale)]} for g in self.gpus],
+        }
+
+
+def survey_database(gpus: list[Any]) -> DatabaseSurvey:
+    """The folders, the files that are skipped, and per GPU the entries that apply."""
+    dirs = search_dirs()
+    folders = [(o, p, folder_problem(p) or ("missing" if not p.exists() and o == "user"
+                                           and os.environ.get(TUNING_DIR_ENV) else None)) for o, p in dirs]
+    usable = [p for _, p, why in folders if not why and p.is_dir()]
+    skipped: list[tuple[Path, str]] = []
+    for folder in usable:  # (a folder with a problem is named above; stat()ing it again may raise)
+        for path in sorted(folder.glob("*.yaml")):
+            if problem := file_problem(path):
+                skipped.append((path, problem))
+    kernels = kernel_stamp() if gpus else None  # read once for every GPU's entries
+    per_gpu = []
+    for g in gpus:
+        found = matching_entries(g)
+        per_gpu.append(GpuEntries(g, found, stale_reasons(found, g.sm_count, kernels)))
+    names = sorted({p.name for d in usable for p in d.glob("*.yaml")})
+    return DatabaseSurvey(folders, skipped, per_gpu, names)
+
+
 def describe_database(gpus: list[Any]) -> list[str]:
     """Lines for ``snapmla info``: the folders searched (and why one cannot be read), the files
     that are skipped, and, per GPU, the entries that apply."""
-    dirs = search_dirs()
-    notes = {str(p): folder_problem(p) or ("missing" if not p.exists() and o == "user"
-                                            and os.environ.get(TUNING_DIR_ENV) else None) for o, p in dirs}
+    survey = survey_database(gpus)
     lines = ["tuning database folders: " + ", ".join(
-        f"{o} {p}" + (f" ({notes[str(p)]}: ignored)" if notes[str(p)] else "") for o, p in dirs)]
-    usable = [folder for _, folder in dirs if not notes[str(folder)] and folder.is_dir()]
-    for folder in usable:  # (a folder with a problem is named above; stat()ing it again may raise)
-        for path in sorted(folder.glob("*.yaml")):
-            problem = file_problem(path)
-            if problem:
-                lines.append(f"tuning file {path}: {problem}")
-    kernels = kernel_stamp() if gpus else None  # read once for every GPU's entries
-    for g in gpus:
-        found = matching_entries(g)
-        if not found:
-            lines.append(f"tuning entries for {g.name}: none (the built-in heuristic is used)")
+        f"{o} {p}" + (f" ({why}: ignored)" if why else "") for o, p, why in survey.folders)]
+    lines += [f"tuning file {path}: {problem}" for path, problem in survey.skipped_files]
+    for g in survey.gpus:
+        if not g.found:
+            lines.append(f"tuning entries for {g.gpu.name}: none (the built-in heuristic is used)")
             continue
-        files = sorted({str(loc.path) for loc in found})
-        lines.append(f"tuning entries for {g.name}: {len(found)} ({', '.join(files)})")
-        reasons = stale_reasons(found, g.sm_count, kernels)
-        lines += ["  " + entry_line(loc, why) for loc, why in zip(found, reasons)]
-        if stale := sum(why is not None for why in reasons):
-            lines.append(f"  {stale} of {len(found)} entries are stale (timed with other kernel sources or against "
+        files = sorted({str(loc.path) for loc in g.found})
+        lines.append(f"tuning entries for {g.gpu.name}: {len(g.found)} ({', '.join(files)})")
+        lines += ["  " + entry_line(loc, why) for loc, why in zip(g.found, g.stale)]
+        if stale := sum(why is not None for why in g.stale):
+            lines.append(f"  {stale} of {len(g.found)} entries are stale (timed with other kernel sources or against "
                          "another default): they still apply; `snapmla tune --stale` re-times them")
     if not gpus:
-        names = sorted({p.name for d in usable for p in d.glob("*.yaml")})
-        lines.append("tuning files: " + (", ".join(names) if names else "none"))
+        lines.append("tuning files: " + (", ".join(survey.files) if survey.files else "none"))
     return lines
