@@ -251,6 +251,7 @@ def test_info_works_without_a_gpu() -> None:
     result = invoke("info")
     assert result.exit_code == 0, result.output
     assert "torch:" in result.stdout and "tuning database" in result.stdout
+    assert result.stdout.startswith("snapmla ") and "kernel sources" in result.stdout.splitlines()[0]
     if not torch.cuda.is_available():
         assert "GPU: none" in result.stdout
 

@@ -125,7 +125,7 @@ def test_installed_package_finds_its_kernels(installed: tuple[Path, Path, dict[s
     database's entries are stamped with that hash, so they stay current after installing)."""
     _, site, env = installed
     probe = ("import json, snapmla_cli; from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash; "
-             "from snapmla_cli.tuning.db import shipped_dir; from snapmla_cli.cli.app import version_line; "
+             "from snapmla_cli.tuning.db import shipped_dir; from snapmla_cli.cli.common import version_line; "
              "print(json.dumps([snapmla_cli.__file__, str(kernel_dir()), source_tree_hash(kernel_dir()), "
              "str(shipped_dir()), version_line()]))")
     package, kernels, digest, database, version = json.loads(_run([sys.executable, "-c", probe], site.parent, env))

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover (the pinned environments have the copy)
     from click.core import Context as ClickContext  # type: ignore[assignment]
 
 from ..errors import SnapmlaError
-from .common import one_line
+from .common import one_line, version_line
 
 # (name, module under snapmla_cli.cli, function, required). Optional modules may be absent.
 COMMANDS: list[tuple[str, str, str, bool]] = [
@@ -104,19 +104,6 @@ app = typer.Typer(
     # docstrings are wrapped at 100 columns: markdown joins a paragraph's lines, as rich keeps them
     rich_markup_mode="markdown",
 )
-
-
-def version_line() -> str:
-    """``snapmla 0.1.0 (kernel sources c5d237604e542694)``: the package's version and the hash
-    the tuning database's entries are stamped with, so a report names the exact kernels."""
-    from .. import __version__
-    from ..runtime.nvrtc import kernel_dir, source_tree_hash
-
-    try:
-        kernels = f"kernel sources {source_tree_hash(kernel_dir())}"
-    except SnapmlaError as exc:
-        kernels = one_line(exc)
-    return f"snapmla {__version__} ({kernels})"
 
 
 def _show_version(value: bool) -> None:

@@ -1,5 +1,5 @@
 """Small pieces shared by the subcommands: consoles, number formatting, progress bars, the
-``--device`` choice, output-path options and writing JSON reports."""
+``--device`` choice, output-path options, writing JSON reports and the version line."""
 
 from __future__ import annotations
 
@@ -151,3 +151,16 @@ def seed_option(help: str) -> Any:
     ``Annotated[int, seed_option(help=...)]``."""
     return typer.Option("--seed", help=help, min=0, max=MAX_SEED)
 
+
+def version_line() -> str:
+    """``snapmla 0.1.0 (kernel sources c5d237604e542694)``: the package's version and the hash
+    the tuning database's entries are stamped with, so a report names the exact kernels
+    (``snapmla --version``, the first line of ``snapmla info``)."""
+    from .. import __version__
+    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+
+    try:
+        kernels = f"kernel sources {source_tree_hash(kernel_dir())}"
+    except SnapmlaError as exc:
+        kernels = one_line(exc)
+    return f"snapmla {__version__} ({kernels})"

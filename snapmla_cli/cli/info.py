@@ -16,7 +16,7 @@ from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
 from ..runtime.gpu_facts import GpuListing, ToolchainFacts, list_gpus, toolchain_facts
 from ..tables import figure_table
 from ..tuning import describe_database, survey_database
-from .common import console, output_option, write_json
+from .common import console, output_option, version_line, write_json
 
 INFO_JSON_FORMAT = "snapmla-info/1"  # bumped when a field changes meaning or goes away
 
@@ -50,6 +50,7 @@ def info_command(
     still exits 0."""
     check_outputs([("--json", json_path)], force)
     out = console()
+    out.print(version_line())
     listing = list_gpus()
     archs = common_archs()
     runs_kernels = [device_arch(g.compute_capability) in archs for g in listing.gpus]
