@@ -297,6 +297,18 @@ def test_version_names_the_package_and_the_kernel_sources(monkeypatch: pytest.Mo
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith(f"snapmla {__version__} (kernel sources: folder ")
     assert "absent" in result.stdout and KERNEL_DIR_ENV in result.stdout and "GPU" not in result.stdout
+    # a source that cannot be read (root reads any file, so the read is made to fail): the
+    # version line names the trouble, no traceback
+    from snapmla_cli.runtime import nvrtc
+
+    def unreadable(folder: Path) -> str:
+        raise PermissionError(13, "Permission denied", str(folder / "x.cu"))
+
+    monkeypatch.delenv(KERNEL_DIR_ENV)
+    monkeypatch.setattr(nvrtc, "source_tree_hash", unreadable)
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"snapmla {__version__} (kernel sources: ") and "x.cu" in result.stdout
 
 
 def test_top_level_help_lists_the_commands() -> None:

@@ -797,6 +797,23 @@ def test_describe_marks_the_entries_a_resumed_tune_would_retime(isolated_db, mon
     assert not any("stale" in line for line in describe_database([facts]))
 
 
+def test_the_kernel_stamp_is_none_without_readable_sources(monkeypatch, tmp_path):
+    """No kernel folder, or a source that cannot be read: nothing to compare the entries with
+    (``snapmla info`` still lists them), never an exception out of ``info``."""
+    from snapmla_cli.runtime import nvrtc
+
+    assert lookup.kernel_stamp() == nvrtc.source_tree_hash(nvrtc.kernel_dir())
+    monkeypatch.setenv(nvrtc.KERNEL_DIR_ENV, str(tmp_path / "absent"))
+    assert lookup.kernel_stamp() is None
+    monkeypatch.delenv(nvrtc.KERNEL_DIR_ENV)
+
+    def unreadable(folder):
+        raise PermissionError(13, "Permission denied", str(folder / "x.cu"))
+
+    monkeypatch.setattr(nvrtc, "source_tree_hash", unreadable)
+    assert lookup.kernel_stamp() is None
+
+
 def test_a_gpu_name_with_spaces_around_it_matches_by_name(isolated_db):
     """NVML names are matched stripped: a name given with spaces around it finds the sections."""
     user, _ = isolated_db

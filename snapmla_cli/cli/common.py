@@ -161,6 +161,6 @@ def version_line() -> str:
 
     try:
         kernels = f"kernel sources {source_tree_hash(kernel_dir())}"
-    except SnapmlaError as exc:
-        kernels = one_line(exc)
+    except (SnapmlaError, OSError) as exc:  # no folder, or a source that cannot be read
+        kernels = f"kernel sources: {one_line(exc)}" if isinstance(exc, OSError) else one_line(exc)
     return f"snapmla {__version__} ({kernels})"

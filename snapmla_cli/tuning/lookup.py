@@ -334,7 +334,7 @@ def kernel_stamp() -> str | None:
 
     try:
         return source_tree_hash(kernel_dir())
-    except SnapmlaError:
+    except (SnapmlaError, OSError):  # no folder, or a source that cannot be read
         return None
 
 
