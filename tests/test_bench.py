@@ -506,6 +506,18 @@ def test_two_rank_gloo_run_of_the_orchestration() -> None:
     assert comparison.speedup_equal_memory is not None
 
 
+def test_three_rank_gloo_run_takes_an_odd_world() -> None:
+    """Any GPU count, not only powers of two: three ranks as DP3 and as DP1/TP3 (6 heads, two a
+    rank) in one spawned world of three processes."""
+    plan = make_plan(heads=6, layers=1, contexts=[1024], layouts=(Layout(3, 1), Layout(1, 3)), batch=2,
+                     kv_mem=GiB)
+    report = run_benchmark(plan, RunnerSpec(kind="cpu-fake", steps=1, warmup=0), environ={})
+    assert report.meta["world"] == 3 and [r["rank"] for r in report.meta["ranks"]] == [0, 1, 2]
+    assert {m.heads for m in report.measurements if m.layout == "dp1tp3"} == {2}
+    assert {m.heads for m in report.measurements if m.layout == "dp3tp1"} == {6}
+    _check_aggregates(report)
+
+
 @pytest.fixture(scope="module")
 def inline_report():
     plan = make_plan(heads=8, layers=2, contexts=[1024, 4096], kv_mem=GiB)
