@@ -156,7 +156,7 @@ def _facts(index: int, name: str, capability: tuple[int, int]) -> GpuFacts:
 
 def test_info_marks_the_gpus_the_kernels_do_not_run_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(info, "list_gpus", lambda: GpuListing([_facts(0, *H200), _facts(1, *A100)]))
-    monkeypatch.setattr(info, "describe_database", lambda gpus: ["tuning database folders: none"])
+    monkeypatch.setattr(info, "describe_survey", lambda survey: ["tuning database folders: none"])
     result = invoke("info")
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[2].strip(): line.split("│")[-2].strip()

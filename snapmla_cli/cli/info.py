@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -15,13 +15,17 @@ from ..cache.atomic import check_outputs
 from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
 from ..runtime.gpu_facts import GpuListing, ToolchainFacts, list_gpus, toolchain_facts
 from ..tables import figure_table
-from ..tuning import describe_database, survey_database
+from ..tuning import describe_survey, survey_database
 from .common import console, output_option, version_line, write_json
+
+if TYPE_CHECKING:  # (the lookup module is imported when info runs, not when the CLI starts)
+    from ..tuning.lookup import DatabaseSurvey
 
 INFO_JSON_FORMAT = "snapmla-info/1"  # bumped when a field changes meaning or goes away
 
 
-def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFacts) -> dict[str, Any]:
+def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFacts,
+                 database: DatabaseSurvey) -> dict[str, Any]:
     """Everything ``snapmla info`` prints, as plain data: the GPUs with NVML's facts and whether
     snapmla's kernels run on each, the toolchain, the kernel sources' hash and the database
     (folders, skipped files, every entry that applies per GPU with why it is stale)."""
@@ -36,7 +40,7 @@ def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFac
                   "runs_kernels": runs} for g, runs in zip(listing.gpus, runs_kernels)],
         "no_gpu_reason": listing.reason or None,
         "toolchain": dataclasses.asdict(tc),
-        "tuning": survey_database(listing.gpus).as_dict(),
+        "tuning": database.as_dict(),
     }
 
 
@@ -74,8 +78,9 @@ def info_command(
               f"CUDA usable: {'yes' if tc.cuda_available else 'no'})")
     out.print(f"CuPy: {tc.cupy_version or 'not usable (' + str(tc.cupy_error) + ')'}")
     out.print(f"NVRTC: {tc.nvrtc_version or 'not usable (' + str(tc.nvrtc_error) + ')'}")
-    for line in describe_database(listing.gpus):
+    database = survey_database(listing.gpus)  # one survey for the lines and the JSON
+    for line in describe_survey(database):
         out.print(line)
     if json_path is not None:
-        write_json(json_path, info_as_dict(listing, runs_kernels, tc), force=force)
+        write_json(json_path, info_as_dict(listing, runs_kernels, tc, database), force=force)
         out.print(f"wrote {json_path}")

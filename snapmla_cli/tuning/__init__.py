@@ -20,10 +20,18 @@ def describe_database(gpus: list[Any]) -> list[str]:
 
 
 def survey_database(gpus: list[Any]) -> Any:
-    """The same as a ``DatabaseSurvey`` (``as_dict()`` for ``snapmla info --json``)."""
+    """The same as a ``DatabaseSurvey``: :func:`describe_survey` renders its lines, ``as_dict()``
+    is ``snapmla info --json``'s."""
     from .lookup import survey_database as survey
 
     return survey(gpus)
+
+
+def describe_survey(survey: Any) -> list[str]:
+    """The lines of :func:`describe_database` for a survey already made."""
+    from .lookup import describe_survey as describe
+
+    return describe(survey)
 
 
 def matching_entries(gpu: Any) -> list[Any]:
@@ -34,4 +42,4 @@ def matching_entries(gpu: Any) -> list[Any]:
     return match(gpu)
 
 
-__all__ = ["describe_database", "matching_entries", "survey_database"]
+__all__ = ["describe_database", "describe_survey", "matching_entries", "survey_database"]

@@ -454,7 +454,12 @@ def survey_database(gpus: list[Any]) -> DatabaseSurvey:
 def describe_database(gpus: list[Any]) -> list[str]:
     """Lines for ``snapmla info``: the folders searched (and why one cannot be read), the files
     that are skipped, and, per GPU, the entries that apply."""
-    survey = survey_database(gpus)
+    return describe_survey(survey_database(gpus))
+
+
+def describe_survey(survey: DatabaseSurvey) -> list[str]:
+    """The lines of :func:`describe_database` for a survey already made (``snapmla info`` makes
+    one for its lines and its ``--json`` alike)."""
     lines = ["tuning database folders: " + ", ".join(
         f"{o} {p}" + (f" ({why}: ignored)" if why else "") for o, p, why in survey.folders)]
     lines += [f"tuning file {path}: {problem}" for path, problem in survey.skipped_files]
@@ -468,6 +473,6 @@ def describe_database(gpus: list[Any]) -> list[str]:
         if stale := sum(why is not None for why in g.stale):
             lines.append(f"  {stale} of {len(g.found)} entries are stale (timed with other kernel sources or against "
                          "another default): they still apply; `snapmla tune --stale` re-times them")
-    if not gpus:
+    if not survey.gpus:
         lines.append("tuning files: " + (", ".join(survey.files) if survey.files else "none"))
     return lines
