@@ -745,9 +745,9 @@ def test_warm_up_runs_the_calls_and_the_device_time(monkeypatch, calls, seconds,
     assert sum(ran) >= calls and sum(ran) * per_call >= seconds
 
 
-def test_burst_timing_idles_first_and_measures_briefly(monkeypatch):
-    """Clocks.BURST sleeps before the warm-up and keeps the measured calls within its device
-    time, so a long call is timed at the boost clock, before the power cap (docs/PERF.md)."""
+def _fake_timing(monkeypatch, per_call: float) -> tuple[list[float], list[int]]:
+    """bench.timing with a fake device: every call takes ``per_call`` seconds; the idle pauses
+    and the calls per timed batch are recorded."""
     from snapmla_cli.bench import timing
 
     slept: list[float] = []
@@ -755,18 +755,46 @@ def test_burst_timing_idles_first_and_measures_briefly(monkeypatch):
 
     def fake_elapsed(fn, n):
         ran.append(n)
-        return n * 7e-3  # a 7 ms decode call
+        return n * per_call
 
     monkeypatch.setattr(timing, "_elapsed", fake_elapsed)
     monkeypatch.setattr(timing.time, "sleep", slept.append)
     monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    return slept, ran
+
+
+def test_burst_timing_idles_first_and_measures_briefly(monkeypatch):
+    """Clocks.BURST sleeps before the warm-up and keeps the measured calls within its device
+    time, so a call is timed at the boost clock, before the power cap (docs/PERF.md)."""
+    from snapmla_cli.bench import timing
+
+    slept, ran = _fake_timing(monkeypatch, 3e-3)  # a 3 ms decode call
     t = timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.BURST)
     assert slept == [timing.BURST.cooldown_s]
-    assert ran == [3] + [1] * 5  # 3 warm-up calls cover 10 ms; rounds of one call stay in 25 ms
-    assert t == pytest.approx(7e-3)
+    assert ran == [3, 6] + [1] * 5  # warm-up calls until 10 ms; rounds of one call stay in 25 ms
+    assert t == pytest.approx(3e-3)
     ran.clear()
     timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.STEADY)
-    assert sum(ran[:-5]) * 7e-3 >= timing.STEADY.warmup_s and ran[-5:] == [4] * 5
+    assert sum(ran[:-5]) * 3e-3 >= timing.STEADY.warmup_s and ran[-5:] == [4] * 5
+
+
+def test_a_call_too_long_for_the_burst_window_idles_before_every_round(monkeypatch):
+    """One 7 ms call a round would take the five rounds past BURST's 25 ms: each round then idles,
+    warms with the fewest calls that cover 10 ms, and times one call (a 61-layer bench step); the
+    tuner's clocks keep their single window."""
+    from snapmla_cli.bench import timing
+    from snapmla_cli.tuning.measure import TUNE_CLOCKS
+
+    slept, ran = _fake_timing(monkeypatch, 7e-3)
+    t = timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.BURST)
+    assert slept == [timing.BURST.cooldown_s] * 6
+    assert ran == [3] + [2, 1] * 5 and t == pytest.approx(7e-3)
+    _, ran = _fake_timing(monkeypatch, 30e-3)  # longer than the warm-up time: one warm-up call
+    timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.BURST)
+    assert ran == [3] + [1, 1] * 5
+    slept, ran = _fake_timing(monkeypatch, 7e-3)
+    timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=TUNE_CLOCKS)
+    assert slept == [TUNE_CLOCKS.cooldown_s] and ran[-5:] == [1] * 5
 
 
 def test_time_cuda_is_the_median_round_with_at_least_one_call_per_round(monkeypatch):

@@ -7,6 +7,7 @@ single call between two events would add the host cost to every sample.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -29,9 +30,14 @@ class Clocks:
     cooldown_s: float  # idle before the warm-up
     warmup_s: float  # device time of warm-up calls
     measure_s: float | None  # device time of the measured calls at most (None: reps as asked)
+    # A call so long that the rounds cannot share measure_s (one call a round overruns it): each
+    # round idles, warms for warmup_s and times one call, so every sample starts from the boost
+    # clock instead of the later ones running into the power cap (a 61-layer bench step of 12-25
+    # ms moved by up to 12% between two calls before, docs/PERF.md, fiftieth session).
+    idle_each_round: bool = False
 
 
-BURST = Clocks("burst", cooldown_s=1.0, warmup_s=0.01, measure_s=0.025)
+BURST = Clocks("burst", cooldown_s=1.0, warmup_s=0.01, measure_s=0.025, idle_each_round=True)
 STEADY = Clocks("steady", cooldown_s=0.0, warmup_s=0.2, measure_s=None)
 CLOCKS = {c.name: c for c in (BURST, STEADY)}
 
@@ -70,6 +76,15 @@ def settle(fn: Callable[[], object], warmup: int, clocks: Clocks | None) -> floa
     return per_call
 
 
+def _idle_round(fn: Callable[[], object], clocks: Clocks, per_call: float) -> float:
+    """One sample of a long call at the boost clock: the idle pause, the fewest calls that cover
+    the warm-up time (at least one: the clock ramps up from idle), then one timed call."""
+    torch.cuda.synchronize()
+    time.sleep(clocks.cooldown_s)
+    _elapsed(fn, max(1, math.ceil(clocks.warmup_s / per_call)))
+    return _elapsed(fn, 1)
+
+
 def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
               clocks: Clocks | None = None) -> float:
     """Median seconds per call; ``clocks`` None: ``warmup`` calls only, no idle (the tuner's
@@ -77,7 +92,10 @@ def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds:
     per_call = settle(fn, warmup, clocks)
     per_round = max(1, reps // rounds)
     if clocks is not None and clocks.measure_s is not None and per_call:
-        per_round = max(1, min(per_round, int(clocks.measure_s / rounds / per_call)))
+        fits = int(clocks.measure_s / rounds / per_call)  # calls a round within the window
+        if fits == 0 and clocks.idle_each_round:
+            return statistics.median(_idle_round(fn, clocks, per_call) for _ in range(rounds))
+        per_round = max(1, min(per_round, fits))
     return statistics.median(_elapsed(fn, per_round) / per_round for _ in range(rounds))
 
 
