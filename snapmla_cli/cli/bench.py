@@ -92,7 +92,7 @@ def bench_command(
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Time CUDA-graph replays of one step (eager when capture fails).")] = True,
     bf16_impl: Annotated[Bf16Impl, typer.Option(help="BF16 baseline: FlashMLA if importable (auto), or forced.")] = Bf16Impl.auto,
     roofline: Annotated[bool, typer.Option("--roofline/--no-roofline", help="Measure GEMM/copy ceilings for the roofline column.")] = True,
-    clocks: Annotated[ClockState, typer.Option(help="GPU clock state of the timings and ceilings: steady (after 0.2 s of work, power-capped: what a busy server gets) or burst (1 s idle first, then as few steps as the median needs: as near the boost clock as a long step allows).")] = DEFAULT_CLOCKS,
+    clocks: Annotated[ClockState, typer.Option(help="GPU clock state of the timings and ceilings: steady (after 0.2 s of work, power-capped: what a busy server gets) or burst (the boost clock: 1 s idle first, then as few steps as the median needs; a step too long to share one 25 ms window idles before each of the 5 rounds).")] = DEFAULT_CLOCKS,
     seed: Annotated[int, seed_option(help="Seed of the random caches, queries and page layout.")] = 0,
     json_path: Annotated[Path | None, output_option("--json", help="Write the report as JSON (atomic).")] = None,
     plot: Annotated[Path | None, output_option("--plot", help="Write a Figure-1-style bar chart (.png/.pdf/.svg).")] = None,
