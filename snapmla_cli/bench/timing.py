@@ -33,7 +33,7 @@ class Clocks:
     # A call so long that the rounds cannot share measure_s (one call a round overruns it): each
     # round idles, warms for warmup_s and times one call, so every sample starts from the boost
     # clock instead of the later ones running into the power cap (a 61-layer bench step of 12-25
-    # ms moved by up to 12% between two calls before, docs/PERF.md, fiftieth session).
+    # ms: 0.3-0.7% faster and at least as repeatable on an H100, docs/PERF.md, fiftieth session).
     idle_each_round: bool = False
 
 
