@@ -785,7 +785,7 @@ def test_describe_marks_the_entries_a_resumed_tune_would_retime(isolated_db, mon
     no_sms = describe_database([replace(facts, sm_count=None)])
     assert sum("[stale" in line for line in no_sms) == 1 and "1 of 3 entries are stale" in no_sms[-1]
     # the same survey as `snapmla info --json` gives it: every entry whole, its reason or None
-    (gpu,) = lookup.survey_database([facts]).as_dict()["gpus"]
+    (gpu,) = lookup.survey_database([facts], lookup.kernel_stamp()).as_dict()["gpus"]
     assert gpu["name"] == "Test GPU X100" and len(gpu["entries"]) == 3
     stale = {Bucket.from_dict(e["bucket"]).label(): e["stale"] for e in gpu["entries"]}
     assert stale == {b64.label(): None, b1.label(): "another default",

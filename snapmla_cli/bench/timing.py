@@ -64,13 +64,18 @@ def warm_up(fn: Callable[[], object], calls: int, seconds: float) -> float | Non
     return spent / done if done else None
 
 
+def _idle(clocks: Clocks) -> None:
+    """The idle pause before a clock state's warm-up: the queued work finished, then sleep."""
+    torch.cuda.synchronize()
+    time.sleep(clocks.cooldown_s)
+
+
 def settle(fn: Callable[[], object], warmup: int, clocks: Clocks | None) -> float | None:
     """Bring the GPU to the clock state ``clocks`` describes before the calls that count: its
     idle pause, then at least ``warmup`` calls and its warm-up time of ``fn`` (``clocks`` None:
     the calls only). The mean seconds per warm-up call (None when nothing ran)."""
     if clocks is not None and clocks.cooldown_s > 0:
-        torch.cuda.synchronize()
-        time.sleep(clocks.cooldown_s)
+        _idle(clocks)
     per_call = warm_up(fn, warmup, clocks.warmup_s if clocks is not None else 0.0)
     torch.cuda.synchronize()
     return per_call
@@ -79,8 +84,7 @@ def settle(fn: Callable[[], object], warmup: int, clocks: Clocks | None) -> floa
 def _idle_round(fn: Callable[[], object], clocks: Clocks, per_call: float) -> float:
     """One sample of a long call at the boost clock: the idle pause, the fewest calls that cover
     the warm-up time (at least one: the clock ramps up from idle), then one timed call."""
-    torch.cuda.synchronize()
-    time.sleep(clocks.cooldown_s)
+    _idle(clocks)
     _elapsed(fn, max(1, math.ceil(clocks.warmup_s / per_call)))
     return _elapsed(fn, 1)
 

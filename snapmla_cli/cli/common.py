@@ -152,15 +152,13 @@ def seed_option(help: str) -> Any:
     return typer.Option("--seed", help=help, min=0, max=MAX_SEED)
 
 
-def version_line() -> str:
+def version_line(stamp: tuple[str | None, str] | None = None) -> str:
     """``snapmla 0.1.0 (kernel sources c5d237604e542694)``: the package's version and the hash
     the tuning database's entries are stamped with, so a report names the exact kernels
-    (``snapmla --version``, the first line of ``snapmla info``)."""
+    (``snapmla --version``, the first line of ``snapmla info``). ``stamp``: the kernel sources'
+    stamp if the caller has read it (``nvrtc.kernel_sources_stamp``), else it is read here."""
     from .. import __version__
-    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+    from ..runtime.nvrtc import kernel_sources_stamp
 
-    try:
-        kernels = f"kernel sources {source_tree_hash(kernel_dir())}"
-    except (SnapmlaError, OSError) as exc:  # no folder, or a source that cannot be read
-        kernels = f"kernel sources: {one_line(exc)}" if isinstance(exc, OSError) else one_line(exc)
-    return f"snapmla {__version__} ({kernels})"
+    digest, why = stamp if stamp is not None else kernel_sources_stamp()
+    return f"snapmla {__version__} ({f'kernel sources {digest}' if digest else one_line(why)})"

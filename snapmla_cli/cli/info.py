@@ -14,6 +14,7 @@ from .. import __version__
 from ..cache.atomic import check_outputs
 from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
 from ..runtime.gpu_facts import GpuListing, ToolchainFacts, list_gpus, toolchain_facts
+from ..runtime.nvrtc import kernel_sources_stamp
 from ..tables import figure_table
 from ..tuning import describe_survey, survey_database
 from .common import console, output_option, version_line, write_json
@@ -24,17 +25,15 @@ if TYPE_CHECKING:  # (the lookup module is imported when info runs, not when the
 INFO_JSON_FORMAT = "snapmla-info/1"  # bumped when a field changes meaning or goes away
 
 
-def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFacts,
+def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFacts, kernels: str | None,
                  database: DatabaseSurvey) -> dict[str, Any]:
     """Everything ``snapmla info`` prints, as plain data: the GPUs with NVML's facts and whether
     snapmla's kernels run on each, the toolchain, the kernel sources' hash and the database
     (folders, skipped files, every entry that applies per GPU with why it is stale)."""
-    from ..tuning.lookup import kernel_stamp
-
     return {
         "format": INFO_JSON_FORMAT,
         "snapmla_version": __version__,
-        "kernel_sources": kernel_stamp(),
+        "kernel_sources": kernels,
         "kernel_archs": sorted(common_archs()),
         "gpus": [{**dataclasses.asdict(g), "compute_capability": list(g.compute_capability),
                   "runs_kernels": runs} for g, runs in zip(listing.gpus, runs_kernels)],
@@ -54,7 +53,8 @@ def info_command(
     still exits 0."""
     check_outputs([("--json", json_path)], force)
     out = console()
-    out.print(version_line())
+    stamp = kernel_sources_stamp()  # read once: the version line, the stale marks, the JSON
+    out.print(version_line(stamp))
     listing = list_gpus()
     archs = common_archs()
     runs_kernels = [device_arch(g.compute_capability) in archs for g in listing.gpus]
@@ -78,9 +78,9 @@ def info_command(
               f"CUDA usable: {'yes' if tc.cuda_available else 'no'})")
     out.print(f"CuPy: {tc.cupy_version or 'not usable (' + str(tc.cupy_error) + ')'}")
     out.print(f"NVRTC: {tc.nvrtc_version or 'not usable (' + str(tc.nvrtc_error) + ')'}")
-    database = survey_database(listing.gpus)  # one survey for the lines and the JSON
+    database = survey_database(listing.gpus, stamp[0])  # one survey for the lines and the JSON
     for line in describe_survey(database):
         out.print(line)
     if json_path is not None:
-        write_json(json_path, info_as_dict(listing, runs_kernels, tc, database), force=force)
+        write_json(json_path, info_as_dict(listing, runs_kernels, tc, stamp[0], database), force=force)
         out.print(f"wrote {json_path}")

@@ -102,6 +102,18 @@ def source_tree_hash(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def kernel_sources_stamp() -> tuple[str | None, str]:
+    """(the kernel sources' hash, "") or (None, why there is none: no folder, or a source that
+    cannot be read), for what only reports or compares the stamp: ``snapmla --version`` and
+    ``info``, the tuning database's stale marks."""
+    try:
+        return source_tree_hash(kernel_dir()), ""
+    except SnapmlaError as exc:  # its message names the kernel sources already
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"kernel sources: {exc}"
+
+
 @lru_cache(maxsize=1)
 def header_dirs() -> tuple[str, ...]:
     """cudart headers (``cuda_fp8.h``, ``cuda_bf16.h``) and CCCL (``cuda/std/...``)."""

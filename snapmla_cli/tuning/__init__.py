@@ -19,12 +19,12 @@ def describe_database(gpus: list[Any]) -> list[str]:
     return describe(gpus)
 
 
-def survey_database(gpus: list[Any]) -> Any:
-    """The same as a ``DatabaseSurvey``: :func:`describe_survey` renders its lines, ``as_dict()``
-    is ``snapmla info --json``'s."""
+def survey_database(gpus: list[Any], kernels: str | None) -> Any:
+    """The same as a ``DatabaseSurvey``, its stale marks against the stamp ``kernels``:
+    :func:`describe_survey` renders its lines, ``as_dict()`` is ``snapmla info --json``'s."""
     from .lookup import survey_database as survey
 
-    return survey(gpus)
+    return survey(gpus, kernels)
 
 
 def describe_survey(survey: Any) -> list[str]:

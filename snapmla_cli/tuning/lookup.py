@@ -329,13 +329,11 @@ def entry_line(loc: Located, stale: str | None = None) -> str:
 
 
 def kernel_stamp() -> str | None:
-    """The kernel sources' stamp that entries are compared with (None: no kernel sources here)."""
-    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+    """The kernel sources' stamp that entries are compared with (None: no kernel sources here,
+    or one that cannot be read)."""
+    from ..runtime.nvrtc import kernel_sources_stamp
 
-    try:
-        return source_tree_hash(kernel_dir())
-    except (SnapmlaError, OSError):  # no folder, or a source that cannot be read
-        return None
+    return kernel_sources_stamp()[0]
 
 
 def stale_reasons(found: list[Located], sm_count: int | None, kernels: str | None) -> list[str | None]:
@@ -431,30 +429,32 @@ class DatabaseSurvey:
         }
 
 
-def survey_database(gpus: list[Any]) -> DatabaseSurvey:
-    """The folders, the files that are skipped, and per GPU the entries that apply."""
+def survey_database(gpus: list[Any], kernels: str | None) -> DatabaseSurvey:
+    """The folders, the files that are skipped, and per GPU the entries that apply, marked stale
+    against the kernel sources' stamp ``kernels`` (:func:`kernel_stamp`; None: nothing is
+    marked), which the caller reads once for its other uses too."""
     dirs = search_dirs()
     folders = [(o, p, folder_problem(p) or ("missing" if not p.exists() and o == "user"
                                            and os.environ.get(TUNING_DIR_ENV) else None)) for o, p in dirs]
     usable = [p for _, p, why in folders if not why and p.is_dir()]
     skipped: list[tuple[Path, str]] = []
+    names: set[str] = set()
     for folder in usable:  # (a folder with a problem is named above; stat()ing it again may raise)
         for path in sorted(folder.glob("*.yaml")):
+            names.add(path.name)
             if problem := file_problem(path):
                 skipped.append((path, problem))
-    kernels = kernel_stamp() if gpus else None  # read once for every GPU's entries
     per_gpu = []
     for g in gpus:
         found = matching_entries(g)
         per_gpu.append(GpuEntries(g, found, stale_reasons(found, g.sm_count, kernels)))
-    names = sorted({p.name for d in usable for p in d.glob("*.yaml")})
-    return DatabaseSurvey(folders, skipped, per_gpu, names)
+    return DatabaseSurvey(folders, skipped, per_gpu, sorted(names))
 
 
 def describe_database(gpus: list[Any]) -> list[str]:
     """Lines for ``snapmla info``: the folders searched (and why one cannot be read), the files
     that are skipped, and, per GPU, the entries that apply."""
-    return describe_survey(survey_database(gpus))
+    return describe_survey(survey_database(gpus, kernel_stamp() if gpus else None))
 
 
 def describe_survey(survey: DatabaseSurvey) -> list[str]:
