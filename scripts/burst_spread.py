@@ -2,7 +2,9 @@
 fiftieth session): each case's step (a model's layers, one CUDA graph) timed several times in
 turn with the burst clocks of before (rounds share one 25 ms window after one idle pause) and
 with Clocks.BURST (a step too long for that window idles before every round), so the spread of
-each method shows side by side."""
+each method shows side by side. A case may be listed more than once: each listing builds its
+inputs and caches afresh (new allocations), and each line names the GPU's temperature and power
+draw when it starts (NVML), so a gap between listings or calls can be set against them."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import dataclasses
 import statistics
 from collections.abc import Callable
 
+import pynvml
 import torch
+from clock_reasons import nvml_handle  # this folder is sys.path[0]
 
 from snapmla_cli.bench.gpu_step import GpuStepRunner
 from snapmla_cli.bench.timing import BURST, capture_graph, time_cuda
@@ -43,6 +47,13 @@ class _Repeated(GpuStepRunner):
         return statistics.median(runs[BURST.name]) / 1e3, True, ""
 
 
+def _gpu_state(handle: object) -> str:
+    """Temperature and power draw of the GPU now (NVML)."""
+    celsius = pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)
+    watts = pynvml.nvmlDeviceGetPowerUsage(handle) / 1e3
+    return f"{celsius} C, {watts:.0f} W"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cases", default=CASES, help="format:batch:context,... (s_q 1)")
@@ -53,9 +64,12 @@ def main() -> None:
     runner = _Repeated(0, roofline=False, clocks=BURST.name)
     runner.repeats = args.repeats
     runner.setup()
+    pynvml.nvmlInit()
+    handle = nvml_handle(runner.device)
     for case in args.cases.split(","):
         impl, batch, context = case.split(":")
-        print(f"{impl} b {batch} ctx {context}, {args.heads} heads x {args.layers} layers:", flush=True)
+        print(f"{impl} b {batch} ctx {context}, {args.heads} heads x {args.layers} layers"
+              f" ({_gpu_state(handle)}):", flush=True)
         runner.run(StepSpec(impl, int(batch), 1, args.heads, int(context), args.layers, seed=0), lambda: None)
     runner.close()
 

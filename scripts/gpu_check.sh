@@ -26,7 +26,7 @@
 # `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
 # `clocks`: the SM clock of the 64-row tiles at burst clocks (phase traces of h64 s1, h128 s1 / s2, 128k;
 # then NVML's clock, power and clock-event reasons during 3 s of replays, scripts/clock_reasons.py);
-# `bench-kimi`: `snapmla bench --model kimi-k2` at burst clocks (16k, 64k); `info`: `snapmla info --json` and its summary; `burst`: the spread of a whole bench step timed at burst clocks, one window vs idle rounds (scripts/burst_spread.py);
+# `bench-kimi`: `snapmla bench --model kimi-k2` at burst clocks (16k, 64k); `info`: `snapmla info --json` and its summary; `burst`: the spread of a whole bench step timed at burst clocks, one window vs idle rounds (scripts/burst_spread.py); `gap`: the 64k FP8 steps of that script re-allocated and re-run in two processes;
 # `cluster`, `cluster16`: the cluster merge's GPU tests and its A/B, FP8 / BF16 (scripts/ab_cluster_fold.py);
 # `tail`, `voff`: the rows = M and V^T-offset build switches' GPU tests and A/Bs; `race`: racecheck with
 # each hazard named; `ship64`, `ship64-rest`, `ship64-b1`: re-tune the FP8 entries of 64+ rows at b 64 / the other
@@ -205,6 +205,10 @@ for step in $steps; do
     rate)   python3 scripts/wgmma_rate.py --json "$OUT/wgmma_rate.json" 2>&1 | tee "$OUT/wgmma_rate.log" | tail -24 ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
     burst)  python3 scripts/burst_spread.py 2>&1 | tee "$OUT/burst_spread.log" | tail -20 ;;
+    gap)    # the 64k FP8 Kimi-K2 steps (b 13, b 24) twice each per process, in two processes: does a step's
+            # time move between allocations or between processes (the 12% of the fiftieth session)?
+            for i in 1 2; do python3 scripts/burst_spread.py --cases fp8:13:65536,fp8:13:65536,fp8:24:65536,fp8:24:65536 \
+              --repeats 2; done 2>&1 | tee "$OUT/gap.log" | grep -v '^$' ;;
     info)   snap info --json "$OUT/info.json" > "$OUT/info.log" 2>&1; tail -3 "$OUT/info.log"
             python3 -c "import json,sys; d=json.load(open(sys.argv[1])); [print('info --json:', g['name'], g['sm_count'], 'SMs', 'kernels' if g['runs_kernels'] else 'no kernels', len(t['entries']), 'entries', sum(e['stale'] is not None for e in t['entries']), 'stale') for g, t in zip(d['gpus'], d['tuning']['gpus'])]" "$OUT/info.json" ;;
     bench-kimi) snap bench --model kimi-k2 --ctx 16k,64k --clocks burst --json "$OUT/bench_kimi.json" 2>&1 \
