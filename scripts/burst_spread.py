@@ -30,7 +30,7 @@ class _Repeated(GpuStepRunner):
 
     repeats = 4
 
-    def _time(self, step: Callable[[], None], ready: Callable[[], None]) -> tuple[float, bool, str]:
+    def _time(self, step: Callable[[], None], ready: Callable[[], None]) -> tuple[list[float], bool, str]:
         step()
         torch.cuda.synchronize(self.device)
         graph = capture_graph(step)
@@ -44,7 +44,7 @@ class _Repeated(GpuStepRunner):
             print(f"  {name:>10}: " + " ".join(f"{t:.2f}" for t in ms)
                   + f" ms  median {statistics.median(ms):.2f}, max/min {max(ms) / min(ms):.3f}", flush=True)
         del graph
-        return statistics.median(runs[BURST.name]) / 1e3, True, ""
+        return [ms / 1e3 for ms in runs[BURST.name]], True, ""
 
 
 def _gpu_state(handle: object) -> str:

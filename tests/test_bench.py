@@ -813,3 +813,44 @@ def test_time_cuda_is_the_median_round_with_at_least_one_call_per_round(monkeypa
     monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
     t = timing.time_cuda(lambda: None, reps=2, warmup=1, rounds=5)
     assert ran == [1] * 6 and t == pytest.approx(3e-3)
+
+
+def test_the_rounds_and_their_spread(monkeypatch):
+    """time_cuda_rounds keeps every round in the order timed (time_cuda is their median); the
+    spread is the slowest over the fastest minus 1, and None where it means nothing."""
+    from snapmla_cli.bench import timing
+
+    per_call = iter([1e-3, 3e-3, 1e-3, 2e-3, 5e-3, 4e-3])
+    monkeypatch.setattr(timing, "_elapsed", lambda fn, n: n * next(per_call))
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    rounds = timing.time_cuda_rounds(lambda: None, reps=2, warmup=1, rounds=5)
+    assert rounds == pytest.approx([3e-3, 1e-3, 2e-3, 5e-3, 4e-3])
+    assert timing.round_spread(rounds) == pytest.approx(4.0)
+    assert timing.round_spread([2e-3, 2e-3]) == 0.0
+    assert timing.round_spread([2e-3]) is None and timing.round_spread([0.0, 1e-3]) is None
+
+
+def test_a_case_spread_is_its_noisiest_rank_and_a_noisy_one_gets_a_note() -> None:
+    """A case shows the largest spread of its ranks (unknown if a rank has none: a report of an
+    older version); a measurement whose rounds differ by more than NOISY_SPREAD makes the report
+    say which, and the kernel table shows the spread per case."""
+    from snapmla_cli.bench.render import kernel_table
+    from snapmla_cli.bench.results import NOISY_SPREAD
+
+    layout = Layout(2, 1)
+    a, b = replace(_m(0, layout, 0.010), spread=0.004), replace(_m(1, layout, 0.011), spread=0.012)
+    assert aggregate(layout, [a, b]).spread == pytest.approx(0.012)
+    assert aggregate(layout, [a, replace(b, spread=None)]).spread is None
+    assert Measurement.from_dict({k: v for k, v in a.to_dict().items() if k != "spread"}).spread is None
+    plan = make_plan(heads=8, layers=2, contexts=[1024], layouts=(layout,), batch=3, kv_mem=None)
+    calm = _fake_report(plan)
+    assert not any("timed rounds" in n for n in calm.notes)
+    noisy_rank = 1
+    calm.measurements = [replace(m, spread=0.01) for m in calm.measurements]
+    assert not any("timed rounds" in n for n in calm.notes)
+    first_bf16 = next(i for i, m in enumerate(calm.measurements) if m.impl == BF16 and m.rank == noisy_rank)
+    calm.measurements[first_bf16] = replace(calm.measurements[first_bf16], spread=NOISY_SPREAD + 0.042)
+    (note,) = [n for n in calm.notes if "timed rounds" in n]
+    assert "1 of 4 measurements" in note and "7.2%" in note and f"bf16 batch 3 on rank {noisy_rank}" in note
+    cells = {c.header: list(c.cells) for c in kernel_table(calm).columns}
+    assert cells["spread"] == ["7.2%", "1.0%"]

@@ -12,6 +12,7 @@ import torch
 
 from ..numerics.formats import D_QK, D_V, default_softmax_scale
 from .results import StepTiming
+from .timing import round_spread
 from .worker import StepSpec
 
 FAKE_NOTE = "cpu-fake: tiny torch matmuls on the CPU stand in for the kernels; the numbers mean nothing"
@@ -54,7 +55,8 @@ class CpuFakeRunner:
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        return StepTiming(statistics.median(times), "cpu-fake", graphed=False, note=FAKE_NOTE)
+        return StepTiming(statistics.median(times), "cpu-fake", graphed=False, note=FAKE_NOTE,
+                          spread=round_spread(times))
 
     def close(self) -> None:
         pass

@@ -21,6 +21,7 @@ capture fails the step is timed as eager launches and the measurement says so.
 from __future__ import annotations
 
 import gc
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from types import ModuleType
@@ -34,7 +35,7 @@ from .ceilings import measure_ceilings
 from .plan import FP8, TOKEN_BYTES, distinct_caches
 from .results import StepTiming
 from .roofline import Ceilings, DecodeWork
-from .timing import CLOCKS, STEADY, capture_graph, time_cuda
+from .timing import CLOCKS, STEADY, capture_graph, round_spread, time_cuda_rounds
 from .worker import StepSpec
 
 FILL_TOKENS = 1 << 20  # tokens per chunk when filling a cache with random data
@@ -184,8 +185,9 @@ class GpuStepRunner:
 
     # ------------------------------------------------------------------ timing
 
-    def _time(self, step: Callable[[], None], ready: Callable[[], None]) -> tuple[float, bool, str]:
-        """Median seconds per step, graph replay or eager; ``ready()`` once, right before."""
+    def _time(self, step: Callable[[], None], ready: Callable[[], None]) -> tuple[list[float], bool, str]:
+        """Seconds per step of each timed round, graph replay or eager; ``ready()`` once, right
+        before."""
         step()  # compiles and loads the kernels outside any capture
         torch.cuda.synchronize(self.device)
         note = ""
@@ -198,11 +200,12 @@ class GpuStepRunner:
             else:
                 try:
                     ready()
-                    return time_cuda(graph.replay, reps=self.steps, warmup=self.warmup, clocks=self.clocks), True, ""
+                    return time_cuda_rounds(graph.replay, reps=self.steps, warmup=self.warmup,
+                                            clocks=self.clocks), True, ""
                 finally:
                     del graph
         ready()
-        return time_cuda(step, reps=self.steps, warmup=self.warmup, clocks=self.clocks), False, note
+        return time_cuda_rounds(step, reps=self.steps, warmup=self.warmup, clocks=self.clocks), False, note
 
     def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         try:
@@ -235,13 +238,14 @@ class GpuStepRunner:
         if built is None:
             built = self._bf16_step(spec, x, caches)
         step, kernel = built
-        seconds, graphed, time_note = self._time(step, ready)
+        rounds, graphed, time_note = self._time(step, ready)
         notes.append(time_note)
         t_min = None
         if self.ceilings is not None:
             work = DecodeWork(spec.batch, spec.s_q, spec.heads, spec.context, causal=True)
             t_min = spec.layers * work.t_min(fp8, self.ceilings)
-        return StepTiming(seconds, kernel, graphed, t_min, "; ".join(n for n in notes if n))
+        return StepTiming(statistics.median(rounds), kernel, graphed, t_min, "; ".join(n for n in notes if n),
+                          spread=round_spread(rounds))
 
     def close(self) -> None:
         gc.collect()

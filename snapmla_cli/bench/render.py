@@ -88,9 +88,10 @@ def kernel_table(report: BenchReport) -> Table:
     clocks = report.meta.get("runner", {}).get("clocks", STEADY.name)
     table = figure_table(
         "per rank (mean over ranks): one step = every layer's Q-quant/append + decode; TFLOPS and "
-        f"GB/s per SPEC section 7 over the whole step; {clocks} clocks",
+        f"GB/s per SPEC section 7 over the whole step; {clocks} clocks; spread: the timed rounds' "
+        "slowest over fastest, minus 1 (the largest over the ranks)",
         ("layout", "ctx", "format", "kernel", "batch/DP", "heads/rank", "ms/step", "us/layer",
-         "TFLOPS/GPU", "GB/s/GPU", "roofline %", "timed"),
+         "TFLOPS/GPU", "GB/s/GPU", "roofline %", "spread", "timed"),
         left=("format", "kernel", "timed"), title_justify="left")
     for case in _cases(report):
         world = case.layout.world
@@ -99,6 +100,7 @@ def kernel_table(report: BenchReport) -> Table:
             str(case.batch), str(case.heads), f"{case.step_s * 1e3:.2f}", f"{case.us_per_layer:.1f}",
             f"{case.tflops / world:.1f}", f"{case.gbs / world:.0f}",
             "-" if case.roof_pct is None else f"{case.roof_pct:.1f}",
+            "-" if case.spread is None else f"{100 * case.spread:.1f}%",
             "CUDA graph" if case.graphed else "eager",
         )
     return table

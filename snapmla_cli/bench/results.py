@@ -17,8 +17,11 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 from ..errors import SnapmlaError
+from ..sizes import format_size
 from .plan import BF16, FP8, BenchPlan, Layout
 from .roofline import DecodeWork
+
+NOISY_SPREAD = 0.03  # rounds of one timing that differ by more make its median suspect (a note says so)
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class StepTiming:
     graphed: bool  # timed as a CUDA-graph replay (else eager launches)
     t_min_s: float | None = None  # SPEC section 7 roofline of the step's decode calls
     note: str = ""
+    spread: float | None = None  # the timed rounds' slowest over fastest, minus 1 (timing.round_spread)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class Measurement:
     t_min_s: float | None = None
     note: str = ""
     device: str = ""
+    spread: float | None = None  # StepTiming.spread (None in reports written before it)
 
     @property
     def work(self) -> DecodeWork:
@@ -110,6 +115,7 @@ class CaseResult:
     roof_pct: float | None  # mean over ranks
     graphed: bool  # every rank replayed a CUDA graph
     notes: tuple[str, ...] = ()
+    spread: float | None = None  # the largest rank's spread (None if a rank has none)
 
     @property
     def per_gpu_tokens_per_s(self) -> float:
@@ -138,6 +144,7 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
     group_step = tuple(max(m.step_s for m in groups[i]) for i in range(layout.dp))
     aggregate_tps = sum(groups[i][0].batch * groups[i][0].s_q / t for i, t in enumerate(group_step))
     known_roofs = [m.roof_pct for m in rows if m.roof_pct is not None]
+    known_spreads = [m.spread for m in rows if m.spread is not None]
     kernels = sorted({m.kernel for m in rows})
     return CaseResult(
         layout=layout, context=first.context, impl=first.impl, kernel="/".join(kernels),
@@ -149,6 +156,7 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
         roof_pct=statistics.fmean(known_roofs) if len(known_roofs) == len(rows) else None,
         graphed=all(m.graphed for m in rows),
         notes=tuple(dict.fromkeys(m.note for m in rows if m.note)),
+        spread=max(known_spreads) if len(known_spreads) == len(rows) else None,
     )
 
 
@@ -238,7 +246,17 @@ class BenchReport:
 
     @property
     def notes(self) -> list[str]:
-        return list(dict.fromkeys(m.note for m in self.measurements if m.note))
+        notes = list(dict.fromkeys(m.note for m in self.measurements if m.note))
+        noisy = [m for m in self.measurements if m.spread is not None and m.spread > NOISY_SPREAD]
+        if noisy:
+            worst = max(noisy, key=lambda m: m.spread or 0.0)
+            notes.append(
+                f"the timed rounds of {len(noisy)} of {len(self.measurements)} measurements differ by more "
+                f"than {NOISY_SPREAD:.0%} (most: {100 * (worst.spread or 0.0):.1f}%, {worst.layout} ctx "
+                f"{format_size(worst.context)} {worst.impl} batch {worst.batch} on rank {worst.rank}): the "
+                "device was not in one state while they ran (another process, a clock change); rerun before "
+                "comparing them")
+        return notes
 
     def to_dict(self) -> dict:
         plan = asdict(self.plan)

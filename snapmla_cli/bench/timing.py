@@ -89,18 +89,34 @@ def _idle_round(fn: Callable[[], object], clocks: Clocks, per_call: float) -> fl
     return _elapsed(fn, 1)
 
 
-def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
-              clocks: Clocks | None = None) -> float:
-    """Median seconds per call; ``clocks`` None: ``warmup`` calls only, no idle (the tuner's
-    single cut-off replay; its real timings pass ``tuning.measure.TUNE_CLOCKS``)."""
+def time_cuda_rounds(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
+                     clocks: Clocks | None = None) -> list[float]:
+    """Seconds per call of each of ``rounds`` rounds, in the order timed; ``clocks`` None:
+    ``warmup`` calls only, no idle (the tuner's single cut-off replay; its real timings pass
+    ``tuning.measure.TUNE_CLOCKS``)."""
     per_call = settle(fn, warmup, clocks)
     per_round = max(1, reps // rounds)
     if clocks is not None and clocks.measure_s is not None and per_call:
         fits = int(clocks.measure_s / rounds / per_call)  # calls a round within the window
         if fits == 0 and clocks.idle_each_round:
-            return statistics.median(_idle_round(fn, clocks, per_call) for _ in range(rounds))
+            return [_idle_round(fn, clocks, per_call) for _ in range(rounds)]
         per_round = max(1, min(per_round, fits))
-    return statistics.median(_elapsed(fn, per_round) / per_round for _ in range(rounds))
+    return [_elapsed(fn, per_round) / per_round for _ in range(rounds)]
+
+
+def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
+              clocks: Clocks | None = None) -> float:
+    """Median seconds per call over the rounds of :func:`time_cuda_rounds`."""
+    return statistics.median(time_cuda_rounds(fn, reps, warmup, rounds, clocks))
+
+
+def round_spread(samples: list[float]) -> float | None:
+    """How far a timing's rounds disagree: slowest over fastest, minus 1 (0.01: 1%); None for
+    fewer than two rounds or a round that took no time. A repeat of the same work that moves
+    by more than a few percent says the GPU was not in one state (another process, clocks)."""
+    if len(samples) < 2 or min(samples) <= 0:
+        return None
+    return max(samples) / min(samples) - 1.0
 
 
 def capture_graph(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
