@@ -304,6 +304,26 @@ def test_aggregate_means_and_per_rank_figures() -> None:
     assert math.isclose(Comparison(layout, 4096, faster, case).speedup_equal_batch, 0.030 / 0.005)
 
 
+def test_fp8_against_the_bf16_roofline() -> None:
+    """An FP8 step reports the BF16 roofline's time for its decode work over its own (issue 7's
+    second ratio); a case takes the mean over its ranks, unknown if a rank lacks it (BF16 steps,
+    runs without ceilings, older reports); the kernel table prints it as a factor."""
+    from snapmla_cli.bench.render import kernel_table
+
+    layout = Layout(2, 1)
+    a = replace(_m(0, layout, 0.010), bf16_t_min_s=0.015)
+    b = replace(_m(1, layout, 0.020), bf16_t_min_s=0.020)
+    assert a.vs_bf16_roofline == pytest.approx(1.5) and a.to_dict()["vs_bf16_roofline"] == pytest.approx(1.5)
+    assert aggregate(layout, [a, b]).vs_bf16_roofline == pytest.approx(1.25)
+    assert aggregate(layout, [a, replace(b, bf16_t_min_s=None)]).vs_bf16_roofline is None
+    plan = make_plan(heads=8, layers=2, contexts=[1024], layouts=(layout,), batch=3, kv_mem=None)
+    report = _fake_report(plan)
+    report.measurements = [replace(m, bf16_t_min_s=3e-6) if m.impl == FP8 else m for m in report.measurements]
+    cells = {c.header: list(c.cells) for c in kernel_table(report).columns}
+    # BF16 first (ranks at 2 and 4 us: no ratio), FP8 at 1 and 2 us: mean of 3.0x and 1.5x
+    assert cells["x BF16 roofline"] == ["-", "2.25x"]
+
+
 def test_aggregate_needs_every_rank() -> None:
     layout = Layout(2, 1)
     with pytest.raises(SnapmlaError, match="ranks 0..1"):

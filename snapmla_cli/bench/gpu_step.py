@@ -240,12 +240,13 @@ class GpuStepRunner:
         step, kernel = built
         rounds, graphed, time_note = self._time(step, ready)
         notes.append(time_note)
-        t_min = None
+        t_min = bf16_t_min = None
         if self.ceilings is not None:
             work = DecodeWork(spec.batch, spec.s_q, spec.heads, spec.context, causal=True)
             t_min = spec.layers * work.t_min(fp8, self.ceilings)
+            bf16_t_min = spec.layers * work.t_min(False, self.ceilings) if fp8 else None
         return StepTiming(statistics.median(rounds), kernel, graphed, t_min, "; ".join(n for n in notes if n),
-                          spread=round_spread(rounds))
+                          spread=round_spread(rounds), bf16_t_min_s=bf16_t_min)
 
     def close(self) -> None:
         gc.collect()

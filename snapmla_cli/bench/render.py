@@ -88,10 +88,11 @@ def kernel_table(report: BenchReport) -> Table:
     clocks = report.meta.get("runner", {}).get("clocks", STEADY.name)
     table = figure_table(
         "per rank (mean over ranks): one step = every layer's Q-quant/append + decode; TFLOPS and "
-        f"GB/s per SPEC section 7 over the whole step; {clocks} clocks; spread: the timed rounds' "
-        "slowest over fastest, minus 1 (the largest over the ranks)",
+        f"GB/s per SPEC section 7 over the whole step; {clocks} clocks; x BF16 roofline: the BF16 "
+        "roofline's time for the step's decode work over the FP8 step's (no BF16 kernel can beat it); "
+        "spread: the timed rounds' slowest over fastest, minus 1 (the largest over the ranks)",
         ("layout", "ctx", "format", "kernel", "batch/DP", "heads/rank", "ms/step", "us/layer",
-         "TFLOPS/GPU", "GB/s/GPU", "roofline %", "spread", "timed"),
+         "TFLOPS/GPU", "GB/s/GPU", "roofline %", "x BF16 roofline", "spread", "timed"),
         left=("format", "kernel", "timed"), title_justify="left")
     for case in _cases(report):
         world = case.layout.world
@@ -100,6 +101,7 @@ def kernel_table(report: BenchReport) -> Table:
             str(case.batch), str(case.heads), f"{case.step_s * 1e3:.2f}", f"{case.us_per_layer:.1f}",
             f"{case.tflops / world:.1f}", f"{case.gbs / world:.0f}",
             "-" if case.roof_pct is None else f"{case.roof_pct:.1f}",
+            _x(case.vs_bf16_roofline),
             "-" if case.spread is None else f"{100 * case.spread:.1f}%",
             "CUDA graph" if case.graphed else "eager",
         )

@@ -34,6 +34,7 @@ class StepTiming:
     t_min_s: float | None = None  # SPEC section 7 roofline of the step's decode calls
     note: str = ""
     spread: float | None = None  # the timed rounds' slowest over fastest, minus 1 (timing.round_spread)
+    bf16_t_min_s: float | None = None  # FP8 steps: the BF16 roofline of the same decode work
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Measurement:
     note: str = ""
     device: str = ""
     spread: float | None = None  # StepTiming.spread (None in reports written before it)
+    bf16_t_min_s: float | None = None  # StepTiming.bf16_t_min_s
 
     @property
     def work(self) -> DecodeWork:
@@ -82,10 +84,18 @@ class Measurement:
     def roof_pct(self) -> float | None:
         return None if self.t_min_s is None else 100.0 * self.t_min_s / self.step_s
 
+    @property
+    def vs_bf16_roofline(self) -> float | None:
+        """How many times faster than any BF16 kernel could run this step's decode work (the BF16
+        roofline's time over this step's); FP8 steps only. Issue 7 quotes every FP8 speed-up
+        against it too, since a weak BF16 baseline inflates the measured ratio."""
+        return None if self.bf16_t_min_s is None else self.bf16_t_min_s / self.step_s
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(tokens_per_s=self.tokens_per_s, us_per_layer=self.us_per_layer,
-                 tflops=self.tflops, gbs=self.gbs, roof_pct=self.roof_pct)
+                 tflops=self.tflops, gbs=self.gbs, roof_pct=self.roof_pct,
+                 vs_bf16_roofline=self.vs_bf16_roofline)
         return d
 
     @classmethod
@@ -116,6 +126,7 @@ class CaseResult:
     graphed: bool  # every rank replayed a CUDA graph
     notes: tuple[str, ...] = ()
     spread: float | None = None  # the largest rank's spread (None if a rank has none)
+    vs_bf16_roofline: float | None = None  # mean over ranks (None if a rank has none)
 
     @property
     def per_gpu_tokens_per_s(self) -> float:
@@ -145,6 +156,7 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
     aggregate_tps = sum(groups[i][0].batch * groups[i][0].s_q / t for i, t in enumerate(group_step))
     known_roofs = [m.roof_pct for m in rows if m.roof_pct is not None]
     known_spreads = [m.spread for m in rows if m.spread is not None]
+    known_vs_bf16 = [r for m in rows if (r := m.vs_bf16_roofline) is not None]
     kernels = sorted({m.kernel for m in rows})
     return CaseResult(
         layout=layout, context=first.context, impl=first.impl, kernel="/".join(kernels),
@@ -157,6 +169,7 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
         graphed=all(m.graphed for m in rows),
         notes=tuple(dict.fromkeys(m.note for m in rows if m.note)),
         spread=max(known_spreads) if len(known_spreads) == len(rows) else None,
+        vs_bf16_roofline=statistics.fmean(known_vs_bf16) if len(known_vs_bf16) == len(rows) else None,
     )
 
 

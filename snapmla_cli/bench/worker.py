@@ -105,7 +105,7 @@ def run_rank(
                     tp_index=where.tp_index, context=ctx, impl=case.impl, batch=case.batch,
                     s_q=plan.s_q, heads=where.heads, layers=plan.layers, step_s=t.step_s,
                     kernel=t.kernel, graphed=t.graphed, t_min_s=t.t_min_s, note=t.note,
-                    device=device, spread=t.spread,
+                    device=device, spread=t.spread, bf16_t_min_s=t.bf16_t_min_s,
                 )
                 out.append(m)
                 if progress is not None:
