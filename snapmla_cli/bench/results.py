@@ -260,12 +260,12 @@ class BenchReport:
     @property
     def notes(self) -> list[str]:
         notes = list(dict.fromkeys(m.note for m in self.measurements if m.note))
-        noisy = [m for m in self.measurements if m.spread is not None and m.spread > NOISY_SPREAD]
+        noisy = [(m.spread, m) for m in self.measurements if m.spread is not None and m.spread > NOISY_SPREAD]
         if noisy:
-            worst = max(noisy, key=lambda m: m.spread or 0.0)
+            spread, worst = max(noisy, key=lambda pair: pair[0])
             notes.append(
                 f"the timed rounds of {len(noisy)} of {len(self.measurements)} measurements differ by more "
-                f"than {NOISY_SPREAD:.0%} (most: {100 * (worst.spread or 0.0):.1f}%, {worst.layout} ctx "
+                f"than {NOISY_SPREAD:.0%} (most: {100 * spread:.1f}%, {worst.layout} ctx "
                 f"{format_size(worst.context)} {worst.impl} batch {worst.batch} on rank {worst.rank}): the "
                 "device was not in one state while they ran (another process, a clock change); rerun before "
                 "comparing them")
