@@ -266,9 +266,9 @@ class BenchReport:
             notes.append(
                 f"the timed rounds of {len(noisy)} of {len(self.measurements)} measurements differ by more "
                 f"than {NOISY_SPREAD:.0%} (most: {100 * spread:.1f}%, {worst.layout} ctx "
-                f"{format_size(worst.context)} {worst.impl} batch {worst.batch} on rank {worst.rank}): the "
-                "device was not in one state while they ran (another process, a clock change); rerun before "
-                "comparing them")
+                f"{format_size(worst.context)} {worst.impl} batch {worst.batch} on rank {worst.rank}): rounds too short to time "
+                "steadily (more --steps make them longer), or the device was not in one state while they ran "
+                "(another process, a clock change); rerun before comparing them")
         return notes
 
     def to_dict(self) -> dict:
