@@ -835,6 +835,27 @@ def test_time_cuda_is_the_median_round_with_at_least_one_call_per_round(monkeypa
     assert ran == [1] * 6 and t == pytest.approx(3e-3)
 
 
+def test_a_minimum_round_time_adds_calls_to_short_rounds_within_the_window(monkeypatch):
+    """min_round_s gives a 35 us step's rounds the calls that fill 1 ms (29, not reps / rounds =
+    4), under steady clocks and within BURST's window; it never shortens a round, and BURST's
+    window still caps a round of 2 ms calls at two."""
+    from snapmla_cli.bench import timing
+
+    for clocks in (timing.STEADY, timing.BURST):
+        _, ran = _fake_timing(monkeypatch, 35e-6)
+        timing.time_cuda_rounds(lambda: None, reps=20, warmup=3, clocks=clocks, min_round_s=1e-3)
+        assert ran[-5:] == [29] * 5
+        _, ran = _fake_timing(monkeypatch, 35e-6)
+        timing.time_cuda_rounds(lambda: None, reps=20, warmup=3, clocks=clocks)
+        assert ran[-5:] == [4] * 5
+    _, ran = _fake_timing(monkeypatch, 0.5e-3)
+    timing.time_cuda_rounds(lambda: None, reps=20, warmup=3, clocks=timing.STEADY, min_round_s=1e-3)
+    assert ran[-5:] == [4] * 5
+    _, ran = _fake_timing(monkeypatch, 2e-3)
+    timing.time_cuda_rounds(lambda: None, reps=20, warmup=3, clocks=timing.BURST, min_round_s=1e-3)
+    assert ran[-5:] == [2] * 5
+
+
 def test_the_rounds_and_their_spread(monkeypatch):
     """time_cuda_rounds keeps every round in the order timed (time_cuda is their median); the
     spread is the slowest over the fastest minus 1, and None where it means nothing."""

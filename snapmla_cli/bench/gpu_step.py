@@ -39,6 +39,10 @@ from .timing import CLOCKS, STEADY, capture_graph, round_spread, time_cuda_round
 from .worker import StepSpec
 
 FILL_TOKENS = 1 << 20  # tokens per chunk when filling a cache with random data
+# a timed round lasts at least this long (more steps than --steps asks where a step is short): on
+# an H100 a 2-layer 1k step (35-40 us) read 48-99% apart between rounds of one step, 7.5-30% with
+# four, 1-5% with twenty (docs/PERF.md, fifty-first session)
+MIN_ROUND_S = 1e-3
 
 
 def _one_line(exc: BaseException) -> str:
@@ -201,11 +205,12 @@ class GpuStepRunner:
                 try:
                     ready()
                     return time_cuda_rounds(graph.replay, reps=self.steps, warmup=self.warmup,
-                                            clocks=self.clocks), True, ""
+                                            clocks=self.clocks, min_round_s=MIN_ROUND_S), True, ""
                 finally:
                     del graph
         ready()
-        return time_cuda_rounds(step, reps=self.steps, warmup=self.warmup, clocks=self.clocks), False, note
+        return time_cuda_rounds(step, reps=self.steps, warmup=self.warmup, clocks=self.clocks,
+                                min_round_s=MIN_ROUND_S), False, note
 
     def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         try:

@@ -90,12 +90,16 @@ def _idle_round(fn: Callable[[], object], clocks: Clocks, per_call: float) -> fl
 
 
 def time_cuda_rounds(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds: int = 5,
-                     clocks: Clocks | None = None) -> list[float]:
+                     clocks: Clocks | None = None, min_round_s: float = 0.0) -> list[float]:
     """Seconds per call of each of ``rounds`` rounds, in the order timed; ``clocks`` None:
     ``warmup`` calls only, no idle (the tuner's single cut-off replay; its real timings pass
-    ``tuning.measure.TUNE_CLOCKS``)."""
+    ``tuning.measure.TUNE_CLOCKS``). ``min_round_s``: a round has at least the calls that fill it
+    (by the warm-up's time per call), within what the clock state's window leaves; a round of a
+    few short calls also times the first call's launch and reads 10-50% apart from the next."""
     per_call = settle(fn, warmup, clocks)
     per_round = max(1, reps // rounds)
+    if min_round_s > 0 and per_call:
+        per_round = max(per_round, math.ceil(min_round_s / per_call))
     if clocks is not None and clocks.measure_s is not None and per_call:
         fits = int(clocks.measure_s / rounds / per_call)  # calls a round within the window
         if fits == 0 and clocks.idle_each_round:

@@ -87,7 +87,7 @@ def bench_command(
     dp: Annotated[int | None, typer.Option(help="Data-parallel groups (independent batches).")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks per group (heads / tp per rank).")] = None,
     layout: Annotated[str | None, typer.Option(help=f"Layouts instead of --dp/--tp, comma-separated, same GPU count: {', '.join(LAYOUT_PRESETS)} or any dpNtpM.")] = None,
-    steps: Annotated[int, typer.Option(help="Timed steps per case (median of 5 rounds).")] = 20,
+    steps: Annotated[int, typer.Option(help="Timed steps per case (median of 5 rounds); a round of short steps gets at least 1 ms of them.")] = 20,
     warmup: Annotated[int, typer.Option(help="Untimed steps before timing.")] = 3,
     graphs: Annotated[bool, typer.Option("--graphs/--no-graphs", help="Time CUDA-graph replays of one step (eager when capture fails).")] = True,
     bf16_impl: Annotated[Bf16Impl, typer.Option(help="BF16 baseline: FlashMLA if importable (auto), or forced.")] = Bf16Impl.auto,
