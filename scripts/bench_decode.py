@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 from collections.abc import Callable
 
@@ -18,7 +19,16 @@ import torch
 from snapmla_cli.bench.ceilings import measure_ceilings
 from snapmla_cli.bench.decode_case import DecodeCase, extra_defines
 from snapmla_cli.bench.roofline import Ceilings, DecodeWork
-from snapmla_cli.bench.timing import BURST, CLOCKS, Clocks, time_cuda, time_graph
+from snapmla_cli.bench.timing import (
+    BURST,
+    CLOCKS,
+    Clocks,
+    round_spread,
+    time_cuda,
+    time_cuda_rounds,
+    time_graph,
+    time_graph_rounds,
+)
 from snapmla_cli.ops.decode_config import (
     DEFAULT_BF16_KERNEL,
     DEFAULT_FP8_KERNEL,
@@ -28,18 +38,22 @@ from snapmla_cli.ops.decode_config import (
 )
 
 Timer = Callable[..., float]  # time_graph or time_cuda: seconds per call of a step
+RoundsTimer = Callable[..., list[float]]  # time_graph_rounds or time_cuda_rounds: each round's seconds per call
 
 
 def run_case(w: DecodeWork, ceilings: Ceilings, device: torch.device, timer: Timer = time_graph,
-             clocks: Clocks | None = BURST) -> dict[str, object]:
-    """One shape: the FP8 and BF16 default paths timed in ``clocks`` (the ceilings' state), the
-    eager FP8 call and each format's other kernel right after them (no cool-down of their own)."""
+             clocks: Clocks | None = BURST, rounds_timer: RoundsTimer = time_graph_rounds) -> dict[str, object]:
+    """One shape: the FP8 and BF16 default paths timed in ``clocks`` (the ceilings' state; each
+    with its rounds' spread), the eager FP8 call and each format's other kernel right after them
+    (no cool-down of their own)."""
     case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
     res: dict[str, object] = {"batch": w.batch, "s_q": w.s_q, "h_q": w.h_q, "ctx": w.context}
     fp8_default_path = case.fp8()
-    t8 = timer(fp8_default_path, clocks=clocks)
+    rounds8 = rounds_timer(fp8_default_path, clocks=clocks)
     res["fp8_eager_us"] = time_cuda(fp8_default_path) * 1e6
-    t16 = timer(case.bf16(), clocks=clocks)
+    rounds16 = rounds_timer(case.bf16(), clocks=clocks)
+    t8, t16 = statistics.median(rounds8), statistics.median(rounds16)
+    res["fp8_spread"], res["bf16_spread"] = round_spread(rounds8), round_spread(rounds16)
     # each format's other kernel at its own heuristic (the mma.sync ones, the wgmma ones being
     # the defaults)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -58,6 +72,11 @@ def run_case(w: DecodeWork, ceilings: Ceilings, device: torch.device, timer: Tim
     res["speedup"] = t16 / t8
     res["fp8_vs_bf16_roofline"] = w.t_min(False, ceilings) / t8
     return res
+
+
+def _pct(spread: object) -> str:
+    """A rounds' spread as a percentage, '-' when unknown."""
+    return "-" if not isinstance(spread, float) else f"{100 * spread:.1f}%"
 
 
 BALANCED = "balanced"
@@ -103,6 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda")
     timer = time_cuda if args.eager else time_graph
+    rounds_timer = time_cuda_rounds if args.eager else time_graph_rounds
     if args.sweep:
         for h in map(int, args.heads.split(",")):
             for s in map(int, args.mtp.split(",")):
@@ -118,12 +138,13 @@ def main() -> None:
     for h in map(int, args.heads.split(",")):
         for s in map(int, args.mtp.split(",")):
             for ctx in map(int, args.ctx.split(",")):
-                r = run_case(DecodeWork(args.batch, s, h, ctx, causal=True), c, device, timer, clocks)
+                r = run_case(DecodeWork(args.batch, s, h, ctx, causal=True), c, device, timer, clocks, rounds_timer)
                 rows.append(r)
                 print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
                       f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "
                       f"{r['bf16_tflops']:6.1f}TF {r['bf16_gbs']:6.0f}GB/s {r['bf16_roof_pct']:5.1f}% | "
                       f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f} | "
+                      f"spread {_pct(r['fp8_spread'])} / {_pct(r['bf16_spread'])} | "
                       f"fp8 eager {r['fp8_eager_us']:9.1f}us | "
                       + " ".join(f"{k[:-3]} {v:9.1f}us" for k, v in r.items()
                                  if k.startswith(("fp8v", "bf16v")) and k.endswith("_us")),

@@ -138,13 +138,19 @@ def capture_graph(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def time_graph(step: Callable[[], object], reps: int = 20, warmup: int = 3,
-               clocks: Clocks | None = None) -> float:
-    """:func:`time_cuda` of the replay of ``step`` captured in a CUDA graph (seconds)."""
+def time_graph_rounds(step: Callable[[], object], reps: int = 20, warmup: int = 3,
+                      clocks: Clocks | None = None) -> list[float]:
+    """:func:`time_cuda_rounds` of the replay of ``step`` captured in a CUDA graph (seconds)."""
     step()  # compiles and loads the kernels outside the capture
     torch.cuda.synchronize()
     graph = capture_graph(step)
     try:
-        return time_cuda(graph.replay, reps=reps, warmup=warmup, clocks=clocks)
+        return time_cuda_rounds(graph.replay, reps=reps, warmup=warmup, clocks=clocks)
     finally:
         del graph
+
+
+def time_graph(step: Callable[[], object], reps: int = 20, warmup: int = 3,
+               clocks: Clocks | None = None) -> float:
+    """Median seconds per replay over the rounds of :func:`time_graph_rounds`."""
+    return statistics.median(time_graph_rounds(step, reps, warmup, clocks))
