@@ -744,7 +744,7 @@ def test_cli_takes_every_preset(model: str) -> None:
 
 @pytest.mark.parametrize("calls,seconds,per_call,expect_calls", [
     (3, 0.0, 1e-3, 3),      # the call count alone
-    (3, 0.2, 1e-3, 3 + 6 + 12 + 24 + 48 + 96 + 192),  # doubling batches until 0.2 s have run
+    (3, 0.2, 1e-3, 3 + 197),  # then the calls that the first batch's rate says fill 0.2 s
     (0, 0.0, 1e-3, 0),      # no warm-up at all
     (0, 0.01, 0.1, 1),      # one long call covers the time
 ])
@@ -791,7 +791,7 @@ def test_burst_timing_idles_first_and_measures_briefly(monkeypatch):
     slept, ran = _fake_timing(monkeypatch, 3e-3)  # a 3 ms decode call
     t = timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.BURST)
     assert slept == [timing.BURST.cooldown_s]
-    assert ran == [3, 6] + [1] * 5  # warm-up calls until 10 ms; rounds of one call stay in 25 ms
+    assert ran == [3, 1] + [1] * 5  # warm-up: 3 calls (9 ms), one more reaches 10 ms; rounds of one call stay in 25 ms
     assert t == pytest.approx(3e-3)
     ran.clear()
     timing.time_cuda(lambda: None, reps=20, warmup=3, clocks=timing.STEADY)

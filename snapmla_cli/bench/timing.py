@@ -54,13 +54,18 @@ def _elapsed(fn: Callable[[], object], calls: int) -> float:
 
 
 def warm_up(fn: Callable[[], object], calls: int, seconds: float) -> float | None:
-    """At least ``calls`` calls and ``seconds`` of device time of ``fn``, in doubling batches;
-    the mean seconds per call (None when nothing ran)."""
+    """At least ``calls`` calls and ``seconds`` of device time of ``fn``; the mean seconds per call
+    (None when nothing ran). After the first batch, the next is sized by the time per call so far
+    to end the warm-up near ``seconds``: doubling batches overshot by up to 2x, so a 3 ms call
+    warmed for 28 ms instead of 10 and BURST's rounds ran past the boost window (an H100's h128
+    s2 64k sweep cell read 5.6% apart, docs/PERF.md, fifty-first session)."""
     done, spent, batch = 0, 0.0, max(1, calls)
     while done < calls or spent < seconds:
         spent += _elapsed(fn, batch)
         done += batch
-        batch *= 2
+        per_call = spent / done
+        for_time = math.ceil((seconds - spent) / per_call) if per_call > 0 else 2 * batch
+        batch = max(1, calls - done, for_time)
     return spent / done if done else None
 
 
