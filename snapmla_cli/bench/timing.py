@@ -122,7 +122,8 @@ def time_cuda(fn: Callable[[], object], reps: int = 20, warmup: int = 3, rounds:
 def round_spread(samples: list[float]) -> float | None:
     """How far a timing's rounds disagree: slowest over fastest, minus 1 (0.01: 1%); None for
     fewer than two rounds or a round that took no time. A repeat of the same work that moves
-    by more than a few percent says the GPU was not in one state (another process, clocks)."""
+    by more than a few percent says the rounds were too short to time steadily or the GPU was
+    not in one state (another process, clocks)."""
     if len(samples) < 2 or min(samples) <= 0:
         return None
     return max(samples) / min(samples) - 1.0
