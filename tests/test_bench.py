@@ -699,6 +699,9 @@ def test_cli_quiet_prints_no_progress() -> None:
     assert loud.exit_code == 0 == quiet.exit_code, loud.output + quiet.output
     assert loud.stderr.count("bench: ") >= 3  # the plan, then one line per timed case
     assert "bench: " not in quiet.stderr and "x same batch" in quiet.stdout
+    assert "apart" not in loud.stderr  # one timed step: no rounds to compare
+    rounds = invoke("--cpu-fake", "--heads", 8, "--layers", 2, "--ctx", "1k", "--batch", 2, "--steps", 3)
+    assert rounds.exit_code == 0 and rounds.stderr.count("% apart)") == 2, rounds.output  # FP8, BF16
 
 
 def test_cli_refuses_to_overwrite(tmp_path: Path) -> None:

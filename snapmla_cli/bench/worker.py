@@ -112,7 +112,8 @@ def run_rank(
                     progress(
                         f"{layout.name} ctx {format_size(ctx)} {case.impl} batch {case.batch} "
                         f"heads {where.heads}: {m.step_s * 1e3:.2f} ms/step, "
-                        f"{m.us_per_layer:.1f} us/layer ({t.kernel}{', graph' if t.graphed else ''})"
+                        f"{m.us_per_layer:.1f} us/layer ({t.kernel}{', graph' if t.graphed else ''}"
+                        f"{'' if t.spread is None else f', rounds {100 * t.spread:.1f}% apart'})"
                     )
     comm.barrier()
     return out
