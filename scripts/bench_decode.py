@@ -26,7 +26,6 @@ from snapmla_cli.bench.timing import (
     round_spread,
     time_cuda,
     time_cuda_rounds,
-    time_graph,
     time_graph_rounds,
 )
 from snapmla_cli.ops.decode_config import (
@@ -37,21 +36,20 @@ from snapmla_cli.ops.decode_config import (
     heuristic_config,
 )
 
-Timer = Callable[..., float]  # time_graph or time_cuda: seconds per call of a step
-RoundsTimer = Callable[..., list[float]]  # time_graph_rounds or time_cuda_rounds: each round's seconds per call
+Timer = Callable[..., list[float]]  # time_graph_rounds or time_cuda_rounds: each round's seconds per call
 
 
-def run_case(w: DecodeWork, ceilings: Ceilings, device: torch.device, timer: Timer = time_graph,
-             clocks: Clocks | None = BURST, rounds_timer: RoundsTimer = time_graph_rounds) -> dict[str, object]:
+def run_case(w: DecodeWork, ceilings: Ceilings, device: torch.device, timer: Timer = time_graph_rounds,
+             clocks: Clocks | None = BURST) -> dict[str, object]:
     """One shape: the FP8 and BF16 default paths timed in ``clocks`` (the ceilings' state; each
     with its rounds' spread), the eager FP8 call and each format's other kernel right after them
     (no cool-down of their own)."""
     case = DecodeCase.build([w.context] * w.batch, w.s_q, w.h_q, device)
     res: dict[str, object] = {"batch": w.batch, "s_q": w.s_q, "h_q": w.h_q, "ctx": w.context}
     fp8_default_path = case.fp8()
-    rounds8 = rounds_timer(fp8_default_path, clocks=clocks)
+    rounds8 = timer(fp8_default_path, clocks=clocks)
     res["fp8_eager_us"] = time_cuda(fp8_default_path) * 1e6
-    rounds16 = rounds_timer(case.bf16(), clocks=clocks)
+    rounds16 = timer(case.bf16(), clocks=clocks)
     t8, t16 = statistics.median(rounds8), statistics.median(rounds16)
     res["fp8_spread"], res["bf16_spread"] = round_spread(rounds8), round_spread(rounds16)
     # each format's other kernel at its own heuristic (the mma.sync ones, the wgmma ones being
@@ -60,7 +58,7 @@ def run_case(w: DecodeWork, ceilings: Ceilings, device: torch.device, timer: Tim
     for name, fp8, default in (("fp8", True, DEFAULT_FP8_KERNEL), ("bf16", False, DEFAULT_BF16_KERNEL)):
         other = FP8_MMA_SYNC if default == FP8_WGMMA else FP8_WGMMA
         alt = heuristic_config(w.s_q * w.h_q, fp8, other).with_sms(sms)
-        t_alt = timer(case.fp8(alt) if fp8 else case.bf16(alt))
+        t_alt = statistics.median(timer(case.fp8(alt) if fp8 else case.bf16(alt)))
         res[f"{name}_default_kernel"] = default
         res[f"{name}v{other}_us"] = t_alt * 1e6
         res[f"{name}v{other}_roof_pct"] = 100 * w.t_min(fp8, ceilings) / t_alt
@@ -82,7 +80,7 @@ def _pct(spread: object) -> str:
 BALANCED = "balanced"
 
 
-def sweep_fp8(w: DecodeWork, specs: str, device: torch.device, timer: Timer = time_graph,
+def sweep_fp8(w: DecodeWork, specs: str, device: torch.device, timer: Timer = time_graph_rounds,
               clocks: Clocks | None = BURST) -> None:
     """Time FP8 kernel variants (``config_from_spec`` format, optionally followed by
     ``+NAME=VALUE`` extra defines or ``+balanced``, the balanced split policy) on one shape
@@ -101,7 +99,7 @@ def sweep_fp8(w: DecodeWork, specs: str, device: torch.device, timer: Timer = ti
         defines = {k: int(v) for k, v in (e.split("=") for e in extras if e != BALANCED)}
         with extra_defines(defines):
             call = case.fp8(cfg)
-            t = timer(call, clocks=clocks)
+            t = statistics.median(timer(call, clocks=clocks))
         print(f"sweep h{w.h_q} s_q{w.s_q} ctx{w.context} {spec:18s} work{call.work_items}: "
               f"{t*1e6:9.1f}us {w.bytes(True)/t/1e9:6.0f}GB/s {w.flops/t/1e12:6.1f}TF", flush=True)
 
@@ -121,8 +119,7 @@ def main() -> None:
                                     "or +balanced (the balanced split policy)")
     args = ap.parse_args()
     device = torch.device("cuda")
-    timer = time_cuda if args.eager else time_graph
-    rounds_timer = time_cuda_rounds if args.eager else time_graph_rounds
+    timer = time_cuda_rounds if args.eager else time_graph_rounds
     if args.sweep:
         for h in map(int, args.heads.split(",")):
             for s in map(int, args.mtp.split(",")):
@@ -138,7 +135,7 @@ def main() -> None:
     for h in map(int, args.heads.split(",")):
         for s in map(int, args.mtp.split(",")):
             for ctx in map(int, args.ctx.split(",")):
-                r = run_case(DecodeWork(args.batch, s, h, ctx, causal=True), c, device, timer, clocks, rounds_timer)
+                r = run_case(DecodeWork(args.batch, s, h, ctx, causal=True), c, device, timer, clocks)
                 rows.append(r)
                 print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
                       f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "
