@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # (the lookup module is imported when info runs, not when the
 INFO_JSON_FORMAT = "snapmla-info/1"  # bumped when a field changes meaning or goes away
 
 
-def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFacts, kernels: str | None,
-                 database: DatabaseSurvey) -> dict[str, Any]:
+def info_as_dict(listing: GpuListing, archs: tuple[str, ...], runs_kernels: list[bool], tc: ToolchainFacts,
+                 kernels: str | None, database: DatabaseSurvey) -> dict[str, Any]:
     """Everything ``snapmla info`` prints, as plain data: the GPUs with NVML's facts and whether
     snapmla's kernels run on each, the toolchain, the kernel sources' hash and the database
     (folders, skipped files, every entry that applies per GPU with why it is stale)."""
@@ -34,7 +34,7 @@ def info_as_dict(listing: GpuListing, runs_kernels: list[bool], tc: ToolchainFac
         "format": INFO_JSON_FORMAT,
         "snapmla_version": __version__,
         "kernel_sources": kernels,
-        "kernel_archs": sorted(common_archs()),
+        "kernel_archs": sorted(archs),
         "gpus": [{**dataclasses.asdict(g), "compute_capability": list(g.compute_capability),
                   "runs_kernels": runs} for g, runs in zip(listing.gpus, runs_kernels)],
         "no_gpu_reason": listing.reason or None,
@@ -82,5 +82,5 @@ def info_command(
     for line in describe_survey(database):
         out.print(line)
     if json_path is not None:
-        write_json(json_path, info_as_dict(listing, runs_kernels, tc, stamp[0], database), force=force)
+        write_json(json_path, info_as_dict(listing, archs, runs_kernels, tc, stamp[0], database), force=force)
         out.print(f"wrote {json_path}")

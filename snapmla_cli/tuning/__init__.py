@@ -4,7 +4,7 @@
 :mod:`.compile`). ``snapmla tune`` is :mod:`snapmla_cli.cli.tune`.
 
 This package file stays import-light (no torch): the compile workers of :mod:`.compile` import
-it, and ``snapmla info`` reaches :func:`describe_database` through it.
+it, and ``snapmla info`` reaches :func:`survey_database` and :func:`describe_survey` through it.
 """
 
 from __future__ import annotations
