@@ -18,6 +18,7 @@ import torch
 
 from snapmla_cli.bench.ceilings import measure_ceilings
 from snapmla_cli.bench.decode_case import DecodeCase, extra_defines
+from snapmla_cli.bench.results import format_spread
 from snapmla_cli.bench.roofline import Ceilings, DecodeWork
 from snapmla_cli.bench.timing import (
     BURST,
@@ -70,11 +71,6 @@ def run_case(w: DecodeWork, ceilings: Ceilings, device: torch.device, timer: Tim
     res["speedup"] = t16 / t8
     res["fp8_vs_bf16_roofline"] = w.t_min(False, ceilings) / t8
     return res
-
-
-def _pct(spread: object) -> str:
-    """A rounds' spread as a percentage, '-' when unknown."""
-    return "-" if not isinstance(spread, float) else f"{100 * spread:.1f}%"
 
 
 BALANCED = "balanced"
@@ -137,11 +133,13 @@ def main() -> None:
             for ctx in map(int, args.ctx.split(",")):
                 r = run_case(DecodeWork(args.batch, s, h, ctx, causal=True), c, device, timer, clocks)
                 rows.append(r)
+                spreads = " / ".join(format_spread(v if isinstance(v, float) else None)
+                                     for v in (r["fp8_spread"], r["bf16_spread"]))
                 print(f"h{h:4d} s_q{s} ctx{ctx:7d} | fp8 {r['fp8_us']:9.1f}us {r['fp8_tflops']:6.1f}TF "
                       f"{r['fp8_gbs']:6.0f}GB/s {r['fp8_roof_pct']:5.1f}% | bf16 {r['bf16_us']:9.1f}us "
                       f"{r['bf16_tflops']:6.1f}TF {r['bf16_gbs']:6.0f}GB/s {r['bf16_roof_pct']:5.1f}% | "
                       f"x{r['speedup']:.2f} vsBF16roof x{r['fp8_vs_bf16_roofline']:.2f} | "
-                      f"spread {_pct(r['fp8_spread'])} / {_pct(r['bf16_spread'])} | "
+                      f"spread {spreads} | "
                       f"fp8 eager {r['fp8_eager_us']:9.1f}us | "
                       + " ".join(f"{k[:-3]} {v:9.1f}us" for k, v in r.items()
                                  if k.startswith(("fp8v", "bf16v")) and k.endswith("_us")),

@@ -14,7 +14,7 @@ from ..plot_files import check_plot_output
 from ..sizes import counted, format_size
 from ..tables import figure_table
 from .plan import PRESETS, BenchPlan, format_bytes
-from .results import BenchReport, CaseResult, speedup
+from .results import BenchReport, CaseResult, format_spread, speedup
 from .timing import STEADY
 
 
@@ -102,7 +102,7 @@ def kernel_table(report: BenchReport) -> Table:
             f"{case.tflops / world:.1f}", f"{case.gbs / world:.0f}",
             "-" if case.roof_pct is None else f"{case.roof_pct:.1f}",
             _x(case.vs_bf16_roofline),
-            "-" if case.spread is None else f"{100 * case.spread:.1f}%",
+            format_spread(case.spread),
             "CUDA graph" if case.graphed else "eager",
         )
     return table

@@ -24,6 +24,12 @@ from .roofline import DecodeWork
 NOISY_SPREAD = 0.03  # rounds of one timing that differ by more make its median suspect (a note says so)
 
 
+def format_spread(spread: float | None) -> str:
+    """A timing's round spread (``timing.round_spread``) as the tables and notes print it: ``1.2%``,
+    ``-`` where there is none."""
+    return "-" if spread is None else f"{100 * spread:.1f}%"
+
+
 @dataclass(frozen=True)
 class StepTiming:
     """What a step runner reports for one case on one rank."""
@@ -265,7 +271,7 @@ class BenchReport:
             spread, worst = max(noisy, key=lambda pair: pair[0])
             notes.append(
                 f"the timed rounds of {len(noisy)} of {len(self.measurements)} measurements differ by more "
-                f"than {NOISY_SPREAD:.0%} (most: {100 * spread:.1f}%, {worst.layout} ctx "
+                f"than {NOISY_SPREAD:.0%} (most: {format_spread(spread)}, {worst.layout} ctx "
                 f"{format_size(worst.context)} {worst.impl} batch {worst.batch} on rank {worst.rank}): rounds too short to time "
                 "steadily (more --steps make them longer), or the device was not in one state while they ran "
                 "(another process, a clock change); rerun before comparing them")

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeVar
 
 from ..sizes import format_size
 from .plan import BenchPlan, place
-from .results import Measurement, StepTiming
+from .results import Measurement, StepTiming, format_spread
 
 Progress = Callable[[str], None]
 Gathered = TypeVar("Gathered")  # what every rank contributes to an all-gather
@@ -113,7 +113,7 @@ def run_rank(
                         f"{layout.name} ctx {format_size(ctx)} {case.impl} batch {case.batch} "
                         f"heads {where.heads}: {m.step_s * 1e3:.2f} ms/step, "
                         f"{m.us_per_layer:.1f} us/layer ({t.kernel}{', graph' if t.graphed else ''}"
-                        f"{'' if t.spread is None else f', rounds {100 * t.spread:.1f}% apart'})"
+                        f"{'' if t.spread is None else f', rounds {format_spread(t.spread)} apart'})"
                     )
     comm.barrier()
     return out
