@@ -204,13 +204,16 @@ class GpuStepRunner:
             else:
                 try:
                     ready()
-                    return time_cuda_rounds(graph.replay, reps=self.steps, warmup=self.warmup,
-                                            clocks=self.clocks, min_round_s=MIN_ROUND_S), True, ""
+                    return self._rounds(graph.replay), True, ""
                 finally:
                     del graph
         ready()
-        return time_cuda_rounds(step, reps=self.steps, warmup=self.warmup, clocks=self.clocks,
-                                min_round_s=MIN_ROUND_S), False, note
+        return self._rounds(step), False, note
+
+    def _rounds(self, fn: Callable[[], object]) -> list[float]:
+        """The timed rounds of ``fn`` with this runner's steps, warm-up and clocks."""
+        return time_cuda_rounds(fn, reps=self.steps, warmup=self.warmup, clocks=self.clocks,
+                                min_round_s=MIN_ROUND_S)
 
     def run(self, spec: StepSpec, ready: Callable[[], None]) -> StepTiming:
         try:

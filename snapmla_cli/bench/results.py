@@ -14,6 +14,7 @@ Q-quant and the K-append) add up over all ranks, since each rank does its own sh
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from ..errors import SnapmlaError
@@ -145,6 +146,13 @@ class CaseResult:
         return d
 
 
+def _if_every_rank(values: Iterable[float | None], ranks: int, combine: Callable[[list[float]], float]) -> float | None:
+    """``combine`` of the ranks' values, or None where a rank has none (no ceilings, a BF16 step,
+    a report written before the field): a case figure must not stand for only some ranks."""
+    known = [v for v in values if v is not None]
+    return combine(known) if len(known) == ranks else None
+
+
 def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
     """Combine one case's measurements, one per rank of ``layout``."""
     if not rows:
@@ -160,9 +168,6 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
         raise SnapmlaError(f"{layout.name}: ranks do not form {layout.dp} DP groups of {layout.tp}")
     group_step = tuple(max(m.step_s for m in groups[i]) for i in range(layout.dp))
     aggregate_tps = sum(groups[i][0].batch * groups[i][0].s_q / t for i, t in enumerate(group_step))
-    known_roofs = [m.roof_pct for m in rows if m.roof_pct is not None]
-    known_spreads = [m.spread for m in rows if m.spread is not None]
-    known_vs_bf16 = [r for m in rows if (r := m.vs_bf16_roofline) is not None]
     kernels = sorted({m.kernel for m in rows})
     return CaseResult(
         layout=layout, context=first.context, impl=first.impl, kernel="/".join(kernels),
@@ -171,11 +176,11 @@ def aggregate(layout: Layout, rows: list[Measurement]) -> CaseResult:
         step_s=statistics.fmean(m.step_s for m in rows),
         us_per_layer=statistics.fmean(m.us_per_layer for m in rows),
         tflops=sum(m.tflops for m in rows), gbs=sum(m.gbs for m in rows),
-        roof_pct=statistics.fmean(known_roofs) if len(known_roofs) == len(rows) else None,
+        roof_pct=_if_every_rank((m.roof_pct for m in rows), len(rows), statistics.fmean),
         graphed=all(m.graphed for m in rows),
         notes=tuple(dict.fromkeys(m.note for m in rows if m.note)),
-        spread=max(known_spreads) if len(known_spreads) == len(rows) else None,
-        vs_bf16_roofline=statistics.fmean(known_vs_bf16) if len(known_vs_bf16) == len(rows) else None,
+        spread=_if_every_rank((m.spread for m in rows), len(rows), max),
+        vs_bf16_roofline=_if_every_rank((m.vs_bf16_roofline for m in rows), len(rows), statistics.fmean),
     )
 
 
