@@ -56,9 +56,10 @@ def parse_size_list(text: str, what: str = "list", example: str = "16k,64k") -> 
     return [parse_size(part, what) for part in items]
 
 
-def parse_int_list(text: str, what: str, most: int) -> list[int]:
+def parse_int_list(text: str, what: str, most: int, example: str = "16,64") -> list[int]:
     """``"64"`` or ``"16,64,128"`` -> ints in 1..``most`` without size suffixes (head counts,
-    query tokens), duplicates removed, order kept."""
+    query tokens), duplicates removed, order kept; ``example`` is the option's own sample value
+    that an error message shows (``--mtp``'s is ``1,2``, not a head list)."""
     out: list[int] = []
     for part in str(text).split(","):
         part = part.strip()
@@ -67,13 +68,13 @@ def parse_int_list(text: str, what: str, most: int) -> list[int]:
         if part.isascii() and part.isdigit():
             refuse_long_number(part, what, part, f" (expected at most {most})")
         if not (part.isascii() and part.isdigit()) or int(part) < 1:
-            raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. 16,64)")
+            raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. {example})")
         if int(part) > most:
             raise SnapmlaError(f"{what}: {part} is too large (expected at most {most})")
         if int(part) not in out:
             out.append(int(part))
     if not out:
-        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. 16,64)")
+        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. {example})")
     return out
 
 

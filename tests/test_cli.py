@@ -163,7 +163,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(invoke("verify", "--heads", "16,x"), "--heads")
     for count in ("16.5", "16k"):  # head and token counts are plain integers, not sizes
         assert_one_line_error(invoke("verify", "--heads", count), "positive integer")
-    assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp")
+    assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp", "expected e.g. 1,2")  # its own example
+    assert_one_line_error(invoke("tune", "--dry-run", "--mtp", "0"), "--mtp", "expected e.g. 1,2")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "--configs", "'Q'")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", " , "), "--configs", "got none")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--layers", "0"), "--layers")

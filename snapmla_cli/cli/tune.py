@@ -109,7 +109,7 @@ def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_d
     else:
         heads, mtp, batch, ctx, fmt = (options.text(name) for name in ("heads", "mtp", "batch", "ctx", "fmt"))
         buckets = make_buckets(parse_int_list(heads, "--heads", MAX_QUERY_HEADS),
-                               parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS),
+                               parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS, example="1,2"),
                                parse_ranges(batch, "--batch", MAX_TUNE_BATCH), parse_ranges(ctx, "--ctx"),
                                parse_formats(fmt))
         commands = {}

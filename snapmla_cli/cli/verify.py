@@ -93,7 +93,7 @@ def verify_command(
     check_outputs([("--json", json_path)], force, inputs=[("--dump", dump)])
     dev = resolve_device(device.value)
     head_list = parse_int_list(heads, "--heads", MAX_QUERY_HEADS)
-    mtp_list = parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS)
+    mtp_list = parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS, example="1,2")
     context = None if ctx is None else parse_size(ctx, "--ctx")
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
     source = _source(dump, layer, seed)
