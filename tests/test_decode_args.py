@@ -14,15 +14,17 @@ import torch
 from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
+from snapmla_cli.numerics.formats import SCALE_OFFSET
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem
 from snapmla_cli.numerics.quant import QuantizedRows
-from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
 from snapmla_cli.ops.decode_config import (
     DecodeConfig,
     checked_config,
     fp8_smem_bytes,
     heuristic_config,
 )
+from snapmla_cli.ops.finite import GPU_CHECKS, set_gpu_checks
 from snapmla_cli.ops.graph_work_list import GraphWorkList
 from snapmla_cli.ops.prep import quantize_q
 from snapmla_cli.ops.schedule import SplitPolicy
@@ -259,3 +261,87 @@ def test_quantize_q_leaves_autograd_alone() -> None:
     rows = quantize_q(q)
     assert not any(t.requires_grad for t in (rows.content, rows.scale, rows.rope))
 
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_a_key_scale_that_is_not_positive_is_refused(problem: DecodeProblem, value: float) -> None:
+    """SPEC section 3's scales are at least 2^-32: a zero or negative one is a corrupt cache that
+    would decode to plausible numbers, as the query side already refuses."""
+    cache = problem.fp8_cache()
+    page = int(problem.layout.block_table[1, 0])
+    cache[page, 3, SCALE_OFFSET:SCALE_OFFSET + 4] = torch.tensor([value], dtype=torch.float32).view(torch.uint8)
+    with pytest.raises(SnapmlaError, match=f"fp8_cache: request 1 reads token 3 with scale {value}"):
+        run_emulation(problem, fp8_cache=cache)
+
+
+def test_no_query_rows_give_empty_outputs_in_both_definitions(problem: DecodeProblem) -> None:
+    """s_q * h_q = 0: empty results (as the reference always gave), not a reshape error."""
+    empty = problem.q[:, :, :0]
+    out_ref, lse_ref = run_reference(problem, q=empty)
+    out, lse = run_emulation(problem, q=quantize_q(empty))
+    assert out.shape == out_ref.shape == (3, 2, 0, 512) and lse.shape == lse_ref.shape == (3, 0, 2)
+
+
+@pytest.mark.parametrize("bounds", [[[0, 64.0, 100], [0, 65], [0, 0]], [None, [0, 65], [0, 0]], "0,100"])
+def test_split_bounds_that_are_not_integer_lists_are_named(problem: DecodeProblem, bounds: object) -> None:
+    with pytest.raises(SnapmlaError, match="^split_bounds"):
+        run_emulation(problem, split_bounds=bounds)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, "float64", None])
+def test_the_reference_dtype_must_be_a_float_dtype(problem: DecodeProblem, dtype: object) -> None:
+    with pytest.raises(SnapmlaError, match="^dtype: expected a torch floating-point dtype"):
+        run_reference(problem, dtype=dtype)
+
+
+def _decode_args(problem: DecodeProblem) -> dict[str, object]:
+    lens = problem.layout.cache_seqlens
+    meta, splits = get_mla_metadata(lens, 2 * 3, 1)
+    return {"q": problem.q_quantized(), "k_cache": problem.fp8_cache(), "block_table": problem.layout.block_table,
+            "cache_seqlens": lens, "tile_scheduler_metadata": meta, "num_splits": splits}
+
+
+@pytest.mark.parametrize("name", ["k_cache", "block_table", "cache_seqlens", "q.scale", "q.content"])
+def test_decode_names_a_sparse_argument(problem: DecodeProblem, name: str) -> None:
+    """A sparse tensor has no storage: torch's RuntimeError at its first data pointer becomes a
+    line naming the argument (checked only after that error, so valid calls pay nothing)."""
+    args = _decode_args(problem)
+    if name.startswith("q."):
+        q = args["q"]
+        assert isinstance(q, QuantizedRows)
+        part = name.removeprefix("q.")
+        sparse = getattr(q, part).view(torch.uint8).to_sparse() if part == "content" else getattr(q, part).to_sparse()
+        args["q"] = replace(q, **{part: sparse})
+    else:
+        value = args[name]
+        assert isinstance(value, torch.Tensor)
+        args[name] = value.to_sparse()
+    with pytest.raises(SnapmlaError, match=re.escape(f"{name}: expected a regular (strided) tensor, got layout sparse")):
+        decode_fp8(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_decode_names_a_nested_query(problem: DecodeProblem) -> None:
+    args = _decode_args(problem)
+    nested = torch.nested.nested_tensor([torch.randn(3, 576), torch.randn(2, 576)]).to(torch.bfloat16)
+    args["q"] = nested
+    args["k_cache"] = problem.bf16_cache()
+    with pytest.raises(SnapmlaError, match=re.escape("q: expected a regular (strided) tensor, got a nested tensor")):
+        decode_bf16(**args)  # type: ignore[arg-type]
+
+
+def test_the_checks_switch_names_a_misshapen_q_before_the_table(problem: DecodeProblem) -> None:
+    """With the switch on, the table check reads q's batch: it must come after q's own shape
+    check, or a 3-d q is reported as a wrong block table (and a 0-d scale as an IndexError)."""
+    args = _decode_args(problem)
+    q = args["q"]
+    assert isinstance(q, QuantizedRows)
+    was = GPU_CHECKS.on
+    set_gpu_checks(True)
+    try:
+        with pytest.raises(SnapmlaError, match=re.escape("q.scale: expected [b, s_q, h_q], got []")):
+            decode_fp8(**{**args, "q": replace(q, scale=q.scale[0, 0, 0])})  # type: ignore[arg-type]
+        with pytest.raises(SnapmlaError, match=re.escape("q: expected [b, s_q, h_q, 576], got [2, 3, 576]")):
+            decode_bf16(**{**args, "q": problem.q[0], "k_cache": problem.bf16_cache()})  # type: ignore[arg-type]
+    finally:
+        set_gpu_checks(was)

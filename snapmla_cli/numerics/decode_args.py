@@ -122,9 +122,13 @@ def require_readable(name: str, t: torch.Tensor) -> None:
 
 
 def require_strided(name: str, t: torch.Tensor) -> None:
-    """A plain strided tensor: a nested one has no single shape or storage to index."""
+    """A plain strided tensor: a nested one has no single shape, a sparse one no dense storage to
+    index (torch raises a RuntimeError at its first ``data_ptr``)."""
     if t.is_nested:
         raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got a nested tensor")
+    if t.layout is not torch.strided:
+        raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got layout "
+                           f"{str(t.layout).removeprefix('torch.')}")
 
 
 def require_finite(message: str, *parts: torch.Tensor) -> None:
@@ -137,3 +141,12 @@ def require_finite(message: str, *parts: torch.Tensor) -> None:
 def check_finite_keys(name: str, request: int, *parts: torch.Tensor) -> None:
     """The keys a request reads must be finite: NaN or inf there is a corrupt cache, not data."""
     require_finite(f"{name}: request {request} reads non-finite values in its keys", *parts)
+
+
+def check_key_scales(name: str, request: int, scales: torch.Tensor) -> None:
+    """The FP8 token scales a request reads must be positive (SPEC section 3: at least 2^-32): a
+    zero or negative scale is a corrupt cache, which would otherwise decode to plausible numbers."""
+    if scales.numel() and not bool((scales > 0).all()):
+        token = int((scales <= 0).nonzero()[0, 0])
+        raise SnapmlaError(f"{name}: request {request} reads token {token} with scale {float(scales[token])} "
+                           f"(expected positive scales, at least 2^-32, SPEC section 3)")

@@ -35,6 +35,8 @@ def decode_reference(
         got = f"{tuple(q.shape)} {q.dtype}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
     require_finite("q: expected finite values, found NaN or inf", q)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise SnapmlaError(f"dtype: expected a torch floating-point dtype (float64 or float32), got {dtype!r}")
     b, s_q, h_q, d = q.shape
     kv_cache, softmax_scale, causal, seqlens = checked_paged_decode(
         "kv_cache", kv_cache, D_QK, (torch.bfloat16, torch.float16, torch.float32, torch.float64),

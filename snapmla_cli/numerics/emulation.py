@@ -18,7 +18,14 @@ import torch
 
 from ..cache.layout import gather_from_pages, unpack_tokens
 from ..errors import SnapmlaError
-from .decode_args import check_finite_keys, checked_paged_decode, require_finite, require_readable
+from .decode_args import (
+    check_finite_keys,
+    check_key_scales,
+    checked_paged_decode,
+    is_integer,
+    require_finite,
+    require_readable,
+)
 from .formats import (
     D_CONTENT,
     D_ROPE,
@@ -126,8 +133,9 @@ def emulate_fp8_decode(
         "fp8_cache", fp8_cache, FP8_TOKEN_BYTES, (torch.uint8, FP8_DTYPE), block_table, cache_seqlens, b,
         softmax_scale, causal)
     fp8_cache = fp8_cache.view(torch.uint8)  # the token bytes, whichever view was given
-    if split_bounds is not None and len(split_bounds) != b:
-        raise SnapmlaError(f"split_bounds: expected one list of bounds per request ({b}), got {len(split_bounds)}")
+    if split_bounds is not None and (not isinstance(split_bounds, (list, tuple)) or len(split_bounds) != b):
+        got = len(split_bounds) if isinstance(split_bounds, (list, tuple)) else type(split_bounds).__name__
+        raise SnapmlaError(f"split_bounds: expected one list of bounds per request ({b}), got {got}")
     device = q.scale.device
     out = torch.zeros(b, s_q, h_q, D_V, dtype=torch.float64, device=device)
     lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64, device=device)
@@ -137,9 +145,12 @@ def emulate_fp8_decode(
         keys = unpack_tokens(gather_from_pages(fp8_cache, block_table[i], n))
         k_c, k_s, k_r = keys.content.float(), keys.scale.float(), keys.rope.float()
         check_finite_keys("fp8_cache", i, k_c, k_s, k_r)
+        check_key_scales("fp8_cache", i, k_s)
+        if s_q * h_q == 0:
+            continue  # no query rows: empty outputs, as the reference gives (the keys were checked)
         q_c = as_e4m3(q.content[i]).reshape(s_q * h_q, D_CONTENT).float()
         q_s = q.scale[i].reshape(s_q * h_q).float()
-        q_r = q.rope[i].reshape(s_q * h_q, -1).float()
+        q_r = q.rope[i].reshape(s_q * h_q, D_ROPE).float()
         visible = visible_counts(n, s_q, causal, device).repeat_interleave(h_q)
         bounds = split_bounds[i] if split_bounds is not None else [0, n]
         _check_bounds(bounds, n)
@@ -160,10 +171,12 @@ def emulate_fp8_decode(
     return out, lse
 
 
-def _check_bounds(bounds: list[int], n: int) -> None:
-    ok = len(bounds) >= 2 and bounds[0] == 0 and bounds[-1] == n and all(
-        a < z and a % P_BLOCK_TOKENS == 0 for a, z in itertools.pairwise(bounds)
-    )
+def _check_bounds(bounds: object, n: int) -> None:
+    """One request's split bounds: whole numbers (a float or None would fail as a slice index, far
+    from the argument) from 0 to ``n``, increasing, each split starting on a P block."""
+    ok = isinstance(bounds, (list, tuple)) and all(is_integer(x) for x in bounds) and len(bounds) >= 2 and (
+        bounds[0] == 0 and bounds[-1] == n
+        and all(a < z and a % P_BLOCK_TOKENS == 0 for a, z in itertools.pairwise(bounds)))
     if not ok:
         raise SnapmlaError(f"split_bounds {bounds}: expected 0 to {n} in increasing multiples of {P_BLOCK_TOKENS}")
 

@@ -14,15 +14,25 @@ anyway, so it knows the context), and travels with the metadata tensor to the de
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import weakref
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 import torch
 
 from ..errors import NoGpuError, SnapmlaError
-from ..numerics.decode_args import checked_flag, checked_lengths, checked_softmax_scale, is_integer
+from ..numerics.decode_args import (
+    checked_flag,
+    checked_lengths,
+    checked_softmax_scale,
+    is_integer,
+    require_strided,
+)
 from ..numerics.formats import (
     D_QK,
     D_V,
@@ -376,6 +386,53 @@ def _tensor_args(**named: object) -> None:
             raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
 
 
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def _tensor_parts(name: str, value: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors an argument holds, by the names the errors use (``q.content`` ...)."""
+    if isinstance(value, QuantizedRows):
+        for part in ("content", "scale", "rope"):
+            yield from _tensor_parts(f"{name}.{part}", getattr(value, part))
+    elif isinstance(value, torch.Tensor):
+        yield name, value
+
+
+def _require_strided_args(arguments: Mapping[str, object]) -> None:
+    """Each tensor among ``arguments`` (a ``QuantizedRows``' parts too) a plain strided one."""
+    for name, value in arguments.items():
+        for part_name, part in _tensor_parts(name, value):
+            require_strided(part_name, part)
+
+
+def _require_strided_call(q: object, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                          metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
+                          lse: torch.Tensor | None) -> None:
+    """A first call's layouts, checked before anything else reads them (a replay's key already
+    read them, so there a nested or sparse tensor meets torch's error and the wrapper below)."""
+    _require_strided_args({"q": q, "k_cache": k_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
+                           "tile_scheduler_metadata": metadata, "num_splits": num_splits, "out": out, "lse": lse})
+
+
+def _strided_args_named(call: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
+    """A nested or sparse tensor has no shape or no storage, and the call's first read of it
+    (the plan key, a data pointer) raises torch's RuntimeError. The layouts are checked only
+    then, so that a valid call pays nothing on the hot path and an invalid one hears which
+    argument it was, in one line."""
+    parameters = inspect.signature(call)
+
+    @functools.wraps(call)
+    def checked(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
+        try:
+            return call(*args, **kwargs)
+        except RuntimeError:
+            _require_strided_args(parameters.bind_partial(*args, **kwargs).arguments)
+            raise
+
+    return checked
+
+
 def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, batch: int,
                        k_cache: torch.Tensor) -> None:
     """The checks switch's block-table check: no length beyond its table row, every page a request
@@ -395,6 +452,7 @@ def _check_quantized_finite(q: QuantizedRows) -> None:
                        for name, t in parts if isinstance(t, torch.Tensor)))  # (others fail below)
 
 
+@_strided_args_named
 def decode_fp8(
     q: QuantizedRows,
     k_cache: torch.Tensor,
@@ -421,12 +479,14 @@ def decode_fp8(
                      num_splits, softmax_scale, causal, config, out, lse)
     if GPU_CHECKS.on:
         _check_quantized_finite(q)
-        _check_table_reads(block_table, cache_seqlens, q.scale.shape[0], k_cache)
     plan = find_plan(key, tile_scheduler_metadata, config)
-    if plan is not None:
+    if plan is not None:  # (the key fixes the shapes, which an earlier call of it checked)
+        if GPU_CHECKS.on:
+            _check_table_reads(block_table, cache_seqlens, q.scale.shape[0], k_cache)
         return _replay(plan, (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)),
                        tuple(q.scale.shape), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                        num_splits, out, lse)
+    _require_strided_call(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, out, lse)
     if q.scale.dim() != 3:
         raise SnapmlaError(f"q.scale: expected [b, s_q, h_q], got {list(q.scale.shape)}")
     b, s_q, h_q = q.scale.shape
@@ -436,6 +496,8 @@ def decode_fp8(
     _check(q.scale, "q.scale", torch.float32, (b, s_q, h_q), device)
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
     cache = _fp8_cache_rows(k_cache)
+    if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
+        _check_table_reads(block_table, cache_seqlens, b, cache)
     _require_cuda(cache, "k_cache", device)
     cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
     require_arch(fp8_kernel(cfg)[0], device.index)  # before the tensor maps, which are Hopper's too
@@ -448,6 +510,7 @@ def decode_fp8(
                             softmax_scale, causal, cfg, out, lse, config, key)
 
 
+@_strided_args_named
 def decode_bf16(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -469,13 +532,13 @@ def decode_bf16(
     key = _signature((q,), k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                      softmax_scale, causal, config, out, lse)
     plan = find_plan(key, tile_scheduler_metadata, config)
-    if GPU_CHECKS.on:
-        _check_table_reads(block_table, cache_seqlens, q.shape[0], k_cache)
-    if plan is not None:
+    if plan is not None:  # (the key fixes the shapes, which an earlier call of it checked)
         if GPU_CHECKS.on:
+            _check_table_reads(block_table, cache_seqlens, q.shape[0], k_cache)
             check_finite("q", q)
         return _replay(plan, (("q", q),), tuple(q.shape[:3]), k_cache, block_table, cache_seqlens,
                        tile_scheduler_metadata, num_splits, out, lse)
+    _require_strided_call(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, out, lse)
     if q.dim() != 4:
         raise SnapmlaError(f"q: expected [b, s_q, h_q, {D_QK}], got {list(q.shape)}")
     b, s_q, h_q, _ = q.shape
@@ -485,6 +548,8 @@ def decode_bf16(
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
+    if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
+        _check_table_reads(block_table, cache_seqlens, b, k_cache)
     cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,
                             s_q)
     require_arch(bf16_kernel(cfg)[0], device.index)

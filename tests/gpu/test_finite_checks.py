@@ -144,6 +144,23 @@ def test_checks_refuse_a_block_table_that_does_not_cover_the_lengths() -> None:
         outside[1, 0] = cache.shape[0]
         with pytest.raises(SnapmlaError, match=r"^block_table\[1, 0\]: expected a block index"):
             flash_mla_with_kvcache(q, cache, outside, seqlens, 512, m, s, prob.softmax_scale, True)
+        # another softmax scale is another signature: its first call (no plan yet) checks too
+        with pytest.raises(SnapmlaError, match=r"^block_table\[1, 0\]: expected a block index"):
+            flash_mla_with_kvcache(q, cache, outside, seqlens, 512, m, s, prob.softmax_scale / 2, True)
+
+
+@pytest.mark.usefixtures("checks_on")
+def test_checks_name_a_misshapen_q_not_the_table() -> None:
+    """The table check reads q's batch, so it runs after q's shape check (first calls)."""
+    prob, table, seqlens, (meta, splits), (meta16, splits16) = _problem()
+    q = prob.q.to(DEV)
+    with pytest.raises(SnapmlaError, match=r"^q: expected \[b, s_q, h_q, 576\]"):
+        flash_mla_with_kvcache(q[0], prob.bf16_cache().to(DEV), table, seqlens, 512, meta16, splits16,
+                               prob.softmax_scale, True)
+    rows = quantize_q(q)
+    flat = type(rows)(rows.content, rows.scale[0, 0, 0], rows.rope)
+    with pytest.raises(SnapmlaError, match=r"^q.scale: expected \[b, s_q, h_q\]"):
+        decode_fp8(flat, prob.fp8_cache().to(DEV), table, seqlens, meta, splits, prob.softmax_scale, True)
 
 
 def test_fetch_dequant_refuses_a_bad_table_under_the_switch(checks_on: None) -> None:
