@@ -711,6 +711,24 @@ def test_batch_is_rounded_to_the_nearest_sixteenth_octave(isolated_db: tuple[pat
     assert get(rows=128, fp8=True, device=cuda0(), batch=58, context=16384) == low
 
 
+def test_rounding_never_moves_a_value_across_a_range_end(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """Adjacent ranges: a value just inside one (batch 65, context 16,385-16,700: within 1/32
+    octave of the other range's end) is answered by its own range's entry, and the memo keeps
+    the two sides apart."""
+    user, _ = isolated_db
+    low, high = alt_config(2), alt_config(3)
+    save_entries(user, GPU, [entry(batch=(1, 64), context=(1, 16384), cfg=low),
+                             entry(batch=(65, 128), context=(1, 16384), cfg=high),
+                             entry(batch=(1, 64), context=(16385, 32768), cfg=high)])
+    get = lookup.lookup_decode_config
+    assert get(rows=128, fp8=True, device=cuda0(), batch=64, context=16384) == low
+    assert get(rows=128, fp8=True, device=cuda0(), batch=65, context=16384) == high
+    assert get(rows=128, fp8=True, device=cuda0(), batch=63, context=16384) == low
+    for context in (16385, 16500, 16700):
+        assert get(rows=128, fp8=True, device=cuda0(), batch=64, context=context) == high
+    assert get(rows=128, fp8=True, device=cuda0(), batch=64, context=16300) == low
+
+
 def test_user_dir_wins_and_env_override(isolated_db, monkeypatch, tmp_path):
     user, shipped = isolated_db
     save_entries(shipped, GPU, [entry(cfg=alt_config(2))])
@@ -795,6 +813,14 @@ def test_describe_marks_the_entries_a_resumed_tune_would_retime(isolated_db, mon
     assert tdb.Entry.from_dict(whole) == current  # the stored fields, not a summary of them
     monkeypatch.setenv("SNAPMLA_KERNEL_DIR", str(tmp_path / "no-kernels"))  # nothing to compare with
     assert not any("stale" in line for line in describe_database([facts]))
+    # a stale shipped entry under a user entry of its bucket: a plain --stale will not re-time it
+    monkeypatch.delenv("SNAPMLA_KERNEL_DIR")
+    _, shipped = isolated_db
+    save_entries(shipped, GPU, [replace(current, kernels="0123456789abcdef")])
+    shadowing = describe_database([facts])
+    assert "3 of 4 entries are stale" in shadowing[-2]
+    assert shadowing[-1].startswith("  1 of the stale entries are shadowed") and "--db-dir" in shadowing[-1]
+    assert not any("shadowed" in line for line in lines)
 
 
 def test_the_kernel_stamp_is_none_without_readable_sources(monkeypatch, tmp_path):
@@ -1289,6 +1315,23 @@ def test_a_default_that_fails_the_gate_is_still_timed_and_a_zero_time_is_refused
     assert not zero_m.ok and zero_m.time_s is None and "timing returned 0.0" in zero_m.detail
 
 
+@pytest.mark.parametrize("confirm_rounds", [0, 3])
+def test_a_default_that_fails_the_gate_is_never_the_stored_entry(confirm_rounds: int) -> None:
+    """The failed default is the fastest, and every correct candidate is within the tie margin
+    of it: the tie rule must not hand the bucket to the default, which the nearest-bucket lookup
+    would then serve to neighbouring shapes too."""
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    default_cid = fake.ids[0]
+    fake.wrong = {default_cid}
+    fake.times = {cid: 1e-3 * (1.0 + 0.001 * (cid != default_cid) + 1e-6 * i)
+                  for i, cid in enumerate(fake.times)}
+    result = Tuner(fake, Budget(count=1000), INFO, confirm_rounds=confirm_rounds).tune(space)
+    assert not result.default.ok
+    assert result.best is not None and result.best.ok and result.best.cid != default_cid
+    assert result.entry is not None and result.entry.config != tdb.strip_sms(space.default)
+
+
 @pytest.mark.parametrize(("edit", "needle"), [
     (lambda d, b: d["buckets"][b]["results"].update(x={"status": "ok", "time_s": float("nan")}), "time_s nan"),
     (lambda d, b: d["buckets"][b]["results"].update(x={"status": "ok", "time_s": 0}), "time_s 0"),
@@ -1458,6 +1501,7 @@ def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isol
     shadows the shipped one of the same bucket), re-times them into the folder, and each new entry
     records the command that names its bucket; a bucket option next to it is refused, and a run
     with nothing stale says so and measures nothing. The measurer is FakeMeasurer on the CPU."""
+    from snapmla_cli.cli import tune as tune_cli
     from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
     from snapmla_cli.tuning import measure
 
@@ -1493,6 +1537,13 @@ def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isol
     save_entries(user, GPU, [stored(shadowed, kernels)])  # current, and the lookup takes it first
     assert lookup.stale_buckets(GPU, ["fp8", "bf16"]) == [(bucket, "other kernel sources")]
     assert lookup.stale_buckets(GPU, ["bf16"]) == []
+    # written to another folder than the user's (--db-dir tuning_db refreshes the shipped file),
+    # --stale re-times that folder's own stale entries, shadowed by the user's or not
+    assert tune_cli._stale_source(user) is None and tune_cli._stale_source(shipped) == shipped
+    assert lookup.stale_buckets(GPU, ["fp8"], shipped) == [(bucket, "other kernel sources"),
+                                                           (shadowed, "other kernel sources")]
+    assert lookup.stale_buckets(GPU, ["fp8"], user) == []
+    assert lookup.stale_buckets(GPU, ["fp8"], user / "absent") == []
 
     refused = CliRunner().invoke(tiny_app(), ["--stale", "--heads", "64"])
     assert refused.exit_code == 2
@@ -1761,3 +1812,17 @@ def test_list_gpus_reads_nvml_and_matches_torch_sm_counts_by_uuid(monkeypatch: p
     assert gpu_facts.nvml_uuid(SimpleNamespace()) is None
     count["n"] = 0
     assert gpu_facts.list_gpus() == gpu_facts.GpuListing([], "NVML reports no GPU")
+
+
+def test_the_recorded_command_pastes_back_into_a_shell(monkeypatch, tmp_path):
+    """An entry's command is for reproducing it: `--ctx "16k, 32k"` stays one argument."""
+    import shlex
+
+    from snapmla_cli.cli import tune as tune_cli
+
+    seen: list[str] = []
+    monkeypatch.setattr(tune_cli, "_run", lambda *args: seen.append(args[6]))
+    tune_cli._tune(tune_cli.BucketOptions("64", "2", "64", "16k, 32k", "fp8"), "8s", False, True, tmp_path,
+                   False, False)
+    assert shlex.split(seen[0]) == ["snapmla", "tune", "--heads", "64", "--mtp", "2", "--batch", "64",
+                                    "--ctx", "16k, 32k", "--format", "fp8", "--budget", "8s"]

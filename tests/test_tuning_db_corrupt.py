@@ -101,6 +101,12 @@ MALFORMED = [
     ("default stages .inf", setter("default_config", "stages", value=float("inf")),
      "default_config: stages"),
     ("format fp16", setter("bucket", "format", value="fp16"), "bucket: format 'fp16' is not fp8 or bf16"),
+    # a structure in a text field: str() of it could recurse thousands deep or expand an alias bomb
+    ("command list", setter("command", value=[["snapmla"]]), "command: expected text, got a list"),
+    ("date mapping", setter("date", value={"y": 2026}), "date: expected text, got a dict"),
+    ("kernels list", setter("kernels", value=["abc"]), "kernels: expected text"),
+    # a bucket dimension of a newer snapmla would widen the bucket if it were ignored
+    ("bucket dimension", setter("bucket", "page_size", value=64), "bucket: unknown dimension(s) page_size"),
 ]
 
 
@@ -399,3 +405,63 @@ def test_find_entry_wants_exactly_this_gpu_driver_included(isolated_db):
     save_entries(user, older, [make_entry(BAD)])
     assert find_entry(user, older, BAD) == make_entry(BAD)
     assert find_entry(user, GPU, BAD) is None
+
+
+def test_a_deep_structure_or_an_alias_bomb_in_a_text_field_is_refused(isolated_db):
+    """A structure where text belongs is refused, its entry skipped by name: str() of it was
+    taken outside the loader's handling, where a few thousand nested brackets (which libyaml
+    parses) raised RecursionError and an alias repeated a billion times filled the memory
+    (here a million, which str() would still have expanded)."""
+    user, _ = isolated_db
+    path = write_db(user, lambda entry: None)
+    plain = path.read_text()
+    path.write_text(plain.replace("command: snapmla tune", "command: " + "[" * 500 + "]" * 500, 1))
+    assert "entries[0]: command: expected text, got a list" in load_file(path).problems[0]
+    anchors = "".join(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}" if i else "x"] * 10) + "]\n" for i in range(7))
+    path.write_text(anchors + plain.replace("command: snapmla tune", "command: *a6", 1))
+    loaded = load_file(path)
+    assert "entries[0]: command: expected text, got a list" in loaded.problems[0]
+    assert [e.bucket for e in loaded.sections[0].entries] == [GOOD]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="no fifos here")
+def test_a_fifo_in_the_database_folder_is_refused_not_read(isolated_db):
+    """A read of a fifo blocks until a writer comes: `snapmla info` and `snapmla tune` hung.
+    The file is refused as not a regular file; the lookup warns once and goes on."""
+    import os
+
+    user, shipped = isolated_db
+    os.mkfifo(user / DB_NAME)
+    with pytest.raises(DbError, match="not a regular file"):
+        load_file(user / DB_NAME)
+    with pytest.raises(SnapmlaError, match="not a regular file; not overwriting"):
+        save_entries(user, GPU, [make_entry(GOOD)])
+    save_entries(shipped, GPU, [make_entry(GOOD)])
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), context=65536) \
+            == heuristic_config(128)
+    assert find_entry(user, GPU, GOOD) is None
+
+
+@pytest.mark.parametrize("where", ["entry", "gpu", "section", "file"])
+def test_a_merge_does_not_drop_fields_it_does_not_know(isolated_db, where):
+    """A newer snapmla's field (or a hand edit's) is read past by the lookup, but a rewrite of
+    the file would lose it: refused without --force, naming the field."""
+    user, _ = isolated_db
+    path, _ = save_entries(user, GPU, [make_entry(BAD)])
+    data = yaml.safe_load(path.read_text())
+    target = {"entry": data["devices"][0]["entries"][0], "gpu": data["devices"][0]["gpu"],
+              "section": data["devices"][0], "file": data}[where]
+    target["note"] = "kept by hand"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    loaded = load_file(path)
+    assert not loaded.problems and len(loaded.unknown) == 1 and loaded.unknown[0].endswith("note")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the lookup reads the entry as it is
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == heuristic_config(128)
+    before = path.read_text()
+    with pytest.raises(SnapmlaError, match=r"1 field this snapmla does not know \(.*note: .*not overwriting"):
+        save_entries(user, GPU, [make_entry(GOOD)])
+    assert path.read_text() == before
+    save_entries(user, GPU, [make_entry(GOOD)], force=True)
+    assert "note" not in path.read_text()

@@ -4,6 +4,7 @@ the winners in the tuning database (SPEC section 9; docs/DESIGN.md, "Tuning").""
 from __future__ import annotations
 
 import functools
+import shlex
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -102,8 +103,8 @@ def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_d
     limit = parse_budget(budget)
     folder, origin = _database_folder(db_dir)
     if stale:
-        buckets, commands = _stale_buckets(options, budget)
-        command = f"snapmla tune --stale --budget {budget}"
+        buckets, commands = _stale_buckets(options, budget, _stale_source(folder))
+        command = shlex.join(["snapmla", "tune", "--stale", "--budget", budget])
         if not buckets:
             return
     else:
@@ -113,17 +114,19 @@ def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_d
                                parse_ranges(batch, "--batch", MAX_TUNE_BATCH), parse_ranges(ctx, "--ctx"),
                                parse_formats(fmt))
         commands = {}
-        command = (f"snapmla tune --heads {heads} --mtp {mtp} --batch {batch} --ctx {ctx} "
-                   f"--format {fmt} --budget {budget}")
+        # (quoted: the entry's command must paste back into a shell, `--ctx "16k, 32k"` too)
+        command = shlex.join(["snapmla", "tune", "--heads", heads, "--mtp", mtp, "--batch", batch, "--ctx", ctx,
+                              "--format", fmt, "--budget", budget])
     if dry_run:
         _dry_run(buckets, limit, folder)
     else:
         _run(buckets, limit, folder, origin, resume, force, command, commands)
 
 
-def _stale_buckets(options: BucketOptions, budget: str) -> tuple[list[Bucket], dict[str, str]]:
+def _stale_buckets(options: BucketOptions, budget: str, folder: Path | None) -> tuple[list[Bucket], dict[str, str]]:
     """--stale: the buckets of this GPU's stale entries (the user's database, then the shipped
-    one, as the lookup reads them) in the formats asked for, and per bucket the command that
+    one, as the lookup reads them; given a ``folder``, that folder's alone: :func:`_stale_source`)
+    in the formats asked for, and per bucket the command that
     names it (stored in its new entry, so that the entry says how to reproduce it). None stale
     is not an error: it says so, and the run stops there."""
     import torch
@@ -136,10 +139,24 @@ def _stale_buckets(options: BucketOptions, budget: str) -> tuple[list[Bucket], d
     if not torch.cuda.is_available():
         raise NoGpuError("--stale: no CUDA GPU here, and which entries are stale depends on the GPU")
     gpu = device_gpu_key(torch.cuda.current_device())
-    found = stale_buckets(gpu, parse_formats(options.fmt or "both"))
+    found = stale_buckets(gpu, parse_formats(options.fmt or "both"), folder)
     if not found:
-        console().print(f"no stale tuning entry applies to {gpu.label()}: nothing to re-time")
+        where = "" if folder is None else f" in {folder}"
+        console().print(f"no stale tuning entry{where} applies to {gpu.label()}: nothing to re-time")
     return [b for b, _ in found], {b.id: bucket_command(b, budget) for b, _ in found}
+
+
+def _stale_source(folder: Path) -> Path | None:
+    """Where --stale finds its stale entries when it writes to ``folder``: the lookup's order
+    (None: the user's folder, then the shipped one) when ``folder`` is the user's, whose new
+    entries shadow the shipped ones; else ``folder``'s own entries (``--db-dir tuning_db``
+    refreshes the shipped file, which entries of the user's folder have nothing to do with)."""
+    from ..tuning.db import user_dir
+
+    try:
+        return None if folder.resolve() == user_dir().resolve() else folder
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        return folder
 
 
 def _database_folder(db_dir: Path | None) -> tuple[Path, str]:

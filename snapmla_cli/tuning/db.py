@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import errno
 import math
 import os
@@ -325,13 +326,26 @@ class Entry:
             bucket=bucket, config=config,
             time_us=read_positive_number(data.get("time_us"), "time_us"),
             default_time_us=read_positive_number(data.get("default_time_us"), "default_time_us"),
-            date=str(data.get("date", "")), snapmla_version=str(data.get("snapmla_version", "")),
-            command=str(data.get("command", "")),
+            date=_text(data.get("date"), "date"), snapmla_version=_text(data.get("snapmla_version"), "snapmla_version"),
+            command=_text(data.get("command"), "command"),
             default_config=None if default is None else config_from_dict(default, "default_config"),
-            kernels=str(data.get("kernels", "") or ""),
+            kernels=_text(data.get("kernels"), "kernels"),
             timed_at=_timed_at(data.get("timed_at")),
             candidates=0 if candidates is None else read_int(candidates, "candidates", lo=0),
         )
+
+
+def _text(value: object, name: str) -> str:
+    """A descriptive field (date, version, command, kernel hash): a YAML scalar as text, missing
+    as empty. A list or mapping is refused rather than turned into text: ``str`` of a structure
+    thousands deep, or of an alias repeated a billion times, would recurse or fill the memory."""
+    if value is None:
+        return ""
+    if isinstance(value, (str, datetime.date)):  # (an unquoted date is a date to YAML)
+        return str(value)
+    if isinstance(value, (int, float)):  # (cut short: str() of an int past Python's digit limit raises)
+        return show(value)
+    raise DbError(f"{name}: expected text, got a {type(value).__name__}")
 
 
 def _timed_at(value: object) -> dict[str, int]:
@@ -352,11 +366,29 @@ class DeviceSection:
 
 @dataclass
 class LoadedFile:
-    """A parsed file; ``problems`` lists the entries skipped as malformed."""
+    """A parsed file; ``problems`` lists the entries skipped as malformed, ``unknown`` the fields
+    that were read past (``devices[0].entries[3].note``: a hand edit, or a newer snapmla's field),
+    which a lookup may ignore but a rewrite of the file would drop."""
 
     path: Path
     sections: list[DeviceSection]
     problems: list[str]
+    unknown: list[str] = field(default_factory=list)
+
+
+# the fields each level of a file has (what dump_text writes); others are reported, not read
+FILE_KEYS = ("format", "version", "devices")
+SECTION_KEYS = ("gpu", "entries")
+GPU_KEYS = ("name", "sm_count", "compute_capability", "cuda_driver_major")
+ENTRY_KEYS = ("bucket", "config", "time_us", "default_time_us", "speedup", "default_config", "timed_at",
+              "candidates", "date", "snapmla_version", "kernels", "command")
+
+
+def _unknown_keys(where: str, data: object, known: tuple[str, ...]) -> list[str]:
+    """``where.key`` for each key of the mapping ``data`` outside ``known``."""
+    if not isinstance(data, dict):
+        return []
+    return [f"{where}{shorten(str(key), 40)}" for key in data if key not in known]
 
 
 # PyYAML's libyaml loader (CSafeLoader) parses the H200's file of 208 entries in 0.08 s where the
@@ -403,14 +435,17 @@ def parse_text(text: str, path: Path) -> LoadedFile:
     if not isinstance(data, dict) or data.get("format") != FORMAT_TAG:
         raise DbError(f"{path}: not a snapmla tuning database (expected 'format: {FORMAT_TAG}')")
     if data.get("version") != VERSION:
-        raise DbError(f"{path}: database version {data.get('version')!r}, this snapmla reads "
+        raise DbError(f"{path}: database version {show(data.get('version'))}, this snapmla reads "
                       f"version {VERSION}")
     devices = data.get("devices") or []
     if not isinstance(devices, list):
         raise DbError(f"{path}: 'devices' must be a list")
     sections: list[DeviceSection] = []
     problems: list[str] = []
+    unknown = _unknown_keys("", data, FILE_KEYS)
     for i, dev in enumerate(devices):
+        unknown += _unknown_keys(f"devices[{i}].", dev, SECTION_KEYS)
+        unknown += _unknown_keys(f"devices[{i}].gpu.", dev.get("gpu") if isinstance(dev, dict) else None, GPU_KEYS)
         try:
             gpu = GpuKey.from_dict(dev.get("gpu") if isinstance(dev, dict) else None)
         except DbError as exc:
@@ -422,17 +457,21 @@ def parse_text(text: str, path: Path) -> LoadedFile:
             problems.append(f"devices[{i}].entries: expected a list")
             raw_entries = []
         for j, raw in enumerate(raw_entries):
+            unknown += _unknown_keys(f"devices[{i}].entries[{j}].", raw, ENTRY_KEYS)
             try:
                 entries.append(Entry.from_dict(raw))
             except DbError as exc:
                 problems.append(f"devices[{i}].entries[{j}]: {exc}")
         sections.append(DeviceSection(gpu, entries))
-    return LoadedFile(path, sections, problems)
+    return LoadedFile(path, sections, problems, unknown)
 
 
 def load_file(path: Path) -> LoadedFile:
-    """Read and parse ``path``; :class:`DbError` if it cannot be read or is not a database."""
+    """Read and parse ``path``; :class:`DbError` if it cannot be read or is not a database. Only
+    a regular file is read: a fifo would block the read forever and ``/dev/zero`` never end."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            raise DbError(f"{path}: not a regular file")
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DbError(f"{path}: cannot read ({type(exc).__name__}: {exc})") from None
@@ -560,6 +599,11 @@ def sections_to_merge(path: Path, force: bool = False) -> list[DeviceSection]:
         n = len(loaded.problems)
         raise SnapmlaError(f"{path}: {counted(n, 'malformed entry', 'malformed entries')} "
                            f"({loaded.problems[0]}); not overwriting it, which would drop "
+                           f"{'it' if n == 1 else 'them'} (fix the file or pass --force)")
+    if loaded.unknown and not force:
+        n = len(loaded.unknown)
+        raise SnapmlaError(f"{path}: {counted(n, 'field')} this snapmla does not know ({loaded.unknown[0]}: "
+                           f"a newer snapmla's, or a hand edit); not overwriting it, which would drop "
                            f"{'it' if n == 1 else 'them'} (fix the file or pass --force)")
     return loaded.sections
 

@@ -23,16 +23,18 @@ another, then the configuration shared by most tied entries wins (e.g. a context
 context buckets takes the config most of them chose), then the first bucket in sort order.
 A config whose row groups exceed what the query's rows need is narrowed to fit. Batch and
 context are rounded to 1/16 of an octave (~4%) first, so that the answer is memoised even while
-the context grows by one token per decode step.
+the context grows by one token per decode step; the rounding never moves a value across the end
+of an entry's range (a context of 16,385 stays outside a range ending at 16,384).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import warnings
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,15 @@ class _DeviceState:
     gpu: GpuKey | None
     located: list[Located]
     memo: dict[tuple[Any, ...], DecodeConfig | None]
+    # where a batch / context enters or leaves some entry's range (a range [lo, hi] gives lo and
+    # hi + 1), sorted: a rounded query stays on its side of each of them (_QueryValue)
+    batch_edges: list[int] = field(default_factory=list)
+    context_edges: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name, edges in (("batch", self.batch_edges), ("context", self.context_edges)):
+            ranges = [getattr(loc.entry.bucket, name) for loc in self.located]
+            edges[:] = sorted({lo for lo, _ in ranges} | {hi + 1 for _, hi in ranges})
 
 
 _STATE: dict[int, _DeviceState] = {}  # by CUDA device index
@@ -115,8 +126,8 @@ def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Loc
                 _warn_once(str(folder), f"snapmla tuning database folder {folder} ({origin}) ignored: {note}")
             continue
         path = folder / db_filename(gpu_name)
-        try:
-            exists = path.is_file()
+        try:  # (a fifo or a folder of the file's name is there: load_file refuses it, with a warning)
+            exists = path.exists()
         except OSError:
             exists = False
         if not exists:
@@ -263,13 +274,27 @@ def adapt_config(cfg: DecodeConfig, rows: int, fmt: str) -> DecodeConfig | None:
     return None if config_problem(cfg, fmt, rows) else cfg
 
 
-def _memo_value(x: float | None) -> int | None:
-    """A batch or context in 1/16-octave steps (the memo key, and what is looked up)."""
-    return None if x is None else round(math.log2(max(float(x), 1.0)) * 16)
+def _memo_value(x: float | None, edges: list[int]) -> tuple[int, int] | None:
+    """A batch or context as its memo key: (1/16-octave step, which of the ``edges`` it lies
+    between). The step lets the answer be memoised while the context grows by a token a decode
+    step; the edge index keeps a value just inside a range from being rounded out of it."""
+    if x is None:
+        return None
+    x = max(float(x), 1.0)
+    return round(math.log2(x) * 16), bisect.bisect_right(edges, x)
 
 
-def _from_memo(k: int | None) -> float | None:
-    return None if k is None else 2.0 ** (k / 16)
+def _from_memo(key: tuple[int, int] | None, edges: list[int]) -> float | None:
+    """What is looked up for a memo key: its step's value, kept between its two edges."""
+    if key is None:
+        return None
+    step, cell = key
+    value = 2.0 ** (step / 16)
+    if cell > 0:
+        value = max(value, float(edges[cell - 1]))
+    if cell < len(edges):
+        value = min(value, float(edges[cell] - 1))
+    return value
 
 
 def lookup_decode_config(rows: int, fp8: bool, device: Any, batch: int | None = None,
@@ -282,13 +307,14 @@ def lookup_decode_config(rows: int, fp8: bool, device: Any, batch: int | None = 
         state = _state_for(device)
         if state is None or not state.located:
             return None
-        kb, kc = _memo_value(batch), _memo_value(context)
+        kb, kc = _memo_value(batch, state.batch_edges), _memo_value(context, state.context_edges)
         key = (rows, bool(fp8), kb, kc, s_q)
         hit = state.memo.get(key, _MISS)
         if hit is not _MISS:
             return hit  # type: ignore[return-value]
         fmt = "fp8" if fp8 else "bf16"
-        loc = select_entry(state.located, rows, fmt, _from_memo(kb), _from_memo(kc), state.gpu, s_q)
+        loc = select_entry(state.located, rows, fmt, _from_memo(kb, state.batch_edges),
+                           _from_memo(kc, state.context_edges), state.gpu, s_q)
         cfg = None if loc is None else adapt_config(loc.entry.config, rows, fmt)
         if len(state.memo) >= _MEMO_LIMIT:
             state.memo.clear()
@@ -358,17 +384,18 @@ def _today_default(bucket: Bucket, sm_count: int | None) -> DecodeConfig | None:
         return None
 
 
-def stale_buckets(gpu: GpuKey, formats: list[str]) -> list[tuple[Bucket, str]]:
+def stale_buckets(gpu: GpuKey, formats: list[str], folder: Path | None = None) -> list[tuple[Bucket, str]]:
     """(bucket, why) of the entries for ``gpu`` that are stale, in ``formats``: per bucket the
     entry the lookup would take (the user's before the shipped one), as ``snapmla tune --stale``
-    re-times them. Order: entries timed against another default first (their configuration may
+    re-times them; given ``folder`` (``--db-dir``, where the new entries land), that folder's
+    entries alone, so that what is re-timed is what gets replaced. Order: entries timed against another default first (their configuration may
     now be slower than what the heuristic runs), then FP8 before BF16 (the product before its
     baseline), then the file's order; a re-timing cut short by time does the urgent ones."""
     kernels = kernel_stamp()
     if kernels is None:  # nothing to compare with, as in stale_reasons
         return []
     out: list[tuple[tuple[bool, bool], Bucket, str]] = []
-    for bucket, entry in stored_entries(gpu).items():
+    for bucket, entry in stored_entries(gpu, folder).items():
         if bucket.format not in formats:
             continue
         today = _today_default(bucket, gpu.sm_count)
@@ -378,11 +405,22 @@ def stale_buckets(gpu: GpuKey, formats: list[str]) -> list[tuple[Bucket, str]]:
     return [(bucket, why) for _, bucket, why in sorted(out, key=lambda item: item[0])]
 
 
-def stored_entries(gpu: GpuKey) -> dict[Bucket, Entry]:
+def stored_entries(gpu: GpuKey, folder: Path | None = None) -> dict[Bucket, Entry]:
     """Per bucket, the entry of exactly that bucket that the lookup takes for ``gpu`` (the user's
     folder before the shipped one): ``snapmla tune`` measures its configuration right after the
-    default, so a user's first run starts from what the shipped database found."""
+    default, so a user's first run starts from what the shipped database found. Given
+    ``folder``, the entries of that folder's file for the same GPU model (any driver) only."""
     found: dict[Bucket, Entry] = {}
+    if folder is not None:
+        try:
+            sections = load_file(folder / db_filename(gpu.name)).sections
+        except DbError:
+            return found  # (no file, or one the run's merge will refuse by name)
+        for section in sections:
+            if section.gpu.same_gpu(gpu):
+                for entry in section.entries:
+                    found.setdefault(entry.bucket, entry)
+        return found
     for loc in matching_entries(gpu):
         found.setdefault(loc.entry.bucket, loc.entry)
     return found
@@ -397,6 +435,18 @@ def file_problem(path: Path) -> str | None:
     if loaded.problems:
         return f"{len(loaded.problems)} bad entries skipped ({loaded.problems[0]})"
     return None
+
+
+def _shadowed(found: list[Located]) -> set[int]:
+    """The indices of ``found`` (lookup order) whose bucket an earlier entry already holds: the
+    lookup never takes them, nor does a plain ``snapmla tune --stale``."""
+    seen: set[Bucket] = set()
+    hidden: set[int] = set()
+    for i, loc in enumerate(found):
+        if loc.entry.bucket in seen:
+            hidden.add(i)
+        seen.add(loc.entry.bucket)
+    return hidden
 
 
 @dataclass(frozen=True)
@@ -473,6 +523,10 @@ def describe_survey(survey: DatabaseSurvey) -> list[str]:
         if stale := sum(why is not None for why in g.stale):
             lines.append(f"  {stale} of {len(g.found)} entries are stale (timed with other kernel sources or against "
                          "another default): they still apply; `snapmla tune --stale` re-times them")
+            shadowed = _shadowed(g.found)
+            if hidden := sum(why is not None and i in shadowed for i, why in enumerate(g.stale)):
+                lines.append(f"  {hidden} of the stale entries are shadowed by an earlier entry of the same bucket: "
+                             "`snapmla tune --stale --db-dir FOLDER` re-times a folder's own")
     if not survey.gpus:
         lines.append("tuning files: " + (", ".join(survey.files) if survey.files else "none"))
     return lines

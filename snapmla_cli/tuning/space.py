@@ -23,7 +23,7 @@ from ..ops import cluster_fold
 from ..ops import decode_config as dc
 from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_for_work
 from ..ops.schedule import SplitPolicy, work_columns
-from ..sizes import MAX_SIZE, counted, format_size, parse_size, refuse_long_number
+from ..sizes import MAX_SIZE, counted, format_size, parse_size, refuse_long_number, shorten
 from .fields import DbError, read_int, read_pair, show
 
 FORMATS = ("fp8", "bf16")
@@ -62,6 +62,9 @@ DEFAULT_NUM_SMS = SplitPolicy().num_sms  # used by --dry-run on a machine withou
 # ---------------------------------------------------------------------------------------------
 # buckets
 
+
+# the dimensions a stored bucket has (Bucket.as_dict's keys)
+BUCKET_KEYS = ("h_q", "s_q", "batch", "context", "format")
 
 @dataclass(frozen=True)
 class Bucket:
@@ -114,6 +117,9 @@ class Bucket:
         skips that entry alone)."""
         if not isinstance(data, dict):
             raise DbError(f"bucket: expected a mapping, got {show(data)}")
+        unknown = sorted(map(str, set(data) - set(BUCKET_KEYS)))
+        if unknown:  # a dimension of a newer snapmla: ignored, it would widen the bucket
+            raise DbError(f"bucket: unknown dimension(s) {shorten(', '.join(unknown), 60)}")
         fmt = data.get("format")
         if fmt not in FORMATS:
             raise DbError(f"bucket: format {show(fmt)} is not fp8 or bf16")

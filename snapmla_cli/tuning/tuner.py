@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import stat
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -159,6 +160,8 @@ class PartialStore:
 
     def _load(self) -> None:
         try:
+            if not stat.S_ISREG(self.path.stat().st_mode):  # a fifo's read would never return
+                raise OSError(f"{self.path} is not a regular file")
             data = json.loads(self.path.read_text())
         except (OSError, ValueError, RecursionError) as exc:
             self.note = (f"partial results {self.path} unreadable ({type(exc).__name__}); "
@@ -437,8 +440,10 @@ class Tuner:
         # the default competes too: where none of the top few beats it on the confirmation
         # medians by more than TIE_MARGIN, the heuristic's own configuration is the bucket's
         # answer, so a stored entry is never slower than the default it was measured against
-        best = min(contenders, key=lambda m: (medians[m.cid], m.cid != default.cid, m.cid))
-        if medians[best.cid] * (1 + TIE_MARGIN) >= medians[default.cid]:
+        # (a default that failed the correctness gate is timed as the baseline but never chosen)
+        eligible = contenders if default.ok else top
+        best = min(eligible, key=lambda m: (medians[m.cid], m.cid != default.cid, m.cid))
+        if default.ok and medians[best.cid] * (1 + TIE_MARGIN) >= medians[default.cid]:
             best = default
         result.best = best
         result.best_time_s = medians[best.cid]
