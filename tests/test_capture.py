@@ -259,6 +259,26 @@ def test_prompt_files(tmp_path):
         parse_layers("3,-1")
 
 
+def test_prompt_lines_end_only_at_newlines(tmp_path):
+    """A form feed, \\x1c-\\x1e, NEL or U+2028/U+2029 inside a prompt is no line end (str.splitlines
+    would cut the prompt, or a JSON line holding a raw U+2028, in two); \\r\\n is one."""
+    text = tmp_path / "p.txt"
+    text.write_bytes("page one\x0cpage two\r\nsep\x1c\x1d\x1eend \x85 nel \u2028 ls \u2029 ps\n".encode())
+    assert read_prompts(text) == ["page one\x0cpage two", "sep\x1c\x1d\x1eend \x85 nel \u2028 ls \u2029 ps"]
+    jsonl = tmp_path / "p.jsonl"
+    # JSON allows these raw in a string (only U+0000..U+001F must be escaped)
+    jsonl.write_bytes('{"prompt": "a\u2028b"}\r\n"c\x85d\u2029e"\n'.encode())
+    assert read_prompts(jsonl) == ["a\u2028b", "c\x85d\u2029e"]
+
+
+@pytest.mark.parametrize("name", ["p.txt", "p.jsonl"])
+def test_a_byte_order_mark_is_no_part_of_the_first_prompt(tmp_path, name):
+    path = tmp_path / name
+    lines = "first\nsecond\n" if name.endswith(".txt") else '"first"\n{"text": "second"}\n'
+    path.write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    assert read_prompts(path) == ["first", "second"]
+
+
 def _one_line(exc: pytest.ExceptionInfo) -> str:
     text = str(exc.value)
     assert "\n" not in text
@@ -433,6 +453,22 @@ def test_a_kimi_k2_checkpoint_loads_through_the_native_class(models, prompts, tm
         assert torch.equal(got.kv, want.kv)
 
 
+def test_a_kimi_k2_checkpoint_loads_every_weight_of_the_checkpoint(models, tmp_path):
+    """transformers 5 fuses per-expert MoE weights while loading, picked by the config's
+    model_type: under ``kimi_k2`` none applied and the fused experts stayed random (the cache of
+    a dense first layer hid it). The native model_type stands while loading; the checkpoint's own
+    is put back for the dump's metadata."""
+    from snapmla_cli.capture.checkpoint import load_model
+
+    kimi = _kimi_like(models["v3"], tmp_path / "kimi")
+    net, _ = load_model(str(kimi), "cpu", "fp32")
+    ref, _ = load_model(str(models["v3"]), "cpu", "fp32")
+    assert net.config.model_type == "kimi_k2"
+    got, want = net.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[key], want[key]) for key in want)
+
+
 def test_checkpoint_code_runs_only_when_asked(models, prompts, tmp_path):
     """Never a terminal prompt: without --trust-remote-code a checkpoint's own code is a one-line
     error naming the flag; with it, a tokenizer of its own loads (offline, from the folder)."""
@@ -602,7 +638,7 @@ def test_the_weights_dtype_keyword_follows_the_transformers_version(monkeypatch,
         @staticmethod
         def from_pretrained(model, **kwargs):
             seen.update(kwargs)
-            return torch.nn.Linear(2, 2)
+            return torch.nn.Linear(2, 2), {"missing_keys": set(), "mismatched_keys": set()}
 
     monkeypatch.setattr(checkpoint, "import_transformers", lambda: types.SimpleNamespace(__version__=version))
     monkeypatch.setattr(checkpoint, "_quiet", lambda t: contextlib.nullcontext())
@@ -612,4 +648,119 @@ def test_the_weights_dtype_keyword_follows_the_transformers_version(monkeypatch,
     net, tokenizer = checkpoint.load_model("m", "cpu", "fp32")
     assert isinstance(net, torch.nn.Linear) and not net.training  # moved to the device, eval mode
     assert tokenizer == "tok" and key in seen and seen[key] == checkpoint.DTYPES["fp32"]
+    assert seen["output_loading_info"] is True  # missing weights are checked, not only logged
     assert ({"dtype", "torch_dtype"} - {key}).isdisjoint(seen)
+
+
+def _damaged(models: dict[str, Path], tmp_path: Path, name: str) -> Path:
+    """A copy of the tiny V3 checkpoint, to be damaged by the test."""
+    return shutil.copytree(models["v3"], tmp_path / name)
+
+
+def _dump_error(folder: Path, prompts: Path) -> str:
+    with pytest.raises(SnapmlaError) as exc:
+        capture_kv(DumpOptions(model=str(folder), prompts=prompts, queries=0))
+    return _one_line(exc)
+
+
+def test_a_checkpoint_without_the_mla_weights_is_refused(models, prompts, tmp_path):
+    """transformers fills missing weights with random values and only logs it (silenced): the
+    dump would be of a random model, different on every run. Refused, naming the weights."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _damaged(models, tmp_path, "no_mla")
+    weights = load_file(str(folder / "model.safetensors"))
+    kept = {k: v for k, v in weights.items() if "kv_a_proj_with_mqa" not in k and "kv_b_proj" not in k}
+    assert len(kept) == len(weights) - 4
+    save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    message = _dump_error(folder, prompts)
+    assert message.startswith(f"model {folder}: cannot load the weights (the checkpoint lacks "
+                              "model.layers.0.self_attn.kv_a_proj_with_mqa.weight, "), message
+    assert "(4 in all)" in message
+
+
+def test_an_embedding_tied_lm_head_is_no_missing_weight(tmp_path, prompts):
+    """A checkpoint with ``tie_word_embeddings`` stores no lm_head: it is the embedding, loaded."""
+    config = transformers.DeepseekV2Config(**SMALL, q_lora_rank=None, first_k_dense_replace=2,
+                                           tie_word_embeddings=True)
+    folder = _save(tmp_path / "tied", transformers.DeepseekV2ForCausalLM, config)
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        assert not any(key.startswith("lm_head") for key in handle.keys())  # noqa: SIM118 - safe_open has no __iter__
+    cap = capture_kv(DumpOptions(model=str(folder), prompts=prompts, queries=0))
+    assert [layer.index for layer in cap.dump.layers] == [0, 1]
+
+
+def test_missing_weights_tolerates_only_tied_weights_and_non_persistent_buffers():
+    """Whatever a transformers version reports as missing, a name outside the state dict (the
+    rotary inv_freq) or a tensor tied to a loaded one is no missing weight; an untied one is."""
+    from snapmla_cli.capture.checkpoint import missing_weights
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(4, 3)
+            self.head = torch.nn.Linear(3, 4, bias=False)
+            self.head.weight = self.embed.weight
+            self.proj = torch.nn.Linear(3, 3, bias=False)
+            self.register_buffer("inv_freq", torch.ones(2), persistent=False)
+
+    net = Net()
+    assert missing_weights(net, set()) == [] and missing_weights(net, None) == []
+    assert missing_weights(net, {"head.weight", "inv_freq"}) == []
+    assert missing_weights(net, {"proj.weight", "head.weight"}) == ["proj.weight"]
+    # both names of a tied pair missing: nothing loaded it
+    assert missing_weights(net, {"embed.weight", "head.weight"}) == ["embed.weight", "head.weight"]
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("truncated", "cannot load the weights (Error while deserializing header"),
+    ("wrong type", ("cannot read its config as DeepseekV3ForCausalLM (Validation error for field "
+                    "'hidden_size': TypeError: Field 'hidden_size' expected int, got str")),
+    ("other shapes", ("cannot load the weights (they do not match its config.json: "
+                      "model.layers.0.mlp.down_proj.weight is [64, 96] in the checkpoint but [64, 100] "
+                      "by config.json")),
+    ("a JSON list", "cannot read its config ("),
+])
+def test_a_damaged_checkpoint_is_a_one_line_error(models, prompts, tmp_path, damage, needle):
+    """A truncated weights file, a config field of the wrong type, a config that does not match
+    the weights and a config.json that is no JSON object were internal errors (exit 3,
+    SafetensorError / validation error / RuntimeError / AttributeError): they are the user's
+    checkpoint, so a one-line error naming the model."""
+    folder = _damaged(models, tmp_path, "damaged")
+    if damage == "truncated":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "wrong type":
+        _rewrite_json(folder / "config.json", hidden_size="x")
+    elif damage == "a JSON list":
+        (folder / "config.json").write_text("[1, 2]")
+    else:
+        _rewrite_json(folder / "config.json", intermediate_size=100)
+    message = _dump_error(folder, prompts)
+    assert message.startswith(f"model {folder}: {needle}"), message
+
+
+def test_a_damaged_checkpoint_exits_2_in_the_cli(models, prompts, tmp_path):
+    from cli_checks import assert_one_line_error, invoke
+
+    folder = _damaged(models, tmp_path, "damaged")
+    _rewrite_json(folder / "config.json", hidden_size="x")
+    result = invoke("dump", "--model", folder, "--prompts", prompts, "-o", tmp_path / "kv.safetensors")
+    assert_one_line_error(result, f"model {folder}: cannot read its config")
+    assert "internal error" not in result.output
+
+
+def test_the_loader_boundary_keeps_memory_errors_and_interrupts():
+    """Any error of the third-party loader is the checkpoint's (a one-line SnapmlaError with its
+    first line); running out of memory or Ctrl-C is not, and passes through unchanged."""
+    from snapmla_cli.capture.checkpoint import _loader_errors
+
+    message = "model m: cannot load the weights"
+    with pytest.raises(SnapmlaError, match=r"^model m: cannot load the weights \(boom: details\)$"), \
+            _loader_errors(message):
+        raise RuntimeError("boom:\n    details\nmore")
+    for signal in (MemoryError(), KeyboardInterrupt()):
+        with pytest.raises(type(signal)), _loader_errors(message):
+            raise signal

@@ -185,7 +185,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
 
 def test_empty_and_special_dump_paths_are_named_as_typed(small_dump: Path, tmp_path: Path) -> None:
     """typer reads ``''`` as ``Path('.')``; the error must show what was typed, not "dump .: is
-    a folder". A fifo or symlink loop is said to be one, not "no such file"."""
+    a folder". A fifo or symlink loop is said to be one, not "no such file", and the error names
+    the argument that gave the path (quantize's ``DUMP``, verify's ``--dump``)."""
     out = tmp_path / "out.st"
     assert_one_line_error(invoke("quantize", "", "-o", out), "DUMP: expected a file path, got ''")
     assert_one_line_error(invoke("verify", "--dump", ""), "--dump: expected a file path, got ''")
@@ -194,8 +195,8 @@ def test_empty_and_special_dump_paths_are_named_as_typed(small_dump: Path, tmp_p
     loop = tmp_path / "loop.st"
     loop.symlink_to(loop)
     for path, needle in ((fifo, "is a fifo"), (loop, "is a symlink loop")):
-        assert_one_line_error(invoke("quantize", path, "-o", out), f"dump {path}: {needle}")
-        assert_one_line_error(invoke("verify", "--dump", path), f"dump {path}: {needle}")
+        assert_one_line_error(invoke("quantize", path, "-o", out), f"DUMP {path}: {needle}")
+        assert_one_line_error(invoke("verify", "--dump", path), f"--dump {path}: {needle}")
     assert not out.exists()
 
 

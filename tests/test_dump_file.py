@@ -159,3 +159,32 @@ def test_fp8_cache_file_round_trip_and_errors(tmp_path: Path) -> None:
         read_fp8_cache(_raw(tmp_path, {"layers.0.kv": torch.zeros(1, D_QK)}))
     with pytest.raises(SnapmlaError, match="does not fit"):
         write_fp8_cache(FP8CacheFile([FP8CacheLayer(0, layer.cache, 200)]), tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("key", ["kv_lora_rank", "rope_dim", "model"])
+def test_metadata_without_a_spec_key_is_refused(tmp_path: Path, key: str) -> None:
+    """SPEC section 8 gives a dump and an FP8 cache file the metadata format, version,
+    kv_lora_rank, rope_dim and model: a file lacking one is not written to the spec (without the
+    widths it does not even say how its 576 columns split)."""
+    meta = {k: v for k, v in META.items() if k != key}
+    needle = f"metadata has no {key!r}, expected the keys format, version, kv_lora_rank, rope_dim, model"
+    _one_line_error(_raw(tmp_path, {"layers.0.kv": torch.zeros(2, D_QK)}, meta), needle)
+    cache = {"layers.0.cache": quantize_layer_cache(torch.zeros(2, D_QK)), "layers.0.seqlen": torch.tensor(2)}
+    with pytest.raises(SnapmlaError, match=f"metadata has no {key!r}"):
+        read_fp8_cache(_raw(tmp_path, cache, {**meta, "format": "snapmla-fp8-cache"}))
+
+
+def test_what_snapmla_writes_carries_the_spec_metadata(tmp_path: Path) -> None:
+    """synth (and dump, through the same KVDump.metadata) and quantize write every required key."""
+    from safetensors import safe_open
+
+    from snapmla_cli.cache.dump_file import REQUIRED_METADATA
+    from snapmla_cli.cache.synth import SynthSpec, synth_dump
+
+    dump_path, cache_path = tmp_path / "d.safetensors", tmp_path / "c.safetensors"
+    write_dump(synth_dump(SynthSpec(layers=1, tokens=8, queries=1, seed=0)), dump_path)
+    write_fp8_cache(FP8CacheFile([FP8CacheLayer(0, quantize_layer_cache(torch.zeros(2, D_QK)), 2)]), cache_path)
+    for path in (dump_path, cache_path):
+        with safe_open(str(path), framework="pt") as handle:
+            assert set(REQUIRED_METADATA) <= set(handle.metadata())
+    assert read_dump(dump_path).model == "snapmla-synthetic"

@@ -109,6 +109,28 @@ def test_float_positions(tmp_path: Path) -> None:
     _bad_dump(tmp_path, positions, "positions dtype torch.float32", "integer")
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_wide_unsigned_positions_are_refused_naming_the_accepted_dtypes(tmp_path: Path,
+                                                                        dtype: torch.dtype) -> None:
+    """They are integers: the message lists the dtypes read, not "expected an integer dtype"."""
+    positions = {"layers.0.positions": torch.arange(TOKENS).to(dtype)}
+    _bad_dump(tmp_path, positions, f"positions dtype {dtype}",
+              "expected one of the integer dtypes int64, int32, int16, int8, uint8")
+
+
+@pytest.mark.parametrize("key", ["layers.0.positions\n", "layers.0.kv\n"])
+def test_a_key_with_a_trailing_newline_is_a_foreign_tensor(tmp_path: Path, key: str) -> None:
+    """``$`` matched before a final newline, so the key read as a misspelt layer number."""
+    message = _bad_dump(tmp_path, {key: torch.arange(TOKENS)}, f"unexpected tensor {key!r} in a KV dump")
+    assert "non-canonical" not in message
+
+
+def test_a_cache_key_with_a_trailing_newline_is_a_foreign_tensor(tmp_path: Path) -> None:
+    path = _write(tmp_path, {"layers.0.cache": quantize_layer_cache(_kv()), "layers.0.seqlen": torch.tensor(TOKENS),
+                             "layers.0.seqlen\n": torch.tensor(TOKENS)}, CACHE_META)
+    _refused(read_fp8_cache, path, "unexpected tensor 'layers.0.seqlen\\n' in an FP8 cache file")
+
+
 @pytest.mark.parametrize("bad", [-3, -1])
 def test_negative_positions(tmp_path: Path, bad: int) -> None:
     positions = torch.arange(TOKENS)
@@ -192,6 +214,14 @@ def test_seqlen_out_of_range(tmp_path: Path, seqlen: int) -> None:
              f"seqlen {seqlen}", "does not fit 1 pages")
 
 
+@pytest.mark.parametrize("seqlen", [2**63, 2**64 - 1])
+def test_a_uint64_seqlen_beyond_int64_is_out_of_range_not_a_crash(tmp_path: Path, seqlen: int) -> None:
+    """torch's int() of such a uint64 raises its int64-overflow RuntimeError (an internal error
+    in the CLI); the value is out of range like any other too large seqlen."""
+    path = _cache_file(tmp_path, seqlen=torch.tensor(seqlen, dtype=torch.uint64))
+    _refused(read_fp8_cache, path, "layer 0", f"seqlen {seqlen}", "does not fit 1 pages")
+
+
 def test_an_empty_cache_of_no_tokens_is_refused(tmp_path: Path) -> None:
     empty = torch.zeros(0, 64, 656, dtype=torch.uint8)
     _refused(read_fp8_cache, _cache_file(tmp_path, empty, torch.tensor(0)), "layer 0",
@@ -243,6 +273,41 @@ def test_impossible_scale(tmp_path: Path, scale: float) -> None:
     cache = quantize_layer_cache(_kv())
     cache[0, 2, SCALE_OFFSET:SCALE_OFFSET + 4] = torch.tensor([scale]).view(torch.uint8)
     _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 2", "scale")
+
+
+def _set_scale(cache: torch.Tensor, token: int, scale: float) -> None:
+    cache[0, token, SCALE_OFFSET:SCALE_OFFSET + 4] = torch.tensor([scale]).view(torch.uint8)
+
+
+def test_a_scale_that_makes_the_content_infinite_is_refused(tmp_path: Path) -> None:
+    """A finite scale (3e38) times the token's largest E4M3 content (448) is inf in float32:
+    the token does not decode to finite values (SPEC section 3: c = s * c_q)."""
+    cache = quantize_layer_cache(_kv())
+    _set_scale(cache, 2, 3e38)
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 2 of seqlen",
+             "content * scale is not finite")
+
+
+def test_a_scale_that_makes_the_rope_infinite_is_refused(tmp_path: Path) -> None:
+    """RoPE is stored pre-scaled (r' = r / s) and dequantizes as s * r' too: zero content keeps
+    s * c finite, a RoPE value of 1000 times 1e36 is not."""
+    cache = quantize_layer_cache(_kv())
+    cache[0, 3, :SCALE_OFFSET] = 0
+    _set_scale(cache, 3, 1e36)
+    cache[0, 3, ROPE_OFFSET:] = torch.full((64,), 1000.0, dtype=torch.bfloat16).view(torch.uint8)
+    _refused(read_fp8_cache, _cache_file(tmp_path, cache), "layer 0", "token 3 of seqlen",
+             "RoPE * scale is not finite")
+
+
+def test_a_large_scale_with_a_finite_product_is_accepted(tmp_path: Path) -> None:
+    """The bound is the float32 range of the dequantized values, not the scale alone."""
+    cache = quantize_layer_cache(_kv())
+    cache[0, 1, :SCALE_OFFSET] = 0
+    cache[0, 1, 0] = 0x7E  # E4M3 448, the largest content
+    cache[0, 1, ROPE_OFFSET:] = 0
+    _set_scale(cache, 1, 3e38 / 448)
+    layer = read_fp8_cache(_cache_file(tmp_path, cache)).layers[0]
+    assert torch.isfinite(dequantize_cache(layer.cache.view(-1, 656)[:TOKENS])).all()
 
 
 def test_a_positive_e4m3_nan_byte_is_refused(tmp_path: Path) -> None:

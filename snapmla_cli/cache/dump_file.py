@@ -26,11 +26,17 @@ from .atomic import check_writable, file_kind, write_atomic
 DUMP_FORMAT = "snapmla-kv-dump"
 FP8_CACHE_FORMAT = "snapmla-fp8-cache"
 FORMAT_VERSION = "1"
+REQUIRED_METADATA = ("format", "version", "kv_lora_rank", "rope_dim", "model")
+"""The metadata keys SPEC section 8 gives a KV dump and an FP8 cache file; every other key is
+free (kept as ``extra_metadata``)."""
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """The float dtypes SPEC section 8 allows for ``kv`` and ``queries``; anything else (an integer
 tensor, float64) would be cast silently by later stages, so it is refused instead."""
 _POSITION_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-_KEY = re.compile(r"^layers\.(\d+)\.(kv|positions|queries)$")
+"""Read losslessly as int64 (SPEC section 8 writes int64); the wider unsigned ones are refused:
+uint64 may not fit int64, and torch supports few operations on uint16 / uint32 / uint64."""
+_POSITION_DTYPE_NAMES = ", ".join(str(dtype).removeprefix("torch.") for dtype in _POSITION_DTYPES)
+_KEY = re.compile(r"layers\.(\d+)\.(kv|positions|queries)")  # matched whole: see load_layers
 
 # Largest |value| accepted in ``kv`` and ``queries``. Both go through the per-token quantizer
 # (SPEC section 3): s = max(amax(content) / 448, 2^-32) and the RoPE part is stored pre-scaled,
@@ -110,8 +116,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
-    """The metadata names ``expected`` as format and a version this code reads: a future version
-    may lay the same tensor names out differently, so reading it anyway could be silently wrong."""
+    """The metadata names ``expected`` as format and a version this code reads (a future version
+    may lay the same tensor names out differently, so reading it anyway could be silently wrong),
+    and holds every other key SPEC section 8 lists (:data:`REQUIRED_METADATA`) with the widths
+    snapmla supports: a file without ``kv_lora_rank`` / ``rope_dim`` does not say how its 576
+    columns split into content and RoPE, and one without ``model`` is not a writer's of SPEC's."""
     if meta.get("format") != expected:
         raise SnapmlaError(
             f"{path}: not a {expected} file (metadata format={meta.get('format')!r})"
@@ -121,21 +130,29 @@ def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
             f"{path}: metadata version={meta.get('version')!r}, expected {FORMAT_VERSION!r} "
             f"(the only {expected} version this snapmla reads)"
         )
+    for key in REQUIRED_METADATA:
+        if key not in meta:
+            raise SnapmlaError(
+                f"{path}: metadata has no {key!r}, expected the keys {', '.join(REQUIRED_METADATA)} "
+                f"of a {expected} file (SPEC section 8)"
+            )
     for key, want in (("kv_lora_rank", str(D_CONTENT)), ("rope_dim", str(D_ROPE))):
-        if key in meta and meta[key] != want:
+        if meta[key] != want:
             raise SnapmlaError(f"{path}: {key}={meta[key]} but snapmla supports {want}")
 
 
 def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int, dict[str, torch.Tensor]]:
     """The file's tensors grouped by layer index, ``layers.{i}.{part}`` -> ``{i: {part: t}}``;
-    an unexpected key or a file without layers is a one-line error naming ``what`` it should be."""
+    an unexpected key or a file without layers is a one-line error naming ``what`` it should be.
+    Keys are matched whole (``fullmatch``): ``re.match`` with ``$`` would accept a key ending in a
+    newline, which then reads as a misspelt layer number rather than a foreign tensor."""
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise SnapmlaError(f"{path}: unreadable {what} ({_first_line(exc)})") from None
     keys: dict[tuple[int, str], str] = {}
     for key in tensors:
-        match = key_pattern.match(key)
+        match = key_pattern.fullmatch(key)
         if match is None:
             raise SnapmlaError(f"{path}: unexpected tensor {key!r} in {what}")
         slot = (int(match.group(1)), match.group(2))
@@ -210,7 +227,8 @@ def _validate_positions(where: str, positions: torch.Tensor, tokens: int) -> Non
     is required."""
     if positions.dtype not in _POSITION_DTYPES:
         raise SnapmlaError(
-            f"{where}: positions dtype {positions.dtype}, expected an integer dtype (int64)"
+            f"{where}: positions dtype {positions.dtype}, expected one of the integer dtypes "
+            f"{_POSITION_DTYPE_NAMES} (int64 as written)"
         )
     if tuple(positions.shape) != (tokens,):
         raise SnapmlaError(
@@ -238,10 +256,12 @@ def _validate_queries(where: str, q: torch.Tensor) -> None:
     check_values(where, "queries", q, row="query")
 
 
-def read_dump(path: Path) -> KVDump:
-    """Load and validate a KV dump; every problem is a one-line :class:`SnapmlaError`."""
+def read_dump(path: Path, what: str = "dump") -> KVDump:
+    """Load and validate a KV dump; every problem is a one-line :class:`SnapmlaError`. ``what``
+    names the input where the file itself is missing or no safetensors file: the CLI passes the
+    argument that gave the path (``DUMP``, ``--dump``)."""
     path = Path(path)
-    meta = _read_metadata(path)
+    meta = _read_metadata(path, what)
     _check_format(path, meta, DUMP_FORMAT)
     by_layer = load_layers(path, _KEY, "a KV dump")
     layers = []
@@ -252,8 +272,8 @@ def read_dump(path: Path) -> KVDump:
         layer = LayerDump(index, parts["kv"], parts.get("positions"), parts.get("queries"))
         _validate_layer(path, layer)
         layers.append(layer)
-    extra = {k: v for k, v in meta.items() if k not in {"format", "version", "kv_lora_rank", "rope_dim", "model"}}
-    return KVDump(layers=layers, model=meta.get("model", "unknown"), extra_metadata=extra)
+    extra = {k: v for k, v in meta.items() if k not in REQUIRED_METADATA}
+    return KVDump(layers=layers, model=meta["model"], extra_metadata=extra)
 
 
 def write_dump(dump: KVDump, path: Path, force: bool = False) -> None:

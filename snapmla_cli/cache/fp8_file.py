@@ -27,10 +27,12 @@ from ..numerics.formats import (
     PAGE_SIZE,
     ROPE_OFFSET,
 )
+from ..numerics.quant import as_e4m3
 from .atomic import check_writable, write_atomic
 from .dump_file import (
     FORMAT_VERSION,
     FP8_CACHE_FORMAT,
+    REQUIRED_METADATA,
     _check_format,
     _read_metadata,
     check_float_dtype,
@@ -39,7 +41,7 @@ from .dump_file import (
 )
 from .layout import pages_needed, quantize_tokens, unpack_tokens
 
-_KEY = re.compile(r"^layers\.(\d+)\.(cache|seqlen)$")
+_KEY = re.compile(r"layers\.(\d+)\.(cache|seqlen)")  # matched whole: load_layers uses fullmatch
 _E4M3_NAN_BITS = 0x7F  # S.1111.111: the only NaN encodings of float8_e4m3fn (0x7F, 0xFF)
 
 
@@ -117,16 +119,29 @@ def _check_tokens(where: str, tokens: torch.Tensor, seqlen: int) -> None:
     produce (finite, >= 2^-32) and zero pad bytes (SPEC section 3), and the tail of the last page
     must be zero (SPEC section 8): a NaN byte would poison every decode over the layer, non-zero
     pad bytes mean a writer that is not SPEC's (another layout, or a corrupted row), and a
-    non-zero tail means ``seqlen`` is not where the quantizer stopped."""
+    non-zero tail means ``seqlen`` is not where the quantizer stopped.
+
+    "Decode to finite values" is checked on the dequantized token (SPEC section 3: content
+    ``s * c_q`` and RoPE ``s * r'``, both multiplied by the scale, in float32 as the kernel's
+    accumulator): a finite but huge scale (e.g. 3e38) times E4M3 content up to 448 or a finite
+    bf16 RoPE value is inf."""
     used = unpack_tokens(tokens[:seqlen])
     content_nan = (used.content.view(torch.uint8) & _E4M3_NAN_BITS) == _E4M3_NAN_BITS
     scale_ok = torch.isfinite(used.scale) & (used.scale >= KV_SCALE_FLOOR)
+    # the largest |value| of each part times s: float32 rounding is monotone, so the product is
+    # finite exactly when every dequantized value of the part is (and no [n, 576] copy is made)
+    content_max = as_e4m3(used.content).float().abs().amax(dim=1)
+    rope_max = used.rope.float().abs().amax(dim=1)
     checks = (
         (content_nan.any(dim=1), "content holds an E4M3 NaN byte"),
         (~scale_ok, f"scale is not a finite value >= {KV_SCALE_FLOOR:g}"),
         (tokens[:seqlen, PAD_OFFSET:ROPE_OFFSET].ne(0).any(dim=1),
          f"pad bytes {PAD_OFFSET}..{ROPE_OFFSET - 1} are not zero"),
         (~torch.isfinite(used.rope).all(dim=1), "RoPE holds NaN/inf"),
+        (~torch.isfinite(content_max * used.scale),
+         "content * scale is not finite in float32 (the scale is too large for the content)"),
+        (~torch.isfinite(rope_max * used.scale),
+         "RoPE * scale is not finite in float32 (the scale is too large for the RoPE values)"),
     )
     for bad, what in checks:
         if bool(bad.any()):
@@ -142,7 +157,9 @@ def _check_tokens(where: str, tokens: torch.Tensor, seqlen: int) -> None:
 def _read_seqlen(path: Path, index: int, seqlen: torch.Tensor) -> int:
     """``layers.{i}.seqlen`` is one integer element (int64 as written; any integer dtype read):
     an empty tensor, a float (99.7 would be truncated) or several values (only one would be
-    used) is refused rather than guessed at. The range is checked by :func:`_validate`."""
+    used) is refused rather than guessed at. The range is checked by :func:`_validate`; the value
+    is read through ``tolist`` because ``int()`` of a uint64 above 2^63 - 1 raises torch's
+    int64 overflow instead of giving the (out of range) number."""
     name = f"{path}: layer {index}: layers.{index}.seqlen"
     if seqlen.dtype.is_floating_point or seqlen.dtype.is_complex or seqlen.dtype == torch.bool:
         raise SnapmlaError(f"{name} has dtype {seqlen.dtype}, expected an integer (int64)")
@@ -150,7 +167,7 @@ def _read_seqlen(path: Path, index: int, seqlen: torch.Tensor) -> int:
         raise SnapmlaError(
             f"{name} has shape {tuple(seqlen.shape)}, expected one integer (the token count)"
         )
-    return int(seqlen.reshape(-1)[0])
+    return int(seqlen.reshape(-1).tolist()[0])
 
 
 def write_fp8_cache(cache_file: FP8CacheFile, path: Path, force: bool = False) -> None:
@@ -181,6 +198,5 @@ def read_fp8_cache(path: Path) -> FP8CacheFile:
         layer = FP8CacheLayer(index, parts["cache"], _read_seqlen(path, index, parts["seqlen"]))
         _validate(path, layer)
         layers.append(layer)
-    keep = {"format", "version", "kv_lora_rank", "rope_dim", "model"}
-    extra = {k: v for k, v in meta.items() if k not in keep}
-    return FP8CacheFile(layers=layers, model=meta.get("model", "unknown"), extra_metadata=extra)
+    extra = {k: v for k, v in meta.items() if k not in REQUIRED_METADATA}
+    return FP8CacheFile(layers=layers, model=meta["model"], extra_metadata=extra)

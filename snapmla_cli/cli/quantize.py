@@ -143,7 +143,7 @@ def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int, 
     if dump is not None:
         if layers is not None or tokens is not None:
             raise SnapmlaError("--layers/--tokens apply only to the synthetic default (no DUMP given)")
-        return read_dump(dump)
+        return read_dump(dump, "DUMP")
     spec = SynthSpec(
         layers=DEFAULT_SPEC.layers if layers is None else layers,
         tokens=DEFAULT_SPEC.tokens if tokens is None else parse_size(tokens, "--tokens"),

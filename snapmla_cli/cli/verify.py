@@ -148,7 +148,7 @@ def _case_bytes(batch: int, keys: int, rows: int) -> int:
 def _source(dump: Path | None, layer: int | None, seed: int) -> ProblemSource:
     if dump is None:
         return synthetic_source(layer, seed)
-    kv_dump = read_dump(dump)
+    kv_dump = read_dump(dump, "--dump")
     indices = [entry.index for entry in kv_dump.layers]
     index = indices[-1] if layer is None else layer
     if index not in indices:
