@@ -106,7 +106,7 @@ def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
 
 
-@pytest.mark.parametrize("text", ["lots", "60XB", "-1G", "0"])
+@pytest.mark.parametrize("text", ["lots", "60XB", "-1G", "0", "60i", "5ib", "60iB"])
 def test_parse_bytes_rejects(text: str) -> None:
     with pytest.raises(SnapmlaError, match="--kv-mem"):
         parse_bytes(text)
@@ -207,6 +207,9 @@ def test_format_bytes_uses_the_largest_unit_reached() -> None:
     assert format_bytes(60 * GiB) == "60 GiB" and format_bytes(GiB) == "1 GiB"
     assert format_bytes(2**40) == "1 TiB" and format_bytes(2**20) == "1 MiB"
     assert format_bytes(1024) == "1 KiB" and format_bytes(1023) == "1023 B"
+    # 1000-1023 of a unit: no exponent (":.3g" wrote "1e+03 MiB")
+    assert format_bytes(1000 * 2**20) == "1000 MiB" and format_bytes(1023 * 2**10) == "1023 KiB"
+    assert format_bytes(1.5 * 2**20) == "1.5 MiB" and format_bytes(150 * GiB) == "150 GiB"
 
 
 def test_distinct_caches_needs_at_least_one_layer() -> None:
@@ -691,6 +694,19 @@ def test_cli_progress_only_on_rank_0_under_a_launcher(monkeypatch: pytest.Monkey
     result = invoke("--cpu-fake", "--dp", "2", "--ctx", "1k", "--batch", "2")
     assert result.exit_code == 0, result.output
     assert ("bench: deepseek-v3: 128 heads" in result.stderr) is (rank == 0), result.stderr
+
+
+def test_a_rank_run_in_this_process_fails_in_one_line_like_a_spawned_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU out of memory (or a rendezvous that timed out under a launcher) on the inline rank:
+    the one line and exit code 2 that a spawned rank's failure gets, not an internal error."""
+    from snapmla_cli.bench import fake_step
+
+    def out_of_memory(self: object, *args: object) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 44.00 GiB")
+
+    monkeypatch.setattr(fake_step.CpuFakeRunner, "run", out_of_memory)
+    assert_one_line_error(invoke("--cpu-fake", "--quiet", "--heads", 8, "--layers", 1, "--ctx", 128, "--batch", 1),
+                          "rank 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 44.00 GiB")
 
 
 def test_cli_quiet_prints_no_progress() -> None:

@@ -160,6 +160,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(invoke("verify", "--ctx", "12q"), "--ctx")
     assert_one_line_error(invoke("verify", "--fp8-kernel", "v4"), "--fp8-kernel")
     assert_one_line_error(invoke("verify", "--fp8-kernel", " ,"), "--fp8-kernel", "at least one")
+    # named kernels on the CPU would silently not run (the JSON said kernels_not_run null)
+    assert_one_line_error(invoke("verify", "--device", "cpu", "--fp8-kernel", "v3"), "--fp8-kernel v3", "CUDA GPU")
     assert_one_line_error(invoke("verify", "--heads", "16,x"), "--heads")
     for count in ("16.5", "16k"):  # head and token counts are plain integers, not sizes
         assert_one_line_error(invoke("verify", "--heads", count), "positive integer")
@@ -231,6 +233,8 @@ def test_verify_passes_on_cpu(tmp_path: Path) -> None:
     data = json.loads(report.read_text())
     assert data["passed"] and [c["mtp"] for c in data["cases"]] == [1, 2]
     assert data["cases"][0]["implementations"][0]["name"] == "emul"
+    assert data["kernels_not_run"] == "the run is on the CPU, which checks the emulation"
+    assert data["gates"]["lse_max_abs"] == 1e-2
 
 
 def test_verify_on_a_dump_with_its_queries(small_dump: Path) -> None:
@@ -396,3 +400,13 @@ def test_verify_explains_a_short_context_miss() -> None:
     assert "FAIL: rel_l2 vs ref64" in result.output and "note: at 50 tokens" in result.output
     long_ctx = invoke("verify", "--ctx", "2k", "--seed", "1", "--heads", "64", "--mtp", "1", "--device", "cpu")
     assert long_ctx.exit_code == 0 and "note:" not in long_ctx.output
+
+
+def test_quantize_labels_the_synthetic_defaults_probes_synthetic(tmp_path: Path) -> None:
+    """Without a DUMP the probes are synthetic (probe_queries), not "the dump's own queries"."""
+    report = tmp_path / "r.json"
+    result = invoke("quantize", "-o", tmp_path / "c.st", "--json", report, "--layers", "1", "--tokens", "256",
+                    "--configs", "snap")
+    assert result.exit_code == 0, result.output
+    assert [layer["probes"] for layer in json.loads(report.read_text())["layers"]] == ["synthetic"]
+    assert "synthetic queries" in " ".join(result.stdout.split())

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from snapmla_cli.analysis.verify import (
+    EMULATION,
     GateCheck,
     Gates,
+    Implementation,
+    ImplErrors,
     _gate_checks,
     default_implementations,
     make_problem,
@@ -220,14 +224,48 @@ def test_fp8_gates_check_the_emulation_too_and_a_value_at_its_limit_passes() -> 
     floor = ErrorMetrics(rmse=1e-3, cos_diff=1e-6, rel_l2=2e-2, max_abs=4e-2)
     vs_ref = ErrorMetrics(rmse=1e-3, cos_diff=1e-6, rel_l2=2.1e-2, max_abs=4e-2)
     far_from_emul = ErrorMetrics(rmse=1e-3, cos_diff=1e-6, rel_l2=6e-3, max_abs=4e-2)
-    checks = _gate_checks("fp8", "fp8-kernel", vs_ref, far_from_emul, floor, gates)
-    assert [c.name for c in checks] == ["rel_l2 vs ref64", "rel_l2 vs emul"]
+    lse_close = ErrorMetrics(rmse=1e-4, cos_diff=0.0, rel_l2=1e-5, max_abs=1e-3)
+    kernel = ImplErrors(vs_ref, lse_close, far_from_emul, lse_close)
+    checks = _gate_checks("fp8", "fp8-kernel", kernel, floor, gates)
+    assert [c.name for c in checks] == ["rel_l2 vs ref64", "rel_l2 vs emul", "lse max_abs vs emul"]
     assert checks[0].limit == pytest.approx(1.10 * 2e-2 + 1e-3) and checks[0].passed
     assert checks[1].limit == gates.emul_rel_l2 and not checks[1].passed
-    assert [c.name for c in _gate_checks("fp8", "fp8-emul", vs_ref, None, floor, gates)] == ["rel_l2 vs ref64"]
+    assert checks[2].limit == gates.lse_max_abs and checks[2].passed
+    emulation = ImplErrors(vs_ref, lse_close, None, None)
+    assert [c.name for c in _gate_checks("fp8", "fp8-emul", emulation, floor, gates)] == ["rel_l2 vs ref64"]
     assert GateCheck("rel_l2 vs emul", 5e-3, 5e-3).passed and not GateCheck("x", 5.0000001e-3, 5e-3).passed
     with pytest.raises(SnapmlaError, match="^implementation fp16-kernel: unknown kind 'fp16'"):
-        _gate_checks("fp16", "fp16-kernel", vs_ref, None, floor, gates)
+        _gate_checks("fp16", "fp16-kernel", emulation, floor, gates)
+
+
+def test_a_kernel_whose_lse_is_nan_or_shifted_fails_verify() -> None:
+    """lse is half of what a decode call returns (engines merge split partials with it): an FP8
+    kernel with the emulation's out but a NaN or shifted lse, or a BF16 one with ref64's out and a
+    shifted lse, must fail; the same kernels with the right lse pass."""
+    problem = random_problem([300, 70], 2, 5, causal=True, seed=3)
+
+    def emulated(lse_change: Callable[[torch.Tensor], torch.Tensor]) -> Implementation:
+        def run(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+            out, lse = run_emulation(p)
+            return out, lse_change(lse)
+        return Implementation("fp8-kernel", "fp8", run)
+
+    def referenced(shift: float) -> Implementation:
+        def run(p: DecodeProblem) -> tuple[torch.Tensor, torch.Tensor]:
+            layout = p.layout
+            out, lse = decode_reference(p.q, p.bf16_cache().squeeze(2), layout.block_table, layout.cache_seqlens,
+                                        p.softmax_scale, p.causal)
+            return out, lse + shift
+        return Implementation("bf16-kernel", "bf16", run)
+
+    emul = Implementation(EMULATION, "fp8", run_emulation)
+    good = run_case(problem, [emul, emulated(lambda lse: lse), referenced(0.0)])
+    assert good.passed
+    for bad in (emulated(lambda lse: torch.full_like(lse, math.nan)), emulated(lambda lse: lse + 0.1),
+                referenced(0.1)):
+        (_, result) = run_case(problem, [emul, bad]).impls
+        assert not result.passed and [c.name for c in result.checks if not c.passed] == [
+            "lse max_abs vs emul" if result.kind == "fp8" else "lse max_abs vs ref64"]
 
 
 def test_request_tokens_refuses_an_empty_batch() -> None:

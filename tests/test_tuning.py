@@ -1812,6 +1812,15 @@ def test_list_gpus_reads_nvml_and_matches_torch_sm_counts_by_uuid(monkeypatch: p
     assert gpu_facts.nvml_uuid(SimpleNamespace()) is None
     count["n"] = 0
     assert gpu_facts.list_gpus() == gpu_facts.GpuListing([], "NVML reports no GPU")
+    # a query failing after nvmlInit (a lost GPU, one the container may not query): a reason, no
+    # traceback out of `snapmla info`
+    count["n"] = 2
+
+    def lost(handle: int) -> object:
+        raise RuntimeError("NVMLError_Unknown: Unknown Error")
+
+    fake.nvmlDeviceGetMemoryInfo = lost
+    assert gpu_facts.list_gpus() == gpu_facts.GpuListing([], "NVML failed (RuntimeError: NVMLError_Unknown: Unknown Error)")
 
 
 def test_the_recorded_command_pastes_back_into_a_shell(monkeypatch, tmp_path):

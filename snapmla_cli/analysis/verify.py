@@ -182,6 +182,10 @@ class Gates:
     floor_factor: float = 1.10
     floor_abs: float = 1e-3
     bf16_cos_diff: float = 5e-6
+    # lse's largest absolute difference: an FP8 kernel's from the emulation's, a BF16 kernel's
+    # from ref64's (the GPU tests' bound). SPEC section 6 gates ``out`` only; lse is what an
+    # engine merges split partial results with, so a NaN or shifted lse must fail too.
+    lse_max_abs: float = 1e-2
 
 
 @dataclass(frozen=True)
@@ -225,15 +229,28 @@ class CaseResult:
         return all(r.passed for r in self.impls)
 
 
-def _gate_checks(kind: str, name: str, vs_ref: ErrorMetrics, vs_emul: ErrorMetrics | None,
-                 floor: ErrorMetrics, gates: Gates) -> list[GateCheck]:
+@dataclass(frozen=True)
+class ImplErrors:
+    """One implementation's output and lse against the references (``None``: the implementation
+    is the emulation itself)."""
+
+    vs_ref: ErrorMetrics
+    lse_vs_ref: ErrorMetrics
+    vs_emul: ErrorMetrics | None
+    lse_vs_emul: ErrorMetrics | None
+
+
+def _gate_checks(kind: str, name: str, errors: ImplErrors, floor: ErrorMetrics, gates: Gates) -> list[GateCheck]:
     if kind == "bf16":
-        return [GateCheck("cos_diff vs ref64", vs_ref.cos_diff, gates.bf16_cos_diff)]
+        return [GateCheck("cos_diff vs ref64", errors.vs_ref.cos_diff, gates.bf16_cos_diff),
+                GateCheck("lse max_abs vs ref64", errors.lse_vs_ref.max_abs, gates.lse_max_abs)]
     if kind != "fp8":
         raise SnapmlaError(f"implementation {name}: unknown kind {kind!r} (expected fp8 or bf16)")
-    checks = [GateCheck("rel_l2 vs ref64", vs_ref.rel_l2, gates.floor_factor * floor.rel_l2 + gates.floor_abs)]
-    if vs_emul is not None:
-        checks.append(GateCheck("rel_l2 vs emul", vs_emul.rel_l2, gates.emul_rel_l2))
+    checks = [GateCheck("rel_l2 vs ref64", errors.vs_ref.rel_l2, gates.floor_factor * floor.rel_l2 + gates.floor_abs)]
+    if errors.vs_emul is not None:
+        checks.append(GateCheck("rel_l2 vs emul", errors.vs_emul.rel_l2, gates.emul_rel_l2))
+    if errors.lse_vs_emul is not None:
+        checks.append(GateCheck("lse max_abs vs emul", errors.lse_vs_emul.max_abs, gates.lse_max_abs))
     return checks
 
 
@@ -264,14 +281,14 @@ def run_case(problem: DecodeProblem, impls: list[Implementation], gates: Gates =
         out, lse, seconds = _timed(impl.run, problem)
         if impl.name == EMULATION:
             emul = (out, lse)
-            vs_emul = None
+            vs_emul = lse_vs_emul = None
         else:
             if emul is None:
                 emul = run_emulation(problem)
-            vs_emul = compare(out, emul[0])
-        vs_ref = compare(out, ref_out)
-        checks = _gate_checks(impl.kind, impl.name, vs_ref, vs_emul, floor, gates)
-        result.impls.append(ImplResult(impl.name, impl.kind, vs_ref, compare(lse, ref_lse), vs_emul,
+            vs_emul, lse_vs_emul = compare(out, emul[0]), compare(lse, emul[1])
+        errors = ImplErrors(compare(out, ref_out), compare(lse, ref_lse), vs_emul, lse_vs_emul)
+        checks = _gate_checks(impl.kind, impl.name, errors, floor, gates)
+        result.impls.append(ImplResult(impl.name, impl.kind, errors.vs_ref, errors.lse_vs_ref, vs_emul,
                                        checks, seconds))
     return result
 

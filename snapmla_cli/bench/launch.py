@@ -16,13 +16,14 @@ fail (GPU present, enough GPUs, torchrun's world size) runs before any rank star
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -247,17 +248,32 @@ def run_benchmark(plan: BenchPlan, spec: RunnerSpec, progress: Progress | None =
     preflight(plan, spec, env)
     if env is not None and env.world == 1:
         # a launcher's single rank has nobody to meet: no process group
-        return _rank_body(plan, spec, env.local_rank, LocalComm(), progress, "torchrun")
+        with _rank_failure(env.rank):
+            return _rank_body(plan, spec, env.local_rank, LocalComm(), progress, "torchrun")
     if env is not None:
         device = env.local_rank if spec.kind == "gpu" else None
-        comm = DistComm.start(spec.backend, "env://", env.rank, env.world, device)
-        try:
-            return _rank_body(plan, spec, env.local_rank, comm, progress, "torchrun")
-        finally:
-            comm.close()
+        with _rank_failure(env.rank):
+            comm = DistComm.start(spec.backend, "env://", env.rank, env.world, device)
+            try:
+                return _rank_body(plan, spec, env.local_rank, comm, progress, "torchrun")
+            finally:
+                comm.close()
     if plan.world == 1:
-        return _rank_body(plan, spec, 0, LocalComm(), progress, "inline")
+        with _rank_failure(0):
+            return _rank_body(plan, spec, 0, LocalComm(), progress, "inline")
     return _run_spawned(plan, spec, progress)
+
+
+@contextlib.contextmanager
+def _rank_failure(rank: int) -> Iterator[None]:
+    """A rank run in this process fails in the one line a spawned rank's failure gives
+    (``rank R: OutOfMemoryError: ...``): torch's RuntimeErrors (a GPU out of memory, a rendezvous
+    that timed out) and OS errors are the machine's answer to the plan, not snapmla bugs, which
+    keep their internal-error report."""
+    try:
+        yield
+    except (RuntimeError, OSError) as exc:
+        raise SnapmlaError(f"rank {rank}: {_one_line(exc)}") from None
 
 
 def free_port() -> int:

@@ -110,7 +110,9 @@ def parse_layouts(text: str) -> tuple[Layout, ...]:
     return tuple(layouts)
 
 
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+# a number, then nothing, a unit prefix (k m g t) with an optional i (binary), and an optional B;
+# an i without a prefix ("60i") is no unit
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?))?(b?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
@@ -125,7 +127,7 @@ def parse_bytes(text: str | int, what: str = "--kv-mem") -> int:
             raise SnapmlaError(f"{what}: {text!r} is not a memory size (expected e.g. 60GiB, 80G or 500MB)")
         number, prefix, binary, unit_b = match.groups()
         refuse_long_number(number, what, text)  # float() of it would be inf
-        power = _POWERS[prefix.lower()]
+        power = _POWERS[(prefix or "").lower()]
         decimal = bool(unit_b) and not binary and power > 0
         value = int(float(number) * (1000**power if decimal else 1024**power))
     if value < 1:
@@ -134,9 +136,12 @@ def parse_bytes(text: str | int, what: str = "--kv-mem") -> int:
 
 
 def format_bytes(value: float) -> str:
+    """``60 GiB``, ``1.5 MiB``, ``1000 MiB``: three significant digits, never an exponent (``:.3g``
+    writes 1000-1023 of a unit as ``1e+03``)."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if value >= size:
-            return f"{value / size:.3g} {unit}"
+            scaled = value / size
+            return f"{scaled:.0f} {unit}" if scaled >= 100 else f"{scaled:.3g} {unit}"
     return f"{value:.0f} B"
 
 

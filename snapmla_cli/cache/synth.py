@@ -19,7 +19,8 @@ constant below:
   outlier tails in the last (SnapMLA paper, Fig. 3a).
 - **probe queries** (:func:`probe_queries`, used for any KV without its own queries): see there.
 
-Everything is seeded; the same arguments give the same bytes.
+Everything is seeded; the same arguments give the same tensors and metadata (the file's bytes
+may still differ: safetensors writes the metadata keys in no fixed order).
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 def sink_positions(tokens: int, gen: torch.Generator) -> torch.Tensor:
-    """Position 0 plus one random position in every ``SINK_EVERY`` tokens."""
+    """Position 0 plus ``tokens // SINK_EVERY`` positions drawn uniformly over the layer (one per
+    ``SINK_EVERY`` tokens on average, not one in each window)."""
     picks = torch.randint(0, max(tokens, 1), (tokens // SINK_EVERY,), generator=gen)
     return torch.unique(torch.cat([torch.zeros(1, dtype=torch.long), picks]))
 

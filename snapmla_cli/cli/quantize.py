@@ -79,6 +79,8 @@ def quantize_command(
         for layer in source.layers:
             pages.append(FP8CacheLayer(layer.index, quantize_layer_cache(layer.kv, dev), layer.kv.shape[0]))
             probes, kind = layer_queries(layer, queries, seed)
+            if dump is None:  # the synthetic default's queries are made by probe_queries too
+                kind = "synthetic"
             report.layers.append(analyze_layer(layer, chosen, probes, kind, dev))
             bar.advance(task)
     meta = {"source": str(dump) if dump is not None else "synthetic default"}

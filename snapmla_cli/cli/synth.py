@@ -21,7 +21,7 @@ def synth_command(
     tokens: Annotated[str, typer.Option(help="Tokens per layer, e.g. 4096, 32k, 1m.")] = format_size(DEFAULT_SPEC.tokens),
     queries: Annotated[int, typer.Option(help="Probe queries per layer (0: none).")] = DEFAULT_SPEC.queries,
     heads: Annotated[int, typer.Option(help="Heads of each probe query.")] = DEFAULT_SPEC.heads,
-    seed: Annotated[int, seed_option(help="Random seed; same seed, same bytes.")] = DEFAULT_SPEC.seed,
+    seed: Annotated[int, seed_option(help="Random seed; same seed, same tensors and metadata.")] = DEFAULT_SPEC.seed,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT if it exists.")] = False,
 ) -> None:
     """Write a realistic synthetic MLA KV dump (docs/DATA.md).

@@ -112,6 +112,8 @@ def list_gpus() -> GpuListing:
                 cuda_driver_version=cuda_version,
             ))
         return GpuListing(gpus, "" if gpus else "NVML reports no GPU")
+    except Exception as exc:  # noqa: BLE001 - a lost GPU, one the container may not query, ...
+        return GpuListing([], f"NVML failed ({type(exc).__name__}: {_text(exc).strip() or 'no message'})")
     finally:
         _optional(pynvml.nvmlShutdown)
 
