@@ -15,7 +15,7 @@ import torch
 
 from ..errors import SnapmlaError
 from .formats import D_CONTENT, D_QK, E4M3_MAX, KV_SCALE_FLOOR, PAGE_SIZE
-from .quant import e4m3_round, quantize_rows
+from .quant import divide_by, e4m3_round, quantize_rows
 
 GROUP_CHANNELS = 128  # channels per scale for configs D and G
 BLOCK_TOKENS = PAGE_SIZE  # tokens per scale block for config D
@@ -23,7 +23,7 @@ BLOCK_TOKENS = PAGE_SIZE  # tokens per scale block for config D
 
 def _fake_e4m3(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """``e4m3(x / s) * s`` with ``s = max(amax / 448, 2^-32)`` (``amax`` broadcasts to ``x``)."""
-    scale = torch.clamp(amax.float() / torch.tensor(E4M3_MAX, dtype=torch.float32), min=KV_SCALE_FLOOR)
+    scale = torch.clamp(divide_by(amax.float(), E4M3_MAX), min=KV_SCALE_FLOOR)
     return e4m3_round(x / scale).float() * scale
 
 

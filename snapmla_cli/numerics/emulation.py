@@ -36,7 +36,7 @@ from .formats import (
     P_BLOCK_TOKENS,
     P_SCALE_FLOOR,
 )
-from .quant import QuantizedRows, as_e4m3, e4m3_round
+from .quant import QuantizedRows, as_e4m3, divide_by, e4m3_round
 from .visibility import visible_counts
 
 # Rows of one request handled per vectorised step; bounds the [rows, tokens] temporaries.
@@ -84,7 +84,7 @@ def _split_rows(
     e = torch.exp(blocks - safe_max[..., None])  # 0 for masked (-inf) entries
     k_s_blocks = torch.nn.functional.pad(k_s, (0, pad), value=0.0).view(1, nblk, P_BLOCK_TOKENS)
     e_tilde = e * k_s_blocks
-    sigma = torch.clamp(e_tilde.amax(dim=-1) / E4M3_MAX, min=P_SCALE_FLOOR)
+    sigma = torch.clamp(divide_by(e_tilde.amax(dim=-1), E4M3_MAX), min=P_SCALE_FLOOR)
     p = e4m3_round(e_tilde / sigma[..., None]).float()
     final_max = running_max[:, -1]
     has_keys = torch.isfinite(final_max)
