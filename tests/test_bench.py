@@ -663,6 +663,9 @@ def invoke(*args: object):
     (["--kv-mem", "lots"], "--kv-mem"),
     (["--mtp", "5"], "--mtp"),
     (["--steps", "0"], "--steps"),
+    (["--heads", "2000"], "--heads: expected 1..1024, got 2000"),
+    (["--layers", "5000"], "--layers: expected 1..1024, got 5000"),
+    (["--cpu-fake", "--dp", "99999999999999999999"], "CPU ranks, expected at most 64"),
 ])
 def test_cli_argument_errors(args: list[str], needle: str) -> None:
     assert_one_line_error(invoke(*args), needle)

@@ -132,6 +132,10 @@ def _check_rendezvous(env: Mapping[str, str]) -> None:
         raise SnapmlaError(f"MASTER_PORT: expected a TCP port 1..{MAX_PORT}, got {port!r}")
 
 
+# processes the CPU runner (--cpu-fake, CI) spawns at most: one per rank, on one machine
+MAX_CPU_RANKS = 64
+
+
 def preflight(
     plan: BenchPlan,
     spec: RunnerSpec,
@@ -151,6 +155,9 @@ def preflight(
             f"(one per GPU): use --nproc-per-node/--nnodes with {plan.world} in total"
         )
     if spec.kind != "gpu":
+        if env is None and plan.world > MAX_CPU_RANKS:  # each rank is a process of this machine
+            raise SnapmlaError(f"{layouts}: {plan.world} CPU ranks, expected at most {MAX_CPU_RANKS} "
+                               "(the CPU runner spawns one process per rank)")
         return
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()

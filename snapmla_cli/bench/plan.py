@@ -19,12 +19,15 @@ from dataclasses import dataclass
 
 from ..errors import SnapmlaError
 from ..numerics.formats import BF16_TOKEN_BYTES, FP8_TOKEN_BYTES, PAGE_SIZE
-from ..sizes import format_size, refuse_long_number
+from ..sizes import MAX_QUERY_HEADS, format_size, refuse_long_number
 
 FP8, BF16 = "fp8", "bf16"
 IMPLS = (FP8, BF16)
 TOKEN_BYTES = {FP8: FP8_TOKEN_BYTES, BF16: BF16_TOKEN_BYTES}
 MAX_MTP = 4  # SPEC section 1: s_q in 1..4
+# attention calls per decoded token a bench step may make: 16x the deepest preset (DeepSeek-V3's
+# 61); a larger count is a typo, whose step would allocate a cache per layer before failing
+MAX_LAYERS = 1024
 DEFAULT_KV_MEM = 60 * 2**30  # 60 GiB per GPU
 DEFAULT_CONTEXTS = "16k,32k,64k,128k"
 
@@ -291,10 +294,10 @@ def make_plan(
         raise SnapmlaError(f"--model: {model!r} is not a preset (expected one of {', '.join(PRESETS)})")
     heads = preset.heads if heads is None else heads
     layers = preset.layers if layers is None else layers
-    if heads < 1:
-        raise SnapmlaError(f"--heads: expected at least 1, got {heads}")
-    if layers < 1:
-        raise SnapmlaError(f"--layers: expected at least 1, got {layers}")
+    if not 1 <= heads <= MAX_QUERY_HEADS:
+        raise SnapmlaError(f"--heads: expected 1..{MAX_QUERY_HEADS}, got {heads}")
+    if not 1 <= layers <= MAX_LAYERS:
+        raise SnapmlaError(f"--layers: expected 1..{MAX_LAYERS}, got {layers}")
     if not 1 <= mtp <= MAX_MTP:
         raise SnapmlaError(f"--mtp: expected 1..{MAX_MTP} query tokens per request, got {mtp}")
     if batch is not None and batch < 1:
