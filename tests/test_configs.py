@@ -117,6 +117,9 @@ def test_every_config_takes_a_layer_without_tokens(config_id: str) -> None:
     out = CONFIGS[config_id].fake_quant(torch.randn(0, D_QK))
     assert out.shape == (0, D_QK)
     assert out.dtype == torch.float32
+    # on another device than the CPU (the meta device stands in for CUDA): no CPU zeros mixed in
+    on_meta = CONFIGS[config_id].fake_quant(torch.randn(0, D_QK, device="meta"))
+    assert on_meta.shape == (0, D_QK) and on_meta.device.type == "meta"
 
 
 def test_a_dumps_queries_are_taken_as_asked_never_silently_fewer() -> None:

@@ -240,3 +240,54 @@ def test_a_plan_does_not_keep_the_callers_cache_alive(recorder):
     del cache
     gc.collect()
     assert alive() is None
+
+
+def test_the_plan_builds_its_kernels_for_the_tensors_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process driving several GPUs: the kernels of a call on cuda:1 must be cuda:1's (each
+    belongs to its device's context), not the current device's."""
+    from snapmla_cli.ops.decode_config import variant_config
+
+    devices: list[object] = []
+
+    def get_kernel(source: str, name: str, defines: object = None, *, device: object = None, dynamic_smem: int = 0):
+        devices.append(device)
+        return types.SimpleNamespace(function=types.SimpleNamespace(ptr=0), device_index=device)
+
+    monkeypatch.setattr(decode, "_runtime", lambda: types.SimpleNamespace(get_kernel=get_kernel))
+    monkeypatch.setattr(decode, "combine_launch", lambda kernel, grid: None)
+    meta = torch.zeros((4, 1, 4), dtype=torch.int32)
+    meta[:, 0, 2] = 1  # four one-block items
+    meta[:, 0, 3] = torch.tensor([0, 1, 2, 3])  # partial slots: the combine runs too
+    decode._decode_plan(True, torch.zeros((8, 64, 656), dtype=torch.uint8), (2, 1, 16), torch.device("cuda", 1), 4,
+                        meta, None, False, variant_config(16, 2), None)
+    assert len(devices) == 2 and all(device == 1 for device in devices), devices  # the decode, the combine
+
+
+def _offset_view(t: torch.Tensor, elements: int) -> torch.Tensor:
+    """``t``'s values in a contiguous view that starts ``elements`` elements into a larger buffer."""
+    buffer = torch.zeros(t.numel() + elements, dtype=t.dtype)
+    view = buffer[elements:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_views_at_an_odd_offset_are_refused_on_first_calls_and_replays(recorder):
+    """The kernels read q, its E4M3 content and RoPE, and the cache with 16-byte accesses: a
+    contiguous view at an odd offset passes every shape check and would fault on the GPU (a
+    misaligned address ends the CUDA context). A first call and a replay both refuse it."""
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    q = _q8()
+    odd_content = QuantizedRows(_offset_view(q.content, 3), q.scale, q.rope)
+    with pytest.raises(SnapmlaError, match="^q.content: data must start on a 16-byte boundary"):
+        decode_fp8(odd_content, cache, table, lens, meta, splits)  # no plan yet: the first call
+    with pytest.raises(SnapmlaError, match="^k_cache: data must start on a 16-byte boundary"):
+        decode_fp8(q, _offset_view(cache, 8), table, lens, meta, splits)
+    decode_fp8(q, cache, table, lens, meta, splits)  # a plan now
+    odd_rope = QuantizedRows(q.content, q.scale, _offset_view(q.rope, 1))
+    with pytest.raises(SnapmlaError, match="^q.rope: data must start on a 16-byte boundary"):
+        decode_fp8(odd_rope, cache, table, lens, meta, splits)  # the replay
+    decode_fp8(QuantizedRows(q.content, _offset_view(q.scale, 1), q.rope), cache, table, lens, meta, splits)
+    out = torch.empty(BATCH, S_Q, H_Q, 512, dtype=torch.bfloat16)
+    with pytest.raises(SnapmlaError, match="^out: data must start on a 16-byte boundary"):
+        decode_fp8(q, cache, table, lens, meta, splits, out=_offset_view(out, 2))

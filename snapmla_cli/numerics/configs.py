@@ -38,7 +38,7 @@ def _amax_over_tokens(content: torch.Tensor, keepdim_channels: bool) -> torch.Te
     """The layer's |x| maximum over its tokens (per channel when ``keepdim_channels``), 0 for a
     layer with no tokens: ``amax`` has no identity element, so an empty reduction raises."""
     if content.shape[0] == 0:
-        return torch.zeros((1, content.shape[1]) if keepdim_channels else (), dtype=content.dtype)
+        return torch.zeros((1, content.shape[1]) if keepdim_channels else (), dtype=content.dtype, device=content.device)
     if keepdim_channels:
         return content.abs().amax(dim=0, keepdim=True)
     return content.abs().amax()

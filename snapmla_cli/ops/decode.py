@@ -43,6 +43,7 @@ from ..numerics.formats import (
 from ..numerics.quant import QuantizedRows, as_e4m3
 from ..runtime.cluster_launch import ClusterLaunch
 from ..runtime.gpu_arch import require_arch
+from .alignment import VEC_ALIGN, misaligned, require_aligned
 from .cluster_fold import cluster_defines, holds_a_wave, planned_cluster
 from .config_choice import (
     MetadataPlan,
@@ -233,6 +234,7 @@ def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tu
     b, s_q, h_q = shape
     if out is not None:
         _check(out, "out", torch.bfloat16, (b, s_q, h_q, D_V), device)
+        require_aligned("out", out)
     if lse is not None:
         _check(lse, "lse", torch.float32, (b, h_q, s_q), device)
 
@@ -304,15 +306,16 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
         defines = fp8_defines(cfg) if fp8 else bf16_defines(cfg)
         cluster = planned_cluster(0 if fold is None else fold.cluster, cluster_capable(cfg, fp8))
         if cluster:
-            kernel = rt.get_kernel(*source_name, cluster_defines(defines), dynamic_smem=shared_mem)
+            kernel = rt.get_kernel(*source_name, cluster_defines(defines), device=device.index, dynamic_smem=shared_mem)
             if not holds_a_wave(kernel.function.ptr, cluster, grid, block, shared_mem,
                                 cfg.split.num_sms * cfg.split.ctas_per_sm):
                 cluster = 0
-        if not cluster:
-            kernel = rt.get_kernel(*source_name, defines)
+        if not cluster:  # (for the tensors' GPU, which need not be the current one)
+            kernel = rt.get_kernel(*source_name, defines, device=device.index)
     run = combine_after(fold, arrivals, cluster)
     rows_per_cta = combine_rows_per_cta(b * rows)
-    combine = None if run is None else rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta})
+    combine = None if run is None else rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta},
+                                                     device=device.index)
     combine_grid = (b, math.ceil(rows / rows_per_cta), 1)
     return DecodePlan(
         metadata=weakref.ref(tile_scheduler_metadata),
@@ -374,8 +377,11 @@ def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], sha
                   ("tile_scheduler_metadata", metadata), ("num_splits", num_splits)), block_table)
     if out is not None or lse is not None:
         _check_outputs(out, lse, shape, plan.device)
-    return plan.run(tuple(t.data_ptr() for _, t in q_parts), block_table, cache_seqlens, metadata, num_splits,
-                    out, lse)
+    q_ptrs = tuple(t.data_ptr() for _, t in q_parts)
+    for (name, _), ptr in zip(q_parts, q_ptrs):  # (a new q each step: its address is not in the key)
+        if ptr % Q_ALIGN.get(name, VEC_ALIGN):
+            misaligned(name, ptr, Q_ALIGN.get(name, VEC_ALIGN))
+    return plan.run(q_ptrs, block_table, cache_seqlens, metadata, num_splits, out, lse)
 
 
 def _tensor_args(**named: object) -> None:
@@ -385,6 +391,10 @@ def _tensor_args(**named: object) -> None:
         if not isinstance(value, torch.Tensor):
             raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
 
+
+# start alignment of q's parts the kernels need (bytes): 16-byte loads of q, its E4M3 content and
+# RoPE; the float32 scales are read one by one
+Q_ALIGN = {"q.scale": 4}
 
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
@@ -495,7 +505,10 @@ def decode_fp8(
     device = content.device
     _check(q.scale, "q.scale", torch.float32, (b, s_q, h_q), device)
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
+    for name, part in (("q.content", content), ("q.scale", q.scale), ("q.rope", q.rope)):
+        require_aligned(name, part, Q_ALIGN.get(name, VEC_ALIGN))
     cache = _fp8_cache_rows(k_cache)
+    require_aligned("k_cache", cache)
     if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
         _check_table_reads(block_table, cache_seqlens, b, cache)
     _require_cuda(cache, "k_cache", device)
@@ -548,6 +561,8 @@ def decode_bf16(
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
+    require_aligned("q", q)
+    require_aligned("k_cache", k_cache)
     if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
         _check_table_reads(block_table, cache_seqlens, b, k_cache)
     cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,

@@ -26,6 +26,7 @@ import torch
 from ..runtime.cluster_launch import ClusterLaunch
 from ..runtime.launch import (
     Kernel,
+    current_device_index,
     current_raw_stream,
     launch_prepared,
     launch_raw,
@@ -82,7 +83,12 @@ class DecodePlan:
     def run(self, q_ptrs: tuple[int, ...], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
             metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
             lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocate what the caller did not give, launch the decode kernel and the combine."""
+        """Allocate what the caller did not give, launch the decode kernel and the combine, on
+        the tensors' GPU: the kernels belong to its context, which need not be the current one
+        (a process driving several GPUs)."""
+        if self.device.type == "cuda" and current_device_index() != self.device.index:
+            with torch.cuda.device(self.device):
+                return self.run(q_ptrs, block_table, cache_seqlens, metadata, num_splits, out, lse)
         device = self.device
         if out is None:
             out = torch.empty(size=self.out_shape, dtype=torch.bfloat16, device=device)

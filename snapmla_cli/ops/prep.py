@@ -30,9 +30,9 @@ from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
 from ..runtime.registry import PREP_DEFINES, PREP_KERNELS, PREP_SOURCE
 from ..sizes import counted
+from .alignment import VEC_ALIGN, misaligned, require_aligned
 from .finite import GPU_CHECKS, capturing, check_quantizable
 
-_VEC_ALIGN = 16  # bytes: the kernels use 16-byte vector accesses
 _CPU_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
 _WARPS_PER_CTA = PREP_DEFINES["PREP_WARPS_PER_CTA"]
@@ -94,18 +94,6 @@ def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None
 def _contiguous(name: str, t: torch.Tensor) -> None:
     if not t.is_contiguous():
         _not_contiguous(name)
-
-
-def _aligned(name: str, t: torch.Tensor) -> None:
-    if t.numel() and t.data_ptr() % _VEC_ALIGN:
-        _misaligned(name, t.data_ptr())
-
-
-def _misaligned(name: str, ptr: int) -> None:
-    raise SnapmlaError(
-        f"{name}: data must start on a {_VEC_ALIGN}-byte boundary (got a view at offset "
-        f"{ptr % _VEC_ALIGN}); pass a fresh tensor or .clone()"
-    )
 
 
 def _not_contiguous(name: str) -> None:
@@ -208,7 +196,7 @@ def _check_q(q: torch.Tensor) -> None:
 
 
 # Alignment the Q-quant kernel's stores need: 16-byte content chunks, 4-byte scale / RoPE words.
-_Q_OUT_ALIGN = {"content": _VEC_ALIGN, "scale": 4, "rope": 4}
+_Q_OUT_ALIGN = {"content": VEC_ALIGN, "scale": 4, "rope": 4}
 
 
 def _check_q_out(out: object, lead: tuple[int, ...], device: torch.device) -> None:
@@ -229,12 +217,7 @@ def _check_q_out(out: object, lead: tuple[int, ...], device: torch.device) -> No
         if t.device != device:
             raise SnapmlaError(f"{name}: expected a tensor on {device} (like q), got {t.device}")
         _contiguous(name, t)
-        align = _Q_OUT_ALIGN[field]
-        if t.numel() and t.data_ptr() % align:
-            raise SnapmlaError(
-                f"{name}: data must start on a {align}-byte boundary "
-                f"(got offset {t.data_ptr() % align})"
-            )
+        require_aligned(name, t, _Q_OUT_ALIGN[field])
 
 
 # (shape, dtype, device index) -> (device index, rows, launch grid, i64 rows, content shape,
@@ -248,7 +231,7 @@ def _quantize_q_plan(q: torch.Tensor, key: tuple) -> tuple:
     _same_device([("q", q)])
     _check_q(q)
     _dtype("q", q, (torch.bfloat16,))
-    _aligned("q", q)
+    require_aligned("q", q)
     lead = tuple(q.shape[:-1])
     rows = q.numel() // D_QK
     index = q.get_device()
@@ -283,8 +266,8 @@ def _quantize_q_cuda(q: torch.Tensor, out: QuantizedRows | None = None) -> Quant
     if not q.is_contiguous():
         _not_contiguous("q")
     ptr = q.data_ptr()
-    if rows and ptr % _VEC_ALIGN:
-        _misaligned("q", ptr)
+    if rows and ptr % VEC_ALIGN:
+        misaligned("q", ptr)
     if GPU_CHECKS.on:
         check_quantizable("q", q)
     if out is None:
@@ -323,7 +306,7 @@ def _q_out_tensors(
             and content.is_contiguous()
             and scale.is_contiguous()
             and rope.is_contiguous()
-            and not (content.data_ptr() % _VEC_ALIGN or scale.data_ptr() % 4 or rope.data_ptr() % 4)
+            and not (content.data_ptr() % VEC_ALIGN or scale.data_ptr() % 4 or rope.data_ptr() % 4)
         )
     except AttributeError:
         ok = False
@@ -387,8 +370,8 @@ def _append_kv_plan(
     """Check the arguments fully (first call for these shapes, dtypes, devices); their plan."""
     kv, slots, cache, _ = _check_append(kv, slots, k_cache)
     _dtype("kv", kv, (torch.bfloat16,))
-    _aligned("kv", kv)
-    _aligned("k_cache", cache)
+    require_aligned("kv", kv)
+    require_aligned("k_cache", cache)
     n, num_slots = kv.shape[0], cache.shape[0] * PAGE_SIZE
     plan = (
         kv.get_device(),
@@ -427,11 +410,11 @@ def _append_kv_cuda(kv: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor
     if not k_cache.is_contiguous():
         _not_contiguous("k_cache")
     kv_ptr = kv.data_ptr()
-    if nonempty and kv_ptr % _VEC_ALIGN:
-        _misaligned("kv", kv_ptr)
+    if nonempty and kv_ptr % VEC_ALIGN:
+        misaligned("kv", kv_ptr)
     cache_ptr = k_cache.data_ptr()
-    if cache_nonempty and cache_ptr % _VEC_ALIGN:
-        _misaligned("k_cache", cache_ptr)
+    if cache_nonempty and cache_ptr % VEC_ALIGN:
+        misaligned("k_cache", cache_ptr)
     if nonempty and GPU_CHECKS.on:  # the rows that will be written (padding slots are skipped)
         check_quantizable("kv", kv, _valid_slots(slots, k_cache.numel() // FP8_TOKEN_BYTES))
     if nonempty:
@@ -528,7 +511,7 @@ def fetch_dequant(
         return _fetch_soa(*soa, _token_slots(block_table, cu, total, num_blocks * PAGE_SIZE), device)
     if device.type == "cpu":
         return _fetch_paged_cpu(cache, block_table, cu, total)
-    _aligned("k_cache", cache)
+    require_aligned("k_cache", cache)
     out = torch.empty((total, D_QK), dtype=torch.bfloat16, device=device)
     if total:
         num_slots = cache.shape[0] * PAGE_SIZE
@@ -606,7 +589,7 @@ def fetch_dequant_slots(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Ten
         flat = cache.view(num_slots, FP8_TOKEN_BYTES)
         out[valid] = _dequant_rows(unpack_tokens(flat[slots[valid].long()]))
         return out
-    _aligned("k_cache", cache)
+    require_aligned("k_cache", cache)
     out = torch.empty((n, D_QK), dtype=torch.bfloat16, device=device)
     if n:
         _FETCH_SLOTS[slots.dtype].launch(
@@ -670,7 +653,7 @@ def _fetch_soa(content: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor, s
         return out
     content_u8 = content.view(torch.uint8)
     for name, t in (("content", content_u8), ("scale", scale), ("rope", rope)):
-        _aligned(name, t)
+        require_aligned(name, t)
     out = torch.empty((n, D_QK), dtype=torch.bfloat16, device=device)
     if n:
         _FETCH_SOA[slots.dtype].launch(
