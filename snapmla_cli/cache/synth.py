@@ -54,6 +54,7 @@ TOKEN_GAIN_SIGMA = 0.25  # log-normal sigma of the per-token magnitude
 SINK_EVERY = 4096  # one delimiter-like sink per this many tokens, plus position 0
 SINK_CHANNELS = 4  # sinks carry massive values in these many (shared) channels ...
 SINK_VALUE = 8.0  # ... of about this magnitude
+SINK_JITTER = 0.1  # relative per-sink, per-channel spread of that magnitude
 
 # RoPE.
 ROPE_AMPLITUDE_FIRST = 8.0  # pair-amplitude base of the first layer ...
@@ -65,11 +66,15 @@ ROPE_NOISE = 0.3  # Student-t noise relative to the pair amplitude ...
 ROPE_MASSIVE_NOISE = 0.02  # ... and on the massive pairs (consistent: no per-token gain either)
 ROPE_NOISE_DF = 4
 ROPE_TOKEN_GAIN_SIGMA = 0.1  # log-normal per-token gain of the other pairs
+ROPE_PAIR_SIGMA = 0.4  # log-normal spread of a layer's pair amplitudes ...
+ROPE_PAIR_RAMP = (0.3, 2.0)  # ... times a + b * frac^2 (frac: 0 at the highest frequency, 1 at the lowest)
 
 # Probe queries.
 QUERY_MIX_KEYS = 16  # keys whose content a probe query mixes
 ROPE_SHARE = (0.25, 4.0)  # range of a row's std(RoPE logits) / std(content logits)
 EFFECTIVE_KEYS = (8.0, 1024.0)  # range of a row's exp(attention entropy)
+QUERY_ROPE_WEIGHT_SIGMA = 0.5  # log-normal weight of a probe query's RoPE pairs ...
+QUERY_ROPE_NOISE = 0.3  # ... plus this much Gaussian noise (relative to the RoPE part's RMS)
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ def synth_content(tokens: int, layer_gen: torch.Generator, gen: torch.Generator)
     token_gain = torch.exp(TOKEN_GAIN_SIGMA * torch.randn(tokens, 1, generator=gen))
     content = token_gain * gain * z
     sinks = sink_positions(tokens, gen)
-    jitter = 1 + 0.1 * torch.randn(sinks.shape[0], SINK_CHANNELS, generator=gen)
+    jitter = 1 + SINK_JITTER * torch.randn(sinks.shape[0], SINK_CHANNELS, generator=gen)
     content[sinks[:, None], channels[None, :]] = SINK_VALUE * signs * jitter
     return content
 
@@ -159,7 +164,8 @@ def synth_rope(positions: torch.Tensor, depth: float, layer_gen: torch.Generator
     layer's pair amplitudes, massive pairs and directions, ``gen`` the tokens."""
     pairs = D_ROPE // 2
     frac = torch.arange(pairs, dtype=torch.float32) / (pairs - 1)  # 0 = highest frequency
-    amp = torch.exp(0.4 * torch.randn(pairs, generator=layer_gen)) * (0.3 + 2.0 * frac**2)
+    ramp_base, ramp_gain = ROPE_PAIR_RAMP
+    amp = torch.exp(ROPE_PAIR_SIGMA * torch.randn(pairs, generator=layer_gen)) * (ramp_base + ramp_gain * frac**2)
     massive = pairs - 1 - torch.randperm(pairs // 3, generator=layer_gen)[:ROPE_MASSIVE_PAIRS]
     amp[massive] *= _lerp_log(ROPE_MASSIVE_GAIN_FIRST, ROPE_MASSIVE_GAIN_LAST, depth)
     amp *= _lerp_log(ROPE_AMPLITUDE_FIRST, ROPE_AMPLITUDE_LAST, depth)
@@ -221,8 +227,8 @@ def probe_queries(
     noise = torch.randn(rows, D_CONTENT, generator=gen)
     q_c = q_c + noise * q_c.norm(dim=-1, keepdim=True) / noise.norm(dim=-1, keepdim=True)
     q_r = k_r[torch.tensor(anchors).repeat_interleave(heads)]
-    q_r = q_r * torch.exp(0.5 * torch.randn(rows, D_ROPE // 2, generator=gen)).repeat_interleave(2, dim=1)
-    q_r = q_r + 0.3 * q_r.norm(dim=-1, keepdim=True) / math.sqrt(D_ROPE) * torch.randn(rows, D_ROPE, generator=gen)
+    q_r = q_r * torch.exp(QUERY_ROPE_WEIGHT_SIGMA * torch.randn(rows, D_ROPE // 2, generator=gen)).repeat_interleave(2, dim=1)
+    q_r = q_r + QUERY_ROPE_NOISE * q_r.norm(dim=-1, keepdim=True) / math.sqrt(D_ROPE) * torch.randn(rows, D_ROPE, generator=gen)
     logit_c = scale * (q_c.double() @ k_c.double().T)
     logit_r = scale * (q_r.double() @ k_r.double().T)
     share = _log_uniform(ROPE_SHARE, rows, gen)

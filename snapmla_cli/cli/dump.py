@@ -83,7 +83,7 @@ def dump_command(
 
     Per layer the dump holds the normalised c_kv and the RoPE-rotated k_pe of a
     DeepSeek-V2/V3-style model (Kimi-K2, LongCat-Flash too), which is loaded from local files
-    only."""
+    only. Needs the ``dump`` extra (transformers): pip install -e ".[dump]"."""
     out = Console()
     err = Console(stderr=True)
     try:

@@ -47,7 +47,7 @@ def quantize_command(
     output: Annotated[Path, output_option("--output", "-o", help="FP8 cache file to write.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT, --json, --plot files.")] = False,
     json_path: Annotated[Path | None, output_option("--json", help="Write the fidelity report as JSON.")] = None,
-    plot: Annotated[Path | None, output_option("--plot", help="Write the Fig.-5-style plot (.png/.pdf/.svg).")] = None,
+    plot: Annotated[Path | None, output_option("--plot", help="Write the Fig.-5-style plot of the attention output per layer (.png/.pdf/.svg; needs the plot extra, matplotlib).")] = None,
     queries: Annotated[int | None, typer.Option(help="Probe queries per layer (default: the dump's, else 4 synthetic).")] = None,
     configs: Annotated[str, typer.Option(help="Configurations to compare, comma-separated.")] = ",".join(CONFIGS),
     device: Annotated[Device, typer.Option(help="Where to quantize and analyse.")] = Device.auto,

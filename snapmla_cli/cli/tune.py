@@ -70,9 +70,11 @@ def tune_command(
 ) -> None:
     """Tune the decode kernels for this GPU and write the tuning database.
 
-    For each bucket (h_q, s_q, batch range, context range, format) every valid kernel variant
-    and split policy is compiled, checked against the reference numerics, and timed with CUDA
-    events; the fastest is stored next to the heuristic default's time."""
+    For each bucket (h_q, s_q, batch range, context range, format) the kernel variants and split
+    policies of the search space (as many as --budget allows, the likeliest first) are compiled,
+    checked against the reference numerics, and timed as CUDA-graph replays at the boost clock
+    (a short window after an idle pause); the fastest is stored next to the heuristic default's
+    time."""
     try:
         _tune(BucketOptions(heads, mtp, batch, ctx, fmt), budget, dry_run, resume, db_dir, force, stale)
     except SnapmlaError as exc:

@@ -93,7 +93,7 @@ def verify_command(
 
     On CPU the FP8 pipeline's emulation is checked; on a GPU also the kernels (on a GPU they are
     not built for, the emulation only, with a note). Exit 0 only when every gate passes (SPEC
-    section 6)."""
+    section 6), 1 when one fails, 2 for a bad argument."""
     check_outputs([("--json", json_path)], force, inputs=[("--dump", dump)])
     dev = resolve_device(device.value)
     head_list = parse_int_list(heads, "--heads", MAX_QUERY_HEADS)
