@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -144,30 +144,31 @@ def _load_config(transformers: ModuleType, model: str, trust_remote_code: bool) 
     if native is not None:
         with _loader_errors(f"model {model}: cannot read its config as {native.__name__}"):
             return native.config_class.from_pretrained(model, local_files_only=True), native
-    try:
-        config = transformers.AutoConfig.from_pretrained(
-            model, local_files_only=True, trust_remote_code=trust_remote_code)
-    except (SnapmlaError, MemoryError):
-        raise
-    except Exception as exc:  # noqa: BLE001 - a third-party loader boundary, as in _loader_errors
-        if _needs_remote_code(exc, trust_remote_code):
-            raise SnapmlaError(f"model {model}: its config is the checkpoint's own code, which snapmla "
-                               f"runs only with {REMOTE_CODE_FLAG}") from None
-        raise SnapmlaError(_missing_checkpoint(model, exc)) from None
+    config = _auto_loaded(model, "config", trust_remote_code, lambda: transformers.AutoConfig.from_pretrained(
+        model, local_files_only=True, trust_remote_code=trust_remote_code), lambda exc: _missing_checkpoint(model, exc))
     return config, None
 
 
 def _load_tokenizer(transformers: ModuleType, model: str, trust_remote_code: bool) -> Any:
+    return _auto_loaded(model, "tokenizer", trust_remote_code, lambda: transformers.AutoTokenizer.from_pretrained(
+        model, local_files_only=True, trust_remote_code=trust_remote_code),
+        lambda exc: f"model {model}: cannot load its tokenizer ({_first_line(exc)})")
+
+
+def _auto_loaded(model: str, part: str, trust_remote_code: bool, load: Callable[[], Any],
+                 failure: Callable[[BaseException], str]) -> Any:
+    """``load()`` (a transformers Auto class) at the loader boundary of :func:`_loader_errors`,
+    with one more answer: a ``part`` that is the checkpoint's own code, refused without the flag,
+    says so; any other failure is the one line ``failure(exc)``."""
     try:
-        return transformers.AutoTokenizer.from_pretrained(
-            model, local_files_only=True, trust_remote_code=trust_remote_code)
+        return load()
     except (SnapmlaError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a third-party loader boundary, as in _loader_errors
         if _needs_remote_code(exc, trust_remote_code):
-            raise SnapmlaError(f"model {model}: its tokenizer is the checkpoint's own code, which snapmla "
+            raise SnapmlaError(f"model {model}: its {part} is the checkpoint's own code, which snapmla "
                                f"runs only with {REMOTE_CODE_FLAG}") from None
-        raise SnapmlaError(f"model {model}: cannot load its tokenizer ({_first_line(exc)})") from None
+        raise SnapmlaError(failure(exc)) from None
 
 
 def _listed(keys: list[str]) -> str:

@@ -18,7 +18,7 @@ import functools
 import inspect
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import ParamSpec, TypeVar
 
@@ -380,7 +380,7 @@ def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], sha
     q_ptrs = tuple(t.data_ptr() for _, t in q_parts)
     for (name, _), ptr in zip(q_parts, q_ptrs):  # (a new q each step: its address is not in the key)
         if ptr % Q_ALIGN.get(name, VEC_ALIGN):
-            misaligned(name, ptr, Q_ALIGN.get(name, VEC_ALIGN))
+            _require_q_aligned(((name, ptr),))  # (the error; inline above: the hot path)
     return plan.run(q_ptrs, block_table, cache_seqlens, metadata, num_splits, out, lse)
 
 
@@ -395,6 +395,14 @@ def _tensor_args(**named: object) -> None:
 # start alignment of q's parts the kernels need (bytes): 16-byte loads of q, its E4M3 content and
 # RoPE; the float32 scales are read one by one
 Q_ALIGN = {"q.scale": 4}
+
+def _require_q_aligned(parts: Iterable[tuple[str, int]]) -> None:
+    """Each of q's parts (name, data address) starts where the kernels' loads need it (Q_ALIGN)."""
+    for name, ptr in parts:
+        align = Q_ALIGN.get(name, VEC_ALIGN)
+        if ptr % align:
+            misaligned(name, ptr, align)
+
 
 _Params = ParamSpec("_Params")
 _Result = TypeVar("_Result")
@@ -505,8 +513,8 @@ def decode_fp8(
     device = content.device
     _check(q.scale, "q.scale", torch.float32, (b, s_q, h_q), device)
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
-    for name, part in (("q.content", content), ("q.scale", q.scale), ("q.rope", q.rope)):
-        require_aligned(name, part, Q_ALIGN.get(name, VEC_ALIGN))
+    _require_q_aligned((name, part.data_ptr()) for name, part in
+                       (("q.content", content), ("q.scale", q.scale), ("q.rope", q.rope)) if part.numel())
     cache = _fp8_cache_rows(k_cache)
     require_aligned("k_cache", cache)
     if GPU_CHECKS.on:  # after the shapes: the table's batch is q's

@@ -376,12 +376,12 @@ class LoadedFile:
     unknown: list[str] = field(default_factory=list)
 
 
-# the fields each level of a file has (what dump_text writes); others are reported, not read
+# the fields each level of a file has (what dump_text and the as_dict methods write: the
+# dataclasses' fields, and an entry's derived speedup); others are reported, not read
 FILE_KEYS = ("format", "version", "devices")
-SECTION_KEYS = ("gpu", "entries")
-GPU_KEYS = ("name", "sm_count", "compute_capability", "cuda_driver_major")
-ENTRY_KEYS = ("bucket", "config", "time_us", "default_time_us", "speedup", "default_config", "timed_at",
-              "candidates", "date", "snapmla_version", "kernels", "command")
+SECTION_KEYS = tuple(f.name for f in dataclasses.fields(DeviceSection))
+GPU_KEYS = tuple(f.name for f in dataclasses.fields(GpuKey))
+ENTRY_KEYS = (*(f.name for f in dataclasses.fields(Entry)), "speedup")
 
 
 def _unknown_keys(where: str, data: object, known: tuple[str, ...]) -> list[str]:

@@ -46,6 +46,7 @@ from .db import (
     Entry,
     GpuKey,
     db_filename,
+    entries_for,
     folder_problem,
     load_file,
     search_dirs,
@@ -409,18 +410,11 @@ def stored_entries(gpu: GpuKey, folder: Path | None = None) -> dict[Bucket, Entr
     """Per bucket, the entry of exactly that bucket that the lookup takes for ``gpu`` (the user's
     folder before the shipped one): ``snapmla tune`` measures its configuration right after the
     default, so a user's first run starts from what the shipped database found. Given
-    ``folder``, the entries of that folder's file for the same GPU model (any driver) only."""
-    found: dict[Bucket, Entry] = {}
+    ``folder``, that folder's entries for exactly ``gpu`` (:func:`~.db.entries_for`, as the run's
+    resume check reads them, so that a re-timed entry replaces the stale one)."""
     if folder is not None:
-        try:
-            sections = load_file(folder / db_filename(gpu.name)).sections
-        except DbError:
-            return found  # (no file, or one the run's merge will refuse by name)
-        for section in sections:
-            if section.gpu.same_gpu(gpu):
-                for entry in section.entries:
-                    found.setdefault(entry.bucket, entry)
-        return found
+        return entries_for(folder, gpu)
+    found: dict[Bucket, Entry] = {}
     for loc in matching_entries(gpu):
         found.setdefault(loc.entry.bucket, loc.entry)
     return found

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from itertools import product
 
 from ..errors import SnapmlaError
@@ -62,9 +62,6 @@ DEFAULT_NUM_SMS = SplitPolicy().num_sms  # used by --dry-run on a machine withou
 # ---------------------------------------------------------------------------------------------
 # buckets
 
-
-# the dimensions a stored bucket has (Bucket.as_dict's keys)
-BUCKET_KEYS = ("h_q", "s_q", "batch", "context", "format")
 
 @dataclass(frozen=True)
 class Bucket:
@@ -117,7 +114,7 @@ class Bucket:
         skips that entry alone)."""
         if not isinstance(data, dict):
             raise DbError(f"bucket: expected a mapping, got {show(data)}")
-        unknown = sorted(map(str, set(data) - set(BUCKET_KEYS)))
+        unknown = sorted(map(str, set(data) - {f.name for f in fields(cls)}))  # (as_dict's keys)
         if unknown:  # a dimension of a newer snapmla: ignored, it would widen the bucket
             raise DbError(f"bucket: unknown dimension(s) {shorten(', '.join(unknown), 60)}")
         fmt = data.get("format")

@@ -50,6 +50,21 @@ def _operands(prob, fp8: bool, device: torch.device):
     return prob.q.to(device), prob.bf16_cache().to(device)
 
 
+def _heuristic_call(prob, fp8: bool, version: int, device: torch.device):
+    """The arguments of a decode call of ``prob`` at the heuristic configuration of ``version``:
+    (config, q, cache, lengths, block table, metadata, num_splits), on ``device``."""
+    from snapmla_cli.ops.decode import get_mla_metadata
+    from snapmla_cli.ops.decode_config import heuristic_config
+
+    _b, s_q, h_q, _ = prob.q.shape
+    cfg = heuristic_config(s_q * h_q, fp8, version).with_sms(_sms(device))
+    q, cache = _operands(prob, fp8, device)
+    lens_t = prob.layout.cache_seqlens.to(device)
+    table = prob.layout.block_table.to(device)
+    meta, splits = get_mla_metadata(lens_t, s_q * h_q, 1, fp8=fp8, config=cfg)
+    return cfg, q, cache, lens_t, table, meta, splits
+
+
 def _decode(fp8: bool):
     from snapmla_cli.ops.decode import decode_bf16, decode_fp8
 
@@ -171,17 +186,10 @@ def test_a_batch_of_only_empty_requests_writes_zeros_and_inf(lens, fp8, version)
     """Gap: no GPU test has every request empty. The work list is empty, so no decode kernel is
     launched (DecodePlan.decode is None) and the combine alone must write every row: out 0,
     lse +inf over NaN-poisoned caller buffers, and in freshly allocated ones too."""
-    from snapmla_cli.ops.decode import get_mla_metadata
-    from snapmla_cli.ops.decode_config import heuristic_config
-
     device = torch.device("cuda")
     s_q, h_q = 2, 20
     prob = random_problem(lens, s_q, h_q, causal=True, seed=3)
-    cfg = heuristic_config(s_q * h_q, fp8, version).with_sms(_sms(device))
-    q, cache = _operands(prob, fp8, device)
-    lens_t = prob.layout.cache_seqlens.to(device)
-    table = prob.layout.block_table.to(device)
-    meta, splits = get_mla_metadata(lens_t, s_q * h_q, 1, fp8=fp8, config=cfg)
+    cfg, q, cache, lens_t, table, meta, splits = _heuristic_call(prob, fp8, version, device)
     assert meta.shape[0] * meta.shape[1] == 0 or bool((meta[:, :, 2] == meta[:, :, 1]).all())
     out, lse = _nan_outputs(len(lens), s_q, h_q, device)
     got = _decode(fp8)(q, cache, table, lens_t, meta, splits, prob.softmax_scale, True, config=cfg,
@@ -203,18 +211,11 @@ def test_caller_out_and_lse_are_written_in_place(fp8, version):
     GraphWorkList test reads the caller's buffers). Here: the returned tensors are the caller's,
     fully overwritten (NaN-poisoned before), with out alone, lse alone and both, on a first
     call of the signature and on its replay, and the bits equal an out=None call's."""
-    from snapmla_cli.ops.decode import get_mla_metadata
-    from snapmla_cli.ops.decode_config import heuristic_config
-
     device = torch.device("cuda")
     lens = [0, 1, 65, 4097, 300]
     s_q, h_q = 2, 20
     prob = random_problem(lens, s_q, h_q, causal=True, seed=41)
-    cfg = heuristic_config(s_q * h_q, fp8, version).with_sms(_sms(device))
-    q, cache = _operands(prob, fp8, device)
-    lens_t = prob.layout.cache_seqlens.to(device)
-    table = prob.layout.block_table.to(device)
-    meta, splits = get_mla_metadata(lens_t, s_q * h_q, 1, fp8=fp8, config=cfg)
+    cfg, q, cache, lens_t, table, meta, splits = _heuristic_call(prob, fp8, version, device)
     decode = _decode(fp8)
 
     def call(out=None, lse=None):
