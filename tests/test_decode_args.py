@@ -78,6 +78,7 @@ def test_good_arguments_run_both_definitions_with_nan_poisoned_unused_rows(probl
     ({"block_table": torch.zeros(2, 2, dtype=torch.int32)}, "block_table: expected shape [batch, max_pages]"),
     ({"softmax_scale": math.nan}, "softmax_scale: expected a finite number"),
     ({"softmax_scale": "0.1"}, "softmax_scale: expected a number or None"),
+    ({"softmax_scale": -0.04}, "softmax_scale: expected a number >= 0"),
     ({"causal": "false"}, "causal: expected True or False"),
 ])
 def test_bad_arguments_name_the_argument(problem: DecodeProblem, run, change: dict, message: str) -> None:

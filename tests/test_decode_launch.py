@@ -113,7 +113,8 @@ def test_a_new_metadata_tensor_or_config_object_gets_its_own_plan(recorder):
     decode_fp8(q, cache, table, lens, meta2, splits2, config=config)
     assert recorder.kernels_built > built
     plan = decode_launch._PLANS[next(reversed(decode_launch._PLANS))]
-    assert plan.holds_for(meta2, config) and not plan.holds_for(meta2, None) and not plan.holds_for(meta, config)
+    assert (plan.holds_for(meta2, splits2, config) and not plan.holds_for(meta2, splits2, None)
+            and not plan.holds_for(meta, splits2, config))
 
 
 def test_a_kernel_build_switch_or_forgotten_kernels_drop_the_plans(recorder):
@@ -167,8 +168,8 @@ def test_arguments_that_are_not_tensors_get_one_line_errors(recorder):
 
 
 @pytest.mark.parametrize("scale, needle", [(float("nan"), "a finite number"), (float("-inf"), "a finite number"),
-                                          ("0.1", "a number or None")])
-def test_a_softmax_scale_that_is_not_a_finite_number_is_refused(recorder, scale, needle):
+                                          ("0.1", "a number or None"), (-0.04, "a number >= 0")])
+def test_a_softmax_scale_that_is_not_a_finite_number_or_is_negative_is_refused(recorder, scale, needle):
     """Every output would be NaN (or the call would fail deep in the plan): one line naming it."""
     cache, table, lens = _paged()
     meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
@@ -259,7 +260,7 @@ def test_the_plan_builds_its_kernels_for_the_tensors_gpu(monkeypatch: pytest.Mon
     meta[:, 0, 2] = 1  # four one-block items
     meta[:, 0, 3] = torch.tensor([0, 1, 2, 3])  # partial slots: the combine runs too
     decode._decode_plan(True, torch.zeros((8, 64, 656), dtype=torch.uint8), (2, 1, 16), torch.device("cuda", 1), 4,
-                        meta, None, False, variant_config(16, 2), None)
+                        meta, torch.tensor([0, 2, 4], dtype=torch.int32), None, False, variant_config(16, 2), None)
     assert len(devices) == 2 and all(device == 1 for device in devices), devices  # the decode, the combine
 
 
@@ -291,3 +292,91 @@ def test_views_at_an_odd_offset_are_refused_on_first_calls_and_replays(recorder)
     out = torch.empty(BATCH, S_Q, H_Q, 512, dtype=torch.bfloat16)
     with pytest.raises(SnapmlaError, match="^out: data must start on a 16-byte boundary"):
         decode_fp8(q, cache, table, lens, meta, splits, out=_offset_view(out, 2))
+
+
+# Two steps whose work lists have the same shape ([2, 1, 4] at 16 rows) and different split merges:
+# two one-page requests (no split: no fold, no combine) and an empty request next to a 512-token one
+# (two splits: merged in the kernel or as a cluster; the combine writes the empty request).
+REWRITE_LENGTHS = ([64, 64], [0, 512])
+
+
+def _rewrite_case():
+    cache = torch.zeros(2 * 8, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    table = torch.arange(2 * 8, dtype=torch.int32).view(2, 8)
+    lens = [torch.tensor(x, dtype=torch.int32) for x in REWRITE_LENGTHS]
+    return cache, table, lens
+
+
+def _combines(launches: list) -> list:
+    return [args for name, _, args in launches if name == "snapmla_combine"]
+
+
+def test_a_work_list_rewritten_in_place_drops_its_split_merge(recorder):
+    """FlashMLA's CUDA-graph pattern (the static buffer from get_mla_metadata, each step's list
+    copied into it): the new contents must not run under the old contents' merge decisions (here:
+    no combine, so request 1's two partials would stay unmerged and request 0 unwritten)."""
+    cache, table, (lens1, lens2) = _rewrite_case()
+    q = _q8()
+    meta, splits = get_mla_metadata(lens1, S_Q * H_Q, 1)
+    meta2, splits2 = get_mla_metadata(lens2, S_Q * H_Q, 1)
+    assert meta.shape == meta2.shape and not torch.equal(meta, meta2)
+    decode_fp8(q, cache, table, lens1, meta, splits)
+    assert not _combines(recorder.launches)  # the planned contents: nothing to merge
+    meta.copy_(meta2)
+    splits.copy_(splits2)
+    recorder.launches.clear()
+    decode_fp8(q, cache, table, lens2, meta, splits)
+    (decode_args,) = [args for name, _, args in recorder.launches if name != "snapmla_combine"]
+    (combine_args,) = _combines(recorder.launches)
+    assert combine_args[-1] == 0  # folded_up_to 0: the combine merges every split request
+    assert decode_args[-2:] == [0, 0]  # no fold counters, fold limit 0: every split writes its partial
+    recorder.launches.clear()
+    decode_fp8(q, cache, table, lens2, meta, splits)  # the rebuilt plan is replayed, not rebuilt
+    assert len(_combines(recorder.launches)) == 1 and len(recorder.launches) == 2
+
+
+def test_a_partial_write_or_another_num_splits_drops_the_merge_too(recorder):
+    cache, table, (_, lens2) = _rewrite_case()
+    q = _q8()
+    meta, splits = get_mla_metadata(lens2, S_Q * H_Q, 1)
+    _, other_splits = get_mla_metadata(lens2, S_Q * H_Q, 1)
+    plan = decode.metadata_plan(meta)
+    assert plan is not None and plan.fold_for(meta, splits, S_Q * H_Q) is plan.fold is not None
+    assert plan.fold_for(meta, other_splits, S_Q * H_Q) is None  # not the list's own counts
+    splits[1:] = splits[1:].clone()  # a slice assignment (same values): a write all the same
+    assert plan.fold_for(meta, splits, S_Q * H_Q) is None
+    meta2, splits2 = get_mla_metadata(lens2, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, lens2, meta2, splits2)
+    recorder.launches.clear()
+    meta2[0, 0, 1] = meta2[0, 0, 1]
+    decode_fp8(q, cache, table, lens2, meta2, splits2)
+    assert _combines(recorder.launches)[-1][-1] == 0
+
+
+def test_work_lists_made_in_inference_mode_still_notice_a_rewrite():
+    """Engines run under torch.inference_mode, whose tensors have no version counter: the work
+    list is made as a normal tensor, whose in-place writes are counted even in inference mode."""
+    _, _, (lens1, lens2) = _rewrite_case()
+    with torch.inference_mode():
+        meta, splits = get_mla_metadata(lens2, S_Q * H_Q, 1)
+        assert not meta.is_inference() and not splits.is_inference()
+        plan = decode.metadata_plan(meta)
+        assert plan is not None and plan.fold_for(meta, splits, S_Q * H_Q) is not None
+        new_meta, new_splits = get_mla_metadata(lens1, S_Q * H_Q, 1)
+        meta.copy_(new_meta)
+        splits.copy_(new_splits)
+        assert plan.fold_for(meta, splits, S_Q * H_Q) is None
+
+
+def test_a_graph_work_list_keeps_its_merge_across_updates():
+    """GraphWorkList rewrites its tensors every step by design; its merge is right for any
+    contents, so an update must not drop it."""
+    from snapmla_cli.ops.graph_work_list import GraphWorkList
+
+    _, _, (lens1, lens2) = _rewrite_case()
+    work = GraphWorkList(2, S_Q * H_Q, "cpu", max_context=512)
+    plan = decode.metadata_plan(work.metadata)
+    assert plan is not None and plan.stamp is None
+    for lens in (lens1, lens2):
+        work.update(lens)
+        assert plan.fold_for(work.metadata, work.num_splits, S_Q * H_Q) is plan.fold is not None

@@ -132,14 +132,18 @@ def round_spread(samples: list[float]) -> float | None:
 def capture_graph(step: Callable[[], object]) -> torch.cuda.CUDAGraph:
     """``step`` captured in a CUDA graph (its kernels must already be loaded). An engine replays
     its decode step as a graph, so the graph's replay time is the step's device time without
-    the Python launch path (which at short contexts can take longer than the kernels)."""
+    the Python launch path (which at short contexts can take longer than the kernels). The graph
+    is replayed over the work lists it was captured with, so their planned split merge holds
+    (``captures_replay_fixed_contents``): the replay times the kernels an eager call runs."""
+    from ..ops.config_choice import captures_replay_fixed_contents
+
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         step()  # warm-up on a side stream before capture, as torch.cuda.graphs asks
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), captures_replay_fixed_contents():
         step()
     return graph
 

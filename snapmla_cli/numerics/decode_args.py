@@ -21,7 +21,10 @@ from .formats import PAGE_SIZE, default_softmax_scale
 
 def checked_softmax_scale(softmax_scale: object) -> float:
     """The logit scale: SPEC section 2's default for None, else a finite number (a NaN or infinite
-    scale would make every output NaN, which a caller should hear about as the argument it passed)."""
+    scale would make every output NaN, which a caller should hear about as the argument it passed)
+    that is not negative: the 64-row wgmma layouts take a block's largest ``s x s_k`` before the
+    scale, the running maximum only for a scale >= 0; with a negative one, logits more than about
+    89 apart overflowed the exponentials to NaN (a scale < 0 is no attention anyone runs)."""
     if softmax_scale is None:
         return default_softmax_scale()
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
@@ -29,6 +32,9 @@ def checked_softmax_scale(softmax_scale: object) -> float:
     scale = float(softmax_scale)
     if not math.isfinite(scale):
         raise SnapmlaError(f"softmax_scale: expected a finite number, got {scale}")
+    if scale < 0:
+        raise SnapmlaError(f"softmax_scale: expected a number >= 0 (the logits' scale, "
+                           f"{default_softmax_scale():.6g} by default), got {scale}")
     return scale
 
 

@@ -4,13 +4,16 @@ context, else the built-in heuristic; and the configuration a work list was buil
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from ..tuning import lookup
 from .decode_config import DecodeConfig, heuristic_for_work, settle_blind
+from .finite import capturing
 from .schedule import SplitPolicy
 from .split_fold import SplitFold
 
@@ -36,6 +39,57 @@ def mean_context(seqlens: list[int]) -> float | None:
     return sum(seqlens) / len(seqlens) if seqlens else None
 
 
+@dataclass(frozen=True, eq=False)
+class ContentStamp:
+    """What a work list's two tensors held when ``get_mla_metadata`` planned them: their version
+    counters (torch moves them on every in-place write: ``copy_``, slice assignment, ``out=``)
+    and which ``num_splits`` tensor came with the work list.
+
+    Why: the split merge's plan (which requests the decode kernel folds, whether they run as
+    clusters, whether the combine runs at all) is decided on the host from the work list's
+    contents. An engine that keeps the tensors as static buffers and rewrites them each step
+    (FlashMLA's CUDA-graph pattern: ``meta.copy_(new_meta)``) would otherwise run new contents
+    under the old decisions: partials left unmerged, or another request's partials merged. A
+    stamp that no longer holds drops those decisions, and the combine merges every split, which
+    is right for any contents. A CUDA graph being captured never trusts them either: replays run
+    whatever the buffers hold by then (unless the capture is declared to replay the contents it
+    saw: :func:`captures_replay_fixed_contents`). Writes that torch does not see (a kernel of the
+    caller's own through the data pointer) cannot be noticed; such a caller uses ``GraphWorkList``."""
+
+    metadata_version: int
+    num_splits: weakref.ref[torch.Tensor]
+    num_splits_version: int
+
+    @classmethod
+    def of(cls, metadata: torch.Tensor, num_splits: torch.Tensor) -> ContentStamp:
+        return cls(metadata._version, weakref.ref(num_splits), num_splits._version)
+
+    def holds(self, metadata: torch.Tensor, num_splits: torch.Tensor) -> bool:
+        """Whether ``metadata`` (the stamped tensor) and ``num_splits`` still hold what was planned,
+        outside a CUDA graph's capture."""
+        return (metadata._version == self.metadata_version and self.num_splits() is num_splits
+                and num_splits._version == self.num_splits_version
+                and (_fixed_content_captures > 0 or not capturing(metadata)))
+
+
+_fixed_content_captures = 0  # captures_replay_fixed_contents blocks open now
+
+
+@contextlib.contextmanager
+def captures_replay_fixed_contents() -> Iterator[None]:
+    """Within this block, a CUDA graph being captured trusts the split merge a work list was
+    planned with: its replays will run the very contents it was captured with (the benchmarks'
+    and the tuner's graphs, which replay one step to time its kernels without the host's launch
+    path). Without it a capture launches the merge that is right for any contents, since an
+    engine's graph is replayed over work lists rewritten in place."""
+    global _fixed_content_captures
+    _fixed_content_captures += 1
+    try:
+        yield
+    finally:
+        _fixed_content_captures -= 1
+
+
 @dataclass(frozen=True)
 class MetadataPlan:
     """What ``get_mla_metadata`` built a work list for: the rows and format it was asked for,
@@ -47,6 +101,15 @@ class MetadataPlan:
     config: DecodeConfig  # its balance settled for the batch (decode_config.settle_balance)
     requested: DecodeConfig | None = None  # what the caller passed or the choice gave, unsettled
     fold: SplitFold | None = field(default=None, compare=False)  # the split merge's counters and facts
+    # the contents ``fold`` was decided from; None: a fold right for any contents (GraphWorkList's)
+    stamp: ContentStamp | None = field(default=None, compare=False)
+
+    def fold_for(self, metadata: torch.Tensor, num_splits: torch.Tensor, rows: int) -> SplitFold | None:
+        """The fold for a decode call of ``rows`` rows on these tensors: None (the combine merges
+        every split) when it was planned for other rows or other contents."""
+        if self.rows != rows or (self.stamp is not None and not self.stamp.holds(metadata, num_splits)):
+            return None
+        return self.fold
 
 
 # Work list tensor -> its MetadataPlan, so that the decode call runs the configuration the
@@ -75,7 +138,9 @@ def record_plan(metadata: torch.Tensor, plan: MetadataPlan) -> None:
 def metadata_plan(tile_scheduler_metadata: object) -> MetadataPlan | None:
     """The plan ``get_mla_metadata`` recorded for this very tensor, or None (built otherwise,
     or a copy / view of it: e.g. a static buffer for CUDA graphs, for which an engine can pass
-    ``config=metadata_plan(meta).config`` to the decode call)."""
+    ``config=metadata_plan(meta).config`` to the decode call). Its configuration holds for any
+    contents; its split merge only while the contents are the planned ones
+    (:meth:`MetadataPlan.fold_for`)."""
     entry = _PLANS.get(id(tile_scheduler_metadata))
     if entry is None or entry[0]() is not tile_scheduler_metadata:
         return None

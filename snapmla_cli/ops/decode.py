@@ -46,6 +46,7 @@ from ..runtime.gpu_arch import require_arch
 from .alignment import VEC_ALIGN, misaligned, require_aligned
 from .cluster_fold import cluster_defines, holds_a_wave, planned_cluster
 from .config_choice import (
+    ContentStamp,
     MetadataPlan,
     choose_config,
     decode_config_for,
@@ -111,7 +112,10 @@ def get_mla_metadata(
     policy (balanced columns or the split plan, :func:`settle_balance`). The settled
     configuration is recorded for the returned work list (:func:`metadata_plan`), and a decode
     call given that tensor and no ``config`` (or the unsettled one) runs it: the two calls
-    cannot disagree, and the decode needs no host read.
+    cannot disagree, and the decode needs no host read. The returned tensors may be rewritten in
+    place with a later step's list of the same shape (FlashMLA's static buffers for CUDA graphs)
+    by torch operations, which move their version counters: the decode then merges the splits in
+    the way right for any contents (the combine), as it does in a graph capture.
 
     Reading lengths that live on the GPU waits for the stream that writes them. An engine that
     keeps its lengths on the host (a CPU tensor) passes them with ``device``, the GPU the decode
@@ -131,7 +135,8 @@ def get_mla_metadata(
     work = build_work_list(cache_seqlens, num_heads_per_head_k, cfg.block_m, cfg.split, seqlens,
                            runs_columns(cfg, fp8), target)
     fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, target, work.cluster)
-    record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold))
+    record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold,
+                                            ContentStamp.of(work.metadata, work.num_splits)))
     return work.metadata, work.num_splits
 
 
@@ -239,11 +244,14 @@ def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tu
         _check(lse, "lse", torch.float32, (b, h_q, s_q), device)
 
 
-def _split_fold(tile_scheduler_metadata: torch.Tensor, rows: int) -> SplitFold | None:
-    """The fold ``get_mla_metadata`` planned for this very work list and these rows, else None
-    (a copy of the list, or one built for other rows: the combine merges)."""
+def _split_fold(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor, rows: int
+                ) -> tuple[SplitFold | None, ContentStamp | None]:
+    """The fold ``get_mla_metadata`` planned for this very work list, these rows and these
+    contents, and the stamp a launch plan built on it must keep checking; (None, None) for a
+    copy of the list, one built for other rows, or one rewritten since (the combine merges)."""
     plan = metadata_plan(tile_scheduler_metadata)
-    return plan.fold if plan is not None and plan.rows == rows else None
+    fold = None if plan is None else plan.fold_for(tile_scheduler_metadata, num_splits, rows)
+    return fold, (None if fold is None or plan is None else plan.stamp)
 
 
 def _split_kv_decode(
@@ -273,7 +281,7 @@ def _split_kv_decode(
     _check_metadata(tile_scheduler_metadata, num_splits, b, device)
     _check_outputs(out, lse, shape, device)
     plan = _decode_plan(fp8, operands[-1], shape, device, block_table.stride(0), tile_scheduler_metadata,
-                        softmax_scale, causal, cfg, requested)
+                        num_splits, softmax_scale, causal, cfg, requested)
     if plan_key is not None:
         store_plan(plan_key, plan)
     return plan.run(tuple(t.data_ptr() for t in operands[:-1]), block_table, cache_seqlens,
@@ -281,8 +289,9 @@ def _split_kv_decode(
 
 
 def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], device: torch.device,
-                 table_stride: int, tile_scheduler_metadata: torch.Tensor, softmax_scale: float | None,
-                 causal: bool, cfg: DecodeConfig, requested: DecodeConfig | None) -> DecodePlan:
+                 table_stride: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
+                 softmax_scale: float | None, causal: bool, cfg: DecodeConfig, requested: DecodeConfig | None
+                 ) -> DecodePlan:
     """The decode launch over (row tiles x work items) and the combine's, for arguments already
     checked: kernels, grids, scalar arguments, buffer shapes, the fold's counters."""
     b, s_q, h_q = shape
@@ -291,7 +300,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
     causal = checked_flag("causal", causal)
     columns, items_per_column = tile_scheduler_metadata.shape[:2]
     num_work = columns * items_per_column  # places, the empty ones included
-    fold = _split_fold(tile_scheduler_metadata, rows)
+    fold, stamp = _split_fold(tile_scheduler_metadata, num_splits, rows)
     arrivals = kernel_arrivals(fold, cfg.wgmma)  # the wgmma kernels merge split requests themselves
     rt = _runtime()
     # a kernel that runs columns takes one per CTA row; the others one place (item) each
@@ -319,6 +328,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
     combine_grid = (b, math.ceil(rows / rows_per_cta), 1)
     return DecodePlan(
         metadata=weakref.ref(tile_scheduler_metadata),
+        stamp=stamp,
         config=requested,
         device=device,
         out_shape=(b, s_q, h_q, D_V),
@@ -497,7 +507,7 @@ def decode_fp8(
                      num_splits, softmax_scale, causal, config, out, lse)
     if GPU_CHECKS.on:
         _check_quantized_finite(q)
-    plan = find_plan(key, tile_scheduler_metadata, config)
+    plan = find_plan(key, tile_scheduler_metadata, num_splits, config)
     if plan is not None:  # (the key fixes the shapes, which an earlier call of it checked)
         if GPU_CHECKS.on:
             _check_table_reads(block_table, cache_seqlens, q.scale.shape[0], k_cache)
@@ -552,7 +562,7 @@ def decode_bf16(
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     key = _signature((q,), k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                      softmax_scale, causal, config, out, lse)
-    plan = find_plan(key, tile_scheduler_metadata, config)
+    plan = find_plan(key, tile_scheduler_metadata, num_splits, config)
     if plan is not None:  # (the key fixes the shapes, which an earlier call of it checked)
         if GPU_CHECKS.on:
             _check_table_reads(block_table, cache_seqlens, q.shape[0], k_cache)

@@ -10,7 +10,8 @@ cannot see (contiguity, the block table's inner stride, a caller's ``out`` / ``l
 the outputs and the split buffers, and launches.
 
 A plan holds for one metadata tensor (a weak reference: ids are reused) and one configuration
-object; the cache forgets every plan when the loaded kernels are forgotten or a kernel build
+object, and one whose split merge was decided from the work list's contents only while they are
+unchanged (``config_choice.ContentStamp``: no in-place write since, no graph capture); the cache forgets every plan when the loaded kernels are forgotten or a kernel build
 switch changes (:func:`clear_plans`).
 """
 
@@ -34,6 +35,7 @@ from ..runtime.launch import (
     prepare_programmatic,
 )
 from ..runtime.pdl import ProgrammaticLaunch
+from .config_choice import ContentStamp
 from .decode_config import DecodeConfig
 from .split_fold import COMBINE_THREADS
 
@@ -49,6 +51,7 @@ class DecodePlan:
     buffer shapes. ``run`` adds the per-call pointers."""
 
     metadata: weakref.ref[torch.Tensor]  # the work list it was built for
+    stamp: ContentStamp | None  # the contents its split merge was decided from (None: any contents)
     config: DecodeConfig | None  # the caller's configuration object (identity)
     device: torch.device
     out_shape: tuple[int, ...]
@@ -77,8 +80,9 @@ class DecodePlan:
         """The thread-block cluster the decode kernel is launched in (0: none)."""
         return 0 if self.cluster_launch is None else self.cluster_launch.dims[1]
 
-    def holds_for(self, metadata: torch.Tensor, config: DecodeConfig | None) -> bool:
-        return self.metadata() is metadata and self.config is config
+    def holds_for(self, metadata: torch.Tensor, num_splits: torch.Tensor, config: DecodeConfig | None) -> bool:
+        return (self.metadata() is metadata and self.config is config
+                and (self.stamp is None or self.stamp.holds(metadata, num_splits)))
 
     def run(self, q_ptrs: tuple[int, ...], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
             metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
@@ -122,12 +126,13 @@ def combine_launch(kernel: Kernel | None, grid: tuple[int, int, int]) -> Program
     return None if kernel is None else prepare_programmatic(kernel, grid, COMBINE_BLOCK, 0, COMBINE_ARG_TYPES)
 
 
-def find_plan(key: tuple[object, ...], metadata: torch.Tensor, config: DecodeConfig | None) -> DecodePlan | None:
+def find_plan(key: tuple[object, ...], metadata: torch.Tensor, num_splits: torch.Tensor,
+              config: DecodeConfig | None) -> DecodePlan | None:
     try:
         plan = _PLANS.get(key)
     except TypeError:  # an unhashable argument (a list as softmax_scale): the full checks name it
         return None
-    return plan if plan is not None and plan.holds_for(metadata, config) else None
+    return plan if plan is not None and plan.holds_for(metadata, num_splits, config) else None
 
 
 def store_plan(key: tuple[object, ...], plan: DecodePlan) -> None:

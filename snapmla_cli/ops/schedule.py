@@ -436,8 +436,13 @@ def build_work_list(
 def _upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
     """A fresh tensor of a cached table on ``device`` (copied: the cache keeps its array), without
     waiting for the device: a copy from pageable memory is staged by the driver before it
-    returns, so the host need not wait for the stream (lengths given on the host: no sync)."""
-    return torch.from_numpy(table).to(device, non_blocking=True, copy=True)
+    returns, so the host need not wait for the stream (lengths given on the host: no sync).
+
+    Made outside inference mode even when the caller runs in it (engines do): an inference
+    tensor has no version counter, and the decode call reads that counter to notice a work list
+    rewritten in place (``config_choice.ContentStamp``)."""
+    with torch.inference_mode(False):
+        return torch.from_numpy(table).to(device, non_blocking=True, copy=True)
 
 
 # the work list of a step's pages per request (see _prefer_balanced): at b 1 63 steps of 64 reuse

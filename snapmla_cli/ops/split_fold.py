@@ -20,7 +20,11 @@ left the requests without keys only.
 The counters are made here, per work list, by ``get_mla_metadata`` (one small zeroed buffer a
 decode step, shared by its layers, which run in turn): a work list that is copied, e.g. into an
 engine's static buffer for CUDA graphs, has no plan recorded and runs the combine, as does a
-kernel without the fold (mma.sync). A request without keys has no split at all; the combine
+kernel without the fold (mma.sync), a work list rewritten in place since it was planned (torch
+moved its version counter: FlashMLA's pattern of copying each step's list into the first one's
+tensors) and one captured into a CUDA graph, whose replays run whatever the tensors hold by then
+(``config_choice.ContentStamp``; the benchmarks' captures, which replay what they captured, keep
+the plan). A request without keys has no split at all; the combine
 writes it (out 0, lse +inf), so a step with such requests still launches it, told to leave the
 folded requests alone.
 """

@@ -117,14 +117,20 @@ def test_fold_gives_the_combine_bits_and_resets_its_counters(fp8, make, s_q, h_q
 
 
 def test_fold_replays_from_a_cuda_graph():
-    """A captured step keeps its counters' address: every replay merges and leaves them at zero."""
+    """A captured step keeps its counters' address: every replay merges and leaves them at zero
+    (a capture declared to replay the contents it saw, as the benchmarks' are)."""
+    from snapmla_cli.ops.config_choice import captures_replay_fixed_contents
+    from snapmla_cli.ops.decode_launch import stored_plans
+
     device = torch.device("cuda")
     step = _Step(True, _fp8_config(32, device, wg_mode=3, row_groups=2), 1, 32, seed=5)
     reference = step.run(step.meta.clone())
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), captures_replay_fixed_contents():
         out, lse = step.run(step.meta)
+    (plan,) = [p for p in stored_plans() if p.metadata() is step.meta]
+    assert plan.fold is not None and plan.fold[0] == step.arrivals().data_ptr()  # the kernel folds
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
@@ -239,6 +245,7 @@ def test_cluster_merge_gives_the_fold_and_combine_bits(fp8, rows, switches, s_q,
 
 
 def test_cluster_merge_replays_from_a_cuda_graph():
+    from snapmla_cli.ops.config_choice import captures_replay_fixed_contents
     from snapmla_cli.ops.decode_launch import clear_plans
 
     step = _cluster_step(True, 64, {"wg_mode": 4, "row_groups": 4}, 1, 64, 2)
@@ -246,7 +253,7 @@ def test_cluster_merge_replays_from_a_cuda_graph():
     clear_plans()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), captures_replay_fixed_contents():
         out, lse = step.run(step.meta)
     assert _plan_cluster(step.meta) == 2
     for _ in range(3):
@@ -255,3 +262,54 @@ def test_cluster_merge_replays_from_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, reference[0]) and torch.equal(lse, reference[1])
+
+
+# Two steps of two requests whose work lists have the same shape at 16 rows and different merges:
+# two one-page requests (no split: neither fold nor combine planned) and an empty request next to
+# a 512-token one (two splits, merged as a cluster or by the counters; the combine writes the
+# empty request).
+STATIC_LENS, STEP_LENS = [64, 64], [0, 512]
+
+
+def test_a_static_work_list_rewritten_in_place_merges_right_eager_and_replayed():
+    """FlashMLA's CUDA-graph pattern, as SGLang's backend uses it: the static buffers come from
+    ``get_mla_metadata`` itself and each step's list is copied into them. The step's contents must
+    not run under the merge planned for the buffers' first contents (here: none, which left request
+    1's partials unmerged and request 0's rows unwritten), neither in an eager call after the copy
+    nor in a graph captured before it and replayed after it."""
+    from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+
+    device = torch.device("cuda")
+    prob = random_problem(STEP_LENS, 1, 16, causal=True, seed=23)
+    q, cache = quantize_rows(prob.q.to(device)), prob.fp8_cache().to(device)
+    table, lens = prob.layout.block_table.to(device), prob.layout.cache_seqlens.to(device)
+
+    def run(meta: torch.Tensor, splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.full((2, 1, 16, 512), float("nan"), dtype=torch.bfloat16, device=device)
+        lse = torch.full((2, 16, 1), float("nan"), dtype=torch.float32, device=device)
+        return decode_fp8(q, cache, table, lens, meta, splits, prob.softmax_scale, True, out=out, lse=lse)
+
+    meta, splits = get_mla_metadata(lens, 16, 1)
+    reference = run(meta, splits)
+    combined = run(meta.clone(), splits.clone())  # no plan: the combine merges (its kernels loaded too)
+    torch.cuda.synchronize()
+    assert torch.equal(reference[0], combined[0]) and torch.equal(reference[1], combined[1])
+    assert torch.all(reference[0][0] == 0) and torch.all(reference[1][0] == float("inf"))
+    assert reference[0][1].isfinite().all() and reference[1][1].isfinite().all()
+    static_lens = torch.tensor(STATIC_LENS, dtype=torch.int32, device=device)
+    static, static_splits = get_mla_metadata(static_lens, 16, 1)
+    assert static.shape == meta.shape and not torch.equal(static, meta)
+    static.copy_(meta)
+    static_splits.copy_(splits)
+    eager = run(static, static_splits)
+    captured_static, captured_splits = get_mla_metadata(static_lens, 16, 1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run(captured_static, captured_splits)
+    captured_static.copy_(meta)
+    captured_splits.copy_(splits)
+    graph.replay()
+    torch.cuda.synchronize()
+    for result in (eager, (out, lse)):
+        assert torch.equal(result[0], reference[0]) and torch.equal(result[1], reference[1])
