@@ -6,6 +6,7 @@ run; the GPU tests run the real ones."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -380,3 +381,94 @@ def test_a_graph_work_list_keeps_its_merge_across_updates():
     for lens in (lens1, lens2):
         work.update(lens)
         assert plan.fold_for(work.metadata, work.num_splits, S_Q * H_Q) is plan.fold is not None
+
+
+@pytest.fixture
+def checks_on():
+    from snapmla_cli.ops.finite import GPU_CHECKS, set_gpu_checks
+
+    was = GPU_CHECKS.on
+    set_gpu_checks(True)
+    yield
+    set_gpu_checks(was)
+
+
+def test_the_checks_switch_refuses_a_work_list_planned_for_other_lengths(recorder, checks_on):
+    """The kernels trust the work list: planned for 2,560 tokens and called with 1, the wgmma
+    kernels masked with negative token counts (the BF16 one wrote outside its shared memory and
+    killed the context on an H100). With the checks on, one line names the list, on the first
+    call and on a replay; the list of the call's own lengths runs."""
+    cache = torch.zeros(2 * 40, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    table = torch.arange(2 * 40, dtype=torch.int32).view(2, 40)
+    planned = torch.tensor([2560, 700], dtype=torch.int32)
+    actual = torch.tensor([1, 700], dtype=torch.int32)
+    q = _q8()
+    meta, splits = get_mla_metadata(planned, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, planned, meta, splits)  # (its plan is stored: the next call replays)
+    recorder.launches.clear()
+    for _ in range(2):
+        with pytest.raises(SnapmlaError, match=re.escape("tile_scheduler_metadata: request 0 has ")
+                           + ".*" + re.escape("but cache_seqlens[0] = 1 reads blocks [0, 1) (pass the lengths")):
+            decode_fp8(q, cache, table, actual, meta, splits)
+    bf16_cache = torch.zeros(2 * 40, PAGE_SIZE, 1, D_QK, dtype=torch.bfloat16)
+    with pytest.raises(SnapmlaError, match="tile_scheduler_metadata: request 0 has"):
+        decode_bf16(torch.zeros(BATCH, S_Q, H_Q, D_QK, dtype=torch.bfloat16), bf16_cache, table, actual, meta, splits)
+    assert not recorder.launches
+    own_meta, own_splits = get_mla_metadata(actual, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, actual, own_meta, own_splits)
+    assert recorder.launches
+
+
+@pytest.mark.parametrize("lengths", [[0, 64, 512, 700], [1], [0, 0], [5000] * 6, [40000, 3, 0, 129]])
+def test_the_work_list_check_takes_every_list_the_planner_makes(lengths):
+    from snapmla_cli.ops.decode_config import balanced
+    from snapmla_cli.ops.graph_work_list import GraphWorkList
+    from snapmla_cli.ops.schedule import check_work_list
+
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    for rows in (16, 64, 128):
+        check_work_list(*get_mla_metadata(lens, rows, 1), lengths)
+        columns = balanced(heuristic_config(rows, True)).with_sms(5)
+        check_work_list(*get_mla_metadata(lens, rows, 1, config=columns), lengths)
+        work = GraphWorkList(len(lengths), rows, "cpu")
+        check_work_list(*work.update(lens), lengths)
+
+
+def test_the_work_list_check_names_what_is_wrong():
+    from snapmla_cli.ops.schedule import check_work_list
+
+    lengths = [0, 512, 700]
+    meta, splits = get_mla_metadata(torch.tensor(lengths, dtype=torch.int32), S_Q * H_Q, 1)
+    items = meta.reshape(-1, 4)
+    assert (items[:, 3] >= 0).any()  # a split request: its partial slots are checked too
+    with pytest.raises(SnapmlaError, match="num_splits: expected cumulative split counts from 0"):
+        check_work_list(meta, splits + 1, lengths)
+    swapped = meta.clone()
+    split_rows = (swapped.reshape(-1, 4)[:, 3] >= 0).nonzero().flatten()
+    first, second = split_rows[0].item(), split_rows[1].item()
+    swapped.reshape(-1, 4)[[first, second], 3] = swapped.reshape(-1, 4)[[second, first], 3]
+    with pytest.raises(SnapmlaError, match=r"num_splits: request \d has 2 splits with partial slots"):
+        check_work_list(swapped, splits, lengths)
+    gap = meta.clone()
+    gap.reshape(-1, 4)[first, 2] -= 1  # a split that stops a block short
+    with pytest.raises(SnapmlaError, match="with a gap or an overlap|cache_seqlens"):
+        check_work_list(gap, splits, lengths)
+    foreign = meta.clone()
+    foreign.reshape(-1, 4)[first, 0] = 7
+    with pytest.raises(SnapmlaError, match=r"tile_scheduler_metadata: item \(7, "):
+        check_work_list(foreign, splits, lengths)
+
+
+def test_a_batch_of_no_requests_launches_nothing_with_any_work_list(recorder):
+    """b 0: no decode item and nothing to merge, also for a copied list (no recorded plan), whose
+    combine grid would have had no CTA: an invalid launch on a GPU."""
+    cache = torch.zeros(4, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    table = torch.zeros(0, 1, dtype=torch.int32)
+    lens = torch.zeros(0, dtype=torch.int32)
+    q = QuantizedRows(torch.zeros(0, S_Q, H_Q, 512, dtype=torch.uint8), torch.ones(0, S_Q, H_Q),
+                      torch.zeros(0, S_Q, H_Q, 64, dtype=torch.bfloat16))
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    for work in ((meta, splits), (meta.clone(), splits.clone())):
+        out, lse = decode_fp8(q, cache, table, lens, *work)
+        assert out.shape == (0, S_Q, H_Q, 512) and lse.shape == (0, H_Q, S_Q)
+    assert not recorder.launches

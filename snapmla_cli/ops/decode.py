@@ -69,7 +69,7 @@ from .decode_config import (
 )
 from .decode_launch import DecodePlan, combine_launch, find_plan, store_plan
 from .finite import GPU_CHECKS, capturing, check_all_finite, check_finite
-from .schedule import WORK_FIELDS, build_work_list, host_seqlens
+from .schedule import WORK_FIELDS, build_work_list, check_work_list, host_seqlens
 from .split_fold import (
     SplitFold,
     combine_after,
@@ -321,7 +321,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
                 cluster = 0
         if not cluster:  # (for the tensors' GPU, which need not be the current one)
             kernel = rt.get_kernel(*source_name, defines, device=device.index)
-    run = combine_after(fold, arrivals, cluster)
+    run = combine_after(fold, arrivals, cluster) if b else None  # (no request: nothing to merge or write)
     rows_per_cta = combine_rows_per_cta(b * rows)
     combine = None if run is None else rt.get_kernel("combine.cu", "snapmla_combine", {"COMBINE_ROWS": rows_per_cta},
                                                      device=device.index)
@@ -462,14 +462,17 @@ def _strided_args_named(call: Callable[_Params, _Result]) -> Callable[_Params, _
 
 
 def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, batch: int,
-                       k_cache: torch.Tensor) -> None:
-    """The checks switch's block-table check: no length beyond its table row, every page a request
-    reads a block of ``k_cache``. The kernels index the table without bounds (a bounds test per page
-    would not tell the caller anything: the output would still be wrong), and reading the lengths
-    back is a synchronization, so it runs with the NaN checks and not on the hot path."""
+                       k_cache: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor) -> None:
+    """The checks switch's block-table and work-list checks: no length beyond its table row, every
+    page a request reads a block of ``k_cache``, the work list planned for these lengths
+    (:func:`.schedule.check_work_list`). The kernels index the table without bounds (a bounds test
+    per page would not tell the caller anything: the output would still be wrong), and reading the
+    lengths back is a synchronization, so it runs with the NaN checks and not on the hot path."""
     if capturing(block_table):  # (CPU tensors are checked, then refused as not CUDA right after)
         return  # the finite checks refuse capture with the switch on, naming it
-    checked_lengths(block_table, cache_seqlens, batch, k_cache.shape[0])
+    lengths = checked_lengths(block_table, cache_seqlens, batch, k_cache.shape[0])
+    _check_metadata(metadata, num_splits, batch, metadata.device)
+    check_work_list(metadata, num_splits, lengths)
 
 
 def _check_quantized_finite(q: QuantizedRows) -> None:
@@ -510,7 +513,8 @@ def decode_fp8(
     plan = find_plan(key, tile_scheduler_metadata, num_splits, config)
     if plan is not None:  # (the key fixes the shapes, which an earlier call of it checked)
         if GPU_CHECKS.on:
-            _check_table_reads(block_table, cache_seqlens, q.scale.shape[0], k_cache)
+            _check_table_reads(block_table, cache_seqlens, q.scale.shape[0], k_cache, tile_scheduler_metadata,
+                               num_splits)
         return _replay(plan, (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)),
                        tuple(q.scale.shape), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                        num_splits, out, lse)
@@ -528,7 +532,7 @@ def decode_fp8(
     cache = _fp8_cache_rows(k_cache)
     require_aligned("k_cache", cache)
     if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
-        _check_table_reads(block_table, cache_seqlens, b, cache)
+        _check_table_reads(block_table, cache_seqlens, b, cache, tile_scheduler_metadata, num_splits)
     _require_cuda(cache, "k_cache", device)
     cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
     require_arch(fp8_kernel(cfg)[0], device.index)  # before the tensor maps, which are Hopper's too
@@ -565,7 +569,7 @@ def decode_bf16(
     plan = find_plan(key, tile_scheduler_metadata, num_splits, config)
     if plan is not None:  # (the key fixes the shapes, which an earlier call of it checked)
         if GPU_CHECKS.on:
-            _check_table_reads(block_table, cache_seqlens, q.shape[0], k_cache)
+            _check_table_reads(block_table, cache_seqlens, q.shape[0], k_cache, tile_scheduler_metadata, num_splits)
             check_finite("q", q)
         return _replay(plan, (("q", q),), tuple(q.shape[:3]), k_cache, block_table, cache_seqlens,
                        tile_scheduler_metadata, num_splits, out, lse)
@@ -582,7 +586,7 @@ def decode_bf16(
     require_aligned("q", q)
     require_aligned("k_cache", k_cache)
     if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
-        _check_table_reads(block_table, cache_seqlens, b, k_cache)
+        _check_table_reads(block_table, cache_seqlens, b, k_cache, tile_scheduler_metadata, num_splits)
     cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,
                             s_q)
     require_arch(bf16_kernel(cfg)[0], device.index)

@@ -433,6 +433,47 @@ def build_work_list(
     return WorkList(_upload(work, device), _upload(cumulative, device), splits, work_list_cluster(work, cumulative))
 
 
+def check_work_list(metadata: torch.Tensor, num_splits: torch.Tensor, lengths: list[int]) -> None:
+    """The checks switch's work-list check: every page of every request is in exactly one split,
+    the splits are within the request's pages, and their partial slots and counts are those the
+    decode kernels and the combine assume (``num_splits[r] + s`` in block order, -1 for a request
+    of one split). The kernels trust the work list: one planned from other lengths than the call's
+    ``cache_seqlens`` (a stale list, or one rewritten without its lengths) reads pages past a
+    request's end, masks with negative token counts (shared-memory writes outside the tile in the
+    wgmma kernels) or leaves partials unmerged. Reading both back is a synchronization, so it runs
+    with the other checks, not on the hot path."""
+    counts = np.asarray(num_splits.cpu(), dtype=np.int64)
+    items = np.asarray(metadata.reshape(-1, WORK_FIELDS).cpu(), dtype=np.int64)
+    steps = np.diff(counts)
+    if counts[0] != 0 or (steps < 0).any():
+        raise SnapmlaError(f"num_splits: expected cumulative split counts from 0, got {counts.tolist()[:8]}...")
+    hint = "(pass the lengths get_mla_metadata planned this work list from)"
+    per_request: dict[int, list[tuple[int, int, int]]] = {}
+    for request, begin, end, partial in items.tolist():
+        if end == begin:
+            continue  # an empty place
+        if not 0 <= request < len(lengths) or not 0 <= begin < end:
+            raise SnapmlaError(f"tile_scheduler_metadata: item ({request}, {begin}, {end}, {partial}) is not "
+                               f"(request 0..{len(lengths) - 1}, first block, end block > first, partial slot)")
+        per_request.setdefault(request, []).append((begin, end, partial))
+    for request, length in enumerate(lengths):
+        pages = -(-length // PAGE_SIZE)
+        splits = sorted(per_request.get(request, []))
+        bounds = [0, *(end for _, end, _ in splits)]
+        covered = [begin for begin, _, _ in splits] == bounds[:-1] and bounds[-1] == pages
+        if not covered:
+            got = (f"{len(splits)} splits over blocks [{splits[0][0]}, {max(end for _, end, _ in splits)})"
+                   if splits else "no split")
+            gap = " with a gap or an overlap" if splits and bounds[-1] == pages else ""
+            raise SnapmlaError(f"tile_scheduler_metadata: request {request} has {got}{gap}, but "
+                               f"cache_seqlens[{request}] = {length} reads blocks [0, {pages}) {hint}")
+        want = [-1] if len(splits) == 1 else [int(counts[request]) + s for s in range(len(splits))]
+        if [partial for _, _, partial in splits] != want or steps[request] != len(splits):
+            raise SnapmlaError(f"num_splits: request {request} has {len(splits)} splits with partial slots "
+                               f"{[p for _, _, p in splits]}, which num_splits {counts[request]}..{counts[request + 1]} "
+                               f"does not describe {hint}")
+
+
 def _upload(table: np.ndarray, device: torch.device) -> torch.Tensor:
     """A fresh tensor of a cached table on ``device`` (copied: the cache keeps its array), without
     waiting for the device: a copy from pageable memory is staged by the driver before it

@@ -519,3 +519,35 @@ def test_append_kv_int64_slots_beyond_int32_are_skipped_not_truncated():
     P.assert_bytes_equal("request 0 after it", out[128:130], good[128:130])
     P.assert_bytes_equal("request 1", out[130:200], good[130:200])
     assert bool((out[200:] == 0).all())
+
+
+# ---------------------------------------------------------------- caches past 2^31 bytes
+
+# a cache's pages at byte offsets past 2^31 (FP8: 41,984 B a page, BF16: 73,728): every global
+# offset of the decode kernels must be 64-bit (the kernel audit of the fifty-fifth session read
+# them all; this runs them)
+HIGH_PAGES = {True: 60_000, False: 40_000}
+HIGH_LENS = [300, 70, 0, 129]
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_pages_past_two_gigabytes_give_the_bits_of_the_same_pages_low(fp8):
+    """The same requests once in their own small cache and once in a large one (2.5-3 GB) whose
+    pages they read sit at its far end, the rest of it NaN: the same bits, and the right ones."""
+    device = torch.device("cuda")
+    prob = random_problem(HIGH_LENS, 2, 16, causal=True, seed=55)
+    cfg, q, cache, lens_t, table, meta, splits = _heuristic_call(prob, fp8, 3, device)
+    pages = HIGH_PAGES[fp8]
+    assert (pages - 1) * cache[0].numel() * cache.element_size() > 2**31
+    big = torch.empty((pages, *cache.shape[1:]), dtype=cache.dtype, device=device)
+    big.view(torch.uint8).fill_(0xFF)  # NaN in E4M3, in bf16 and in the float32 scales
+    high = pages - 1 - torch.arange(cache.shape[0], device=device)  # small block i -> big block high[i]
+    big[high] = cache
+    big_table = torch.where(table >= 0, high[table.clamp(min=0).long()].int(), table)
+    low = _decode(fp8)(q, cache, table, lens_t, meta, splits, prob.softmax_scale, True, config=cfg,
+                       out=_nan_outputs(*prob.q.shape[:3], device)[0])
+    far = _decode(fp8)(q, big, big_table, lens_t, meta, splits, prob.softmax_scale, True, config=cfg,
+                       out=_nan_outputs(*prob.q.shape[:3], device)[0])
+    torch.cuda.synchronize()
+    assert torch.equal(low[0], far[0]) and torch.equal(low[1], far[1])
+    _check_against_reference(prob, fp8, far[0], far[1], cache, meta, splits, device)
