@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
+GPU_SKIP_REASON = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    skip_gpu = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        if item.get_closest_marker("gpu") is not None:  # (not ``"gpu" in item.keywords``: a
+            item.add_marker(skip_gpu)  # parametrize id "gpu" is a keyword too, and skipped a CPU test)
 
 
 @pytest.fixture

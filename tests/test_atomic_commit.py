@@ -479,3 +479,22 @@ def test_an_empty_database_folder_is_refused(tmp_path: Path, monkeypatch: pytest
     monkeypatch.chdir(tmp_path)
     result = invoke("tune", "--dry-run", "--db-dir", "")
     assert_one_line_error(result, "--db-dir: expected a folder path, got ''")
+
+
+def test_the_new_contents_reach_the_disk_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rename is durable only after the data it points to: the temp file is fsynced with its
+    full contents, while the target still holds the old ones."""
+    target = tmp_path / "out.txt"
+    target.write_text("old")
+    synced: list[tuple[str, bytes, str]] = []
+    real_fsync = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        synced.append((path.name, path.read_bytes(), target.read_text()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    write_text_atomic(target, "new contents")
+    assert target.read_text() == "new contents"
+    assert any(name != "out.txt" and data == b"new contents" and before == "old" for name, data, before in synced), synced

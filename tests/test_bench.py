@@ -526,7 +526,9 @@ def test_two_rank_gloo_run_of_the_orchestration() -> None:
     _check_aggregates(report)
     (comparison,) = report.comparisons
     assert comparison.fp8.batch == 3 and comparison.fp8_mem.batch == budget_batch(GiB, 1024, 2, FP8)
-    assert comparison.speedup_equal_memory is not None
+    pair = comparison.equal_memory
+    assert pair is not None and pair[0].batch > pair[1].batch  # FP8's smaller tokens: more requests fit
+    assert comparison.speedup_equal_memory == pair[0].aggregate_tokens_per_s / pair[1].aggregate_tokens_per_s > 0
 
 
 def test_three_rank_gloo_run_takes_an_odd_world() -> None:

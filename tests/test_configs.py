@@ -72,14 +72,29 @@ def test_scale_groups() -> None:
     fake = {c: CONFIGS[c].fake_quant(kv) for c in CONFIGS}
     for c in CONFIGS:
         assert fake[c][0, 0] == 1000.0  # the group maximum is exact
-    exact = {c: [bool(fake[c][t, ch] == 1.0) for t, ch in ((0, 1), (5, 0), (5, 1), (70, 1), (5, 200))]
-             for c in CONFIGS}
-    #                    (0,1)  (5,0)  (5,1)  (70,1) (5,200)
-    assert exact["snap"] == [False, True, True, True, True]  # per token
-    assert exact["G"] == [False, True, True, True, True]  # per token, 128-channel group
-    assert exact["B"] == [False, False, False, False, False]  # per tensor
-    assert exact["C"] == [True, False, True, True, True]  # per channel
-    assert exact["D"] == [False, False, False, True, True]  # 64 tokens x 128 channels
+    probes = ((0, 1), (5, 0), (5, 1), (70, 1), (5, 200), (0, 100), (40, 1), (5, 100))
+    exact = {c: [bool(fake[c][t, ch] == 1.0) for t, ch in probes] for c in CONFIGS}
+    # (0, 100) is in the outlier's group only with 128 channels a group (not 64), (40, 1) only with
+    # 64 tokens a block (not 32)
+    #                    (0,1)  (5,0)  (5,1)  (70,1) (5,200) (0,100) (40,1) (5,100)
+    assert exact["snap"] == [False, True, True, True, True, False, True, True]  # per token
+    assert exact["G"] == [False, True, True, True, True, False, True, True]  # per token, 128-channel group
+    assert exact["B"] == [False, False, False, False, False, False, False, False]  # per tensor
+    assert exact["C"] == [True, False, True, True, True, True, True, True]  # per channel
+    assert exact["D"] == [False, False, False, True, True, False, False, False]  # 64 tokens x 128 channels
+
+
+def test_every_config_floors_its_scale_at_two_to_the_minus_32() -> None:
+    """SPEC section 3's floor, in every grouping: content of 1e-12 (amax / 448 far below 2^-32)
+    is quantized with the scale 2^-32, i.e. to e4m3(1e-12 * 2^32) * 2^-32, not to itself."""
+    floor = 2.0**-32
+    kv = torch.zeros(3, D_QK)
+    kv[:, :D_CONTENT] = 1e-12
+    tiny = torch.tensor(1e-12, dtype=torch.float32)
+    want = float((tiny / floor).to(torch.float8_e4m3fn).float() * floor)
+    assert want != float(tiny)
+    for c in CONFIGS:
+        assert torch.all(CONFIGS[c].fake_quant(kv)[:, :D_CONTENT] == want), c
 
 
 def test_unknown_config_is_a_one_line_error() -> None:

@@ -354,3 +354,17 @@ def test_replaced_files_keep_their_mode(tmp_path: Path, umask_027: None) -> None
     result = invoke("synth", "-o", path, *SYNTH, "--force")
     assert result.exit_code == 0, result.output
     assert stat.S_IMODE(path.stat().st_mode) == 0o604 and path.stat().st_size > 3
+
+
+def test_verify_refuses_an_existing_json_before_any_case_runs(dump: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without --force an existing --json is refused up front: not after minutes of cases, when
+    the late check would only say the file appeared while snapmla was working."""
+    from snapmla_cli.cli import verify as verify_cli
+
+    existing = tmp_path / "report.json"
+    existing.write_text("mine")
+    monkeypatch.setattr(verify_cli, "run_case", lambda *a, **k: pytest.fail("a case ran"))
+    result = invoke("verify", "--dump", dump, "--json", existing, "--ctx", "64", "--heads", "1", "--mtp", "1")
+    assert_one_line_error(result, f"--json {existing} exists; pass --force to overwrite it")
+    assert "PASS" not in result.stdout and existing.read_text() == "mine"

@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from snapmla_cli.cache.layout import pack_tokens, quantize_tokens, unpack_tokens
-from snapmla_cli.numerics.formats import D_CONTENT, D_QK, E4M3_MAX, KV_SCALE_FLOOR
+from snapmla_cli.numerics.formats import D_CONTENT, D_QK
+
+# SPEC section 3's constants, written out here rather than imported from the code under test
+E4M3_MAX = 448.0
+KV_SCALE_FLOOR = 2.0**-32
 from snapmla_cli.numerics.quant import e4m3_round, quantize_rows
 
 
@@ -88,7 +92,8 @@ def test_quantizer_matches_the_loop_on_float32_input() -> None:
 
 
 def test_independent_e4m3_rounding_agrees_on_hard_values() -> None:
-    hard = [0.0, 2.0**-10, 2.0**-9 * 1.5, 2.0**-7 * 1.0625, 1.0625, 1.1875, 17.0, 440.0, 448.0, 460.0, 1e9, -3.3]
+    hard = [0.0, 2.0**-10, 2.0**-9 * 1.5, 2.0**-7 * 1.0625, 1.0625, 1.1875, 17.0, 440.0, 448.0, 460.0, 1e9, -3.3,
+            float("inf"), float("-inf")]  # saturating, as SPEC says: +-inf to +-448, never NaN
     ours = e4m3_round(torch.tensor(hard)).view(torch.uint8).tolist()
     assert ours == [e4m3_byte(v) for v in hard]
 
@@ -134,6 +139,23 @@ def test_rope_is_prescaled_by_the_token_scale() -> None:
     expect = (kv[:, D_CONTENT:] / rows.scale[:, None]).to(torch.bfloat16)
     assert torch.equal(rows.rope.view(torch.int16), expect.view(torch.int16))
     assert not torch.equal(rows.rope, kv[:, D_CONTENT:].to(torch.bfloat16))
+
+
+def test_rope_prescaling_is_a_correctly_rounded_division() -> None:
+    """SPEC section 3: ``rope / s`` is an IEEE float32 division. With s = fl32(1 / 448) (content
+    amax 1) the RoPE value 1.15625 divides to 518.0000x, 520 in bf16, where a multiply by the
+    reciprocal lands below 518 and rounds to 516: a value pair on which the two differ."""
+    kv = torch.zeros(1, D_QK, dtype=torch.bfloat16)
+    kv[0, :D_CONTENT] = 0.5
+    kv[0, 0] = 1.0
+    kv[0, D_CONTENT:] = 1.15625
+    rows = quantize_rows(kv)
+    s = np.float32(1.0) / np.float32(448.0)
+    assert rows.scale.item() == s
+    quotient = np.float32(1.15625) / s  # numpy's float32 division, then bf16 round-to-nearest-even
+    assert torch.tensor(float(quotient)).to(torch.bfloat16).item() == 520.0
+    assert torch.tensor(float(np.float32(1.15625) * (np.float32(1.0) / s))).to(torch.bfloat16).item() == 516.0
+    assert torch.all(rows.rope == 520.0)
 
 
 def test_pack_unpack_round_trip() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -467,6 +468,15 @@ def test_a_bucket_stored_twice_is_judged_by_its_fastest_entry() -> None:
     assert outcome.action == "kept_old" and outcome.previous == fast and merged == [fast]
 
 
+def test_the_resume_check_reads_a_bucket_stored_twice_as_its_first_entry(tmp_path) -> None:
+    """``entries_for`` / ``find_entry`` (what a resumed ``snapmla tune`` compares with) take the
+    file's first entry of a bucket, as its docstring says, not whichever comes last."""
+    first, second = entry(t=30.0, cfg=alt_config(2)), entry(t=10.0)
+    (tmp_path / tdb.db_filename(GPU.name)).write_text(tdb.dump_text([tdb.DeviceSection(GPU, [first, second])]))
+    assert tdb.entries_for(tmp_path, GPU) == {first.bucket: first}
+    assert tdb.find_entry(tmp_path, GPU, first.bucket) == first
+
+
 def test_atomic_write_survives_interrupted_write(isolated_db, monkeypatch):
     user, _ = isolated_db
     path, _ = save_entries(user, GPU, [entry(t=100.0)])
@@ -688,6 +698,16 @@ def test_a_section_of_this_cuda_driver_wins(isolated_db: tuple[pathlib.Path, pat
     assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(2)
     monkeypatch.setattr(lookup, "_device_key_hook", lambda index: replace(GPU, cuda_driver_major=12))
     lookup.clear_cache()
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(3)
+
+
+def test_the_users_database_beats_a_shipped_entry_of_this_driver(isolated_db: tuple[pathlib.Path, pathlib.Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's order: the user's database first, then the same CUDA driver major. A user entry
+    timed under another driver still beats a shipped one of this driver for the same bucket."""
+    user, shipped = isolated_db
+    save_entries(user, replace(GPU, cuda_driver_major=12), [entry(cfg=alt_config(3))])
+    save_entries(shipped, GPU, [entry(cfg=alt_config(2))])
     assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(3)
 
 
@@ -1835,3 +1855,36 @@ def test_the_recorded_command_pastes_back_into_a_shell(monkeypatch, tmp_path):
                    False, False)
     assert shlex.split(seen[0]) == ["snapmla", "tune", "--heads", "64", "--mtp", "2", "--batch", "64",
                                     "--ctx", "16k, 32k", "--format", "fp8", "--budget", "8s"]
+
+
+def test_tune_refuses_a_database_it_would_damage_before_timing_anything(isolated_db, monkeypatch, tmp_path):
+    """A database file that cannot be parsed would lose what this version cannot read on the
+    merge: ``snapmla tune`` refuses it (without --force) before the first candidate is timed, not
+    after the whole search."""
+    from snapmla_cli.cli import tune as tune_cli
+    from snapmla_cli.tuning import measure
+    from snapmla_cli.tuning.tuner import Budget
+
+    space = small_space()
+    runs: list[FakeMeasurer] = []
+
+    class CpuMeasurer(FakeMeasurer):
+        device, sm_count = torch.device("cpu"), 132
+
+        def __init__(self) -> None:
+            super().__init__(search_space(space.bucket, 132), fastest_wrong=False)
+            runs.append(self)
+
+        def precompile(self, items, progress) -> None:
+            pass
+
+    monkeypatch.setattr(measure, "GpuMeasurer", CpuMeasurer)
+    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
+    folder = tmp_path / "db"
+    folder.mkdir()
+    damaged = folder / tdb.db_filename(GPU.name)
+    damaged.write_text("format: snapmla-tuning/1\ndevices: [unclosed\n")
+    with pytest.raises(SnapmlaError, match=re.escape(str(damaged))):
+        tune_cli._run([space.bucket], Budget(count=2), folder, "--db-dir", True, False, "snapmla tune")
+    assert runs and runs[-1].timed == []
+    assert damaged.read_text() == "format: snapmla-tuning/1\ndevices: [unclosed\n"
