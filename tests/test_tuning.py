@@ -1458,6 +1458,24 @@ def test_tune_interrupted_exits_130_and_says_it_resumes(isolated_db, monkeypatch
     assert result.stderr.startswith("interrupted: measurements so far are kept") and "resume" in result.stderr
 
 
+def cpu_measurer(space, runs: list[FakeMeasurer]) -> type[FakeMeasurer]:
+    """A stand-in for GpuMeasurer on the CPU: FakeMeasurer's times over ``space`` (the fastest
+    candidate right), each instance appended to ``runs``, so that ``snapmla tune``'s real run
+    path (cli/tune.py ``_run``) runs without a GPU."""
+
+    class CpuMeasurer(FakeMeasurer):
+        device, sm_count = torch.device("cpu"), 132
+
+        def __init__(self) -> None:
+            super().__init__(space, fastest_wrong=False)
+            runs.append(self)
+
+        def precompile(self, items, progress) -> None:
+            pass
+
+    return CpuMeasurer
+
+
 def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, monkeypatch, tmp_path, capsys):
     """A resumed ``snapmla tune`` skips a bucket whose stored entry is current (these kernel
     sources, this default); with ``--force`` it is timed again. The GPU measurer is replaced by
@@ -1470,18 +1488,7 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
     space = small_space()
     bucket = space.bucket
     runs: list[FakeMeasurer] = []
-
-    class CpuMeasurer(FakeMeasurer):
-        device, sm_count = torch.device("cpu"), 132
-
-        def __init__(self) -> None:
-            super().__init__(search_space(bucket, 132), fastest_wrong=False)
-            runs.append(self)
-
-        def precompile(self, items, progress) -> None:
-            pass
-
-    monkeypatch.setattr(measure, "GpuMeasurer", CpuMeasurer)
+    monkeypatch.setattr(measure, "GpuMeasurer", cpu_measurer(search_space(bucket, 132), runs))
     monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
     folder = tmp_path / "db"
     default = tdb.strip_sms(space.default)
@@ -1531,18 +1538,7 @@ def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isol
     bucket = space.bucket  # h64 s2 b1 4k fp8
     shadowed = Bucket(64, 2, (1, 1), (8192, 8192), "fp8")
     runs: list[FakeMeasurer] = []
-
-    class CpuMeasurer(FakeMeasurer):
-        device, sm_count = torch.device("cpu"), 132
-
-        def __init__(self) -> None:
-            super().__init__(space, fastest_wrong=False)
-            runs.append(self)
-
-        def precompile(self, items, progress) -> None:
-            pass
-
-    monkeypatch.setattr(measure, "GpuMeasurer", CpuMeasurer)
+    monkeypatch.setattr(measure, "GpuMeasurer", cpu_measurer(space, runs))
     monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -1867,18 +1863,7 @@ def test_tune_refuses_a_database_it_would_damage_before_timing_anything(isolated
 
     space = small_space()
     runs: list[FakeMeasurer] = []
-
-    class CpuMeasurer(FakeMeasurer):
-        device, sm_count = torch.device("cpu"), 132
-
-        def __init__(self) -> None:
-            super().__init__(search_space(space.bucket, 132), fastest_wrong=False)
-            runs.append(self)
-
-        def precompile(self, items, progress) -> None:
-            pass
-
-    monkeypatch.setattr(measure, "GpuMeasurer", CpuMeasurer)
+    monkeypatch.setattr(measure, "GpuMeasurer", cpu_measurer(search_space(space.bucket, 132), runs))
     monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
     folder = tmp_path / "db"
     folder.mkdir()
