@@ -121,6 +121,16 @@ def test_a_nan_key_token_is_refused_not_read_as_no_keys(problem: DecodeProblem) 
         run_reference(problem, kv_cache=bf16)
 
 
+def test_the_emulation_refuses_a_token_of_another_fp8_encoding(problem: DecodeProblem) -> None:
+    """Nonzero pad bytes (a DeepSeek-V3.2 fp8_ds_mla token keeps scales there) are not SnapMLA's
+    encoding: refused naming the request and token, not decoded."""
+    cache = problem.fp8_cache()
+    page = int(problem.layout.block_table[1, 0])
+    cache[page, 3, 520] = 1
+    with pytest.raises(SnapmlaError, match=r"fp8_cache: request 1 reads token 3 with nonzero pad bytes"):
+        run_emulation(problem, fp8_cache=cache)
+
+
 def test_non_finite_or_malformed_queries_are_refused(problem: DecodeProblem) -> None:
     q8 = problem.q_quantized()
     bad_scale = q8.scale.clone()

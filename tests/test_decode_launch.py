@@ -472,3 +472,44 @@ def test_a_batch_of_no_requests_launches_nothing_with_any_work_list(recorder):
         out, lse = decode_fp8(q, cache, table, lens, *work)
         assert out.shape == (0, S_Q, H_Q, 512) and lse.shape == (0, H_Q, S_Q)
     assert not recorder.launches
+
+
+def test_a_work_list_of_a_larger_batch_is_refused(recorder):
+    """num_splits[:b + 1] of a list planned for more requests passes every shape check, but its
+    items name requests past the call's batch, whose q, table and out rows the kernels would
+    read and write out of bounds: refused, for get_mla_metadata's and GraphWorkList's lists."""
+    from snapmla_cli.ops.graph_work_list import GraphWorkList
+
+    cache, table, lens = _paged()
+    q = _q8()
+    wide = torch.full((2 * BATCH,), CTX, dtype=torch.int32)
+    meta, splits = get_mla_metadata(wide, S_Q * H_Q, 1)
+    work = GraphWorkList(2 * BATCH, S_Q * H_Q, "cpu")
+    work.update(wide)
+    for m, n in ((meta, splits), (work.metadata, work.num_splits)):
+        with pytest.raises(SnapmlaError, match=f"tile_scheduler_metadata: planned for {2 * BATCH} requests, "
+                                               f"the call has {BATCH}"):
+            decode_fp8(q, cache, table, lens, m, n[:BATCH + 1])
+    assert not recorder.launches
+
+
+def test_the_fp8_dtype_is_named_as_passed(recorder):
+    _, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    wrong = torch.zeros(4, PAGE_SIZE, D_QK, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    with pytest.raises(SnapmlaError, match=r"got torch.float8_e4m3fn \[4, 64, 576\]"):
+        decode_fp8(_q8(), wrong, table, lens, meta, splits)
+
+
+def test_the_checks_switch_refuses_a_cache_of_another_fp8_encoding(recorder, checks_on):
+    """DeepSeek-V3.2's fp8_ds_mla cache has SnapMLA's 656 bytes a token and other contents (more
+    scales in the pad bytes, RoPE not pre-scaled): every shape check passes. The pad bytes tell."""
+    cache, table, lens = _paged()
+    cache[:, :, 512:516] = torch.tensor([1.0], dtype=torch.float32).view(torch.uint8)  # scale 1.0
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode_fp8(_q8(), cache, table, lens, meta, splits)  # zero pads: SnapMLA's encoding
+    cache[int(table[1, 3]), 7, 516:528] = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float32).view(torch.uint8)
+    recorder.launches.clear()
+    with pytest.raises(SnapmlaError, match=r"k_cache: request 1 reads token 199 with nonzero pad bytes 516\.\.527"):
+        decode_fp8(_q8(), cache, table, lens, meta, splits)
+    assert not recorder.launches

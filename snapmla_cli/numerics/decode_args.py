@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import SnapmlaError
-from .formats import PAGE_SIZE, default_softmax_scale
+from .formats import PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET, default_softmax_scale
 
 
 def checked_softmax_scale(softmax_scale: object) -> float:
@@ -147,6 +147,19 @@ def require_finite(message: str, *parts: torch.Tensor) -> None:
 def check_finite_keys(name: str, request: int, *parts: torch.Tensor) -> None:
     """The keys a request reads must be finite: NaN or inf there is a corrupt cache, not data."""
     require_finite(f"{name}: request {request} reads non-finite values in its keys", *parts)
+
+
+def check_key_pads(name: str, request: int, tokens: torch.Tensor) -> None:
+    """The FP8 tokens a request reads (``[n, 656]`` bytes) must have zero pad bytes (SPEC section
+    3): a cache of the same size in another encoding (DeepSeek-V3.2's ``fp8_ds_mla``, whose bytes
+    516..527 hold three more scales and whose RoPE is not pre-scaled) would otherwise decode to
+    plausible numbers."""
+    bad = tokens[:, PAD_OFFSET:ROPE_OFFSET].ne(0).any(dim=1)
+    if bool(bad.any()):
+        token = int(bad.nonzero()[0, 0])
+        raise SnapmlaError(f"{name}: request {request} reads token {token} with nonzero pad bytes "
+                           f"{PAD_OFFSET}..{ROPE_OFFSET - 1}: not a SnapMLA cache (write it with append_kv; "
+                           "a DeepSeek-V3.2 fp8_ds_mla cache has the same size and another encoding)")
 
 
 def check_key_scales(name: str, request: int, scales: torch.Tensor) -> None:

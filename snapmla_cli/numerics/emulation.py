@@ -20,6 +20,7 @@ from ..cache.layout import gather_from_pages, unpack_tokens
 from ..errors import SnapmlaError
 from .decode_args import (
     check_finite_keys,
+    check_key_pads,
     check_key_scales,
     checked_paged_decode,
     is_integer,
@@ -142,10 +143,12 @@ def emulate_fp8_decode(
     for i, n in enumerate(seqlens):
         if n == 0:
             continue
-        keys = unpack_tokens(gather_from_pages(fp8_cache, block_table[i], n))
+        tokens = gather_from_pages(fp8_cache, block_table[i], n)
+        keys = unpack_tokens(tokens)
         k_c, k_s, k_r = keys.content.float(), keys.scale.float(), keys.rope.float()
         check_finite_keys("fp8_cache", i, k_c, k_s, k_r)
         check_key_scales("fp8_cache", i, k_s)
+        check_key_pads("fp8_cache", i, tokens)
         if s_q * h_q == 0:
             continue  # no query rows: empty outputs, as the reference gives (the keys were checked)
         q_c = as_e4m3(q.content[i]).reshape(s_q * h_q, D_CONTENT).float()

@@ -54,7 +54,8 @@ class ContentStamp:
     is right for any contents. A CUDA graph being captured never trusts them either: replays run
     whatever the buffers hold by then (unless the capture is declared to replay the contents it
     saw: :func:`captures_replay_fixed_contents`). Writes that torch does not see (a kernel of the
-    caller's own through the data pointer) cannot be noticed; such a caller uses ``GraphWorkList``."""
+    caller's own through the data pointer, a write through ``tensor.data``) cannot be noticed;
+    such a caller uses ``GraphWorkList``."""
 
     metadata_version: int
     num_splits: weakref.ref[torch.Tensor]
@@ -103,6 +104,7 @@ class MetadataPlan:
     fold: SplitFold | None = field(default=None, compare=False)  # the split merge's counters and facts
     # the contents ``fold`` was decided from; None: a fold right for any contents (GraphWorkList's)
     stamp: ContentStamp | None = field(default=None, compare=False)
+    batch: int | None = None  # the requests it was planned for (its items name requests 0..batch-1)
 
     def fold_for(self, metadata: torch.Tensor, num_splits: torch.Tensor, rows: int) -> SplitFold | None:
         """The fold for a decode call of ``rows`` rows on these tensors: None (the combine merges

@@ -25,8 +25,10 @@ from typing import ParamSpec, TypeVar
 import numpy as np
 import torch
 
+from ..cache.layout import gather_from_pages
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.decode_args import (
+    check_key_pads,
     checked_flag,
     checked_lengths,
     checked_softmax_scale,
@@ -136,7 +138,7 @@ def get_mla_metadata(
                            runs_columns(cfg, fp8), target)
     fold = plan_fold(work.splits_per_request, num_heads_per_head_k, cfg.block_m, target, work.cluster)
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold,
-                                            ContentStamp.of(work.metadata, work.num_splits)))
+                                            ContentStamp.of(work.metadata, work.num_splits), len(seqlens)))
     return work.metadata, work.num_splits
 
 
@@ -215,11 +217,20 @@ def _check_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b: int,
 
 
 def _check_metadata(metadata: torch.Tensor, num_splits: torch.Tensor, b: int, device: torch.device) -> None:
+    """Shapes, and the batch the work list was planned for where snapmla planned it: its items
+    name requests 0..batch-1, which the kernels index q, the table and out with unchecked (a
+    larger list with ``num_splits[:b + 1]`` passes every shape check). A copy's batch is not known
+    without reading it; the checks switch's work-list check reads it."""
     _check(metadata, "tile_scheduler_metadata", torch.int32, (None, None, WORK_FIELDS), device)
     _check(num_splits, "num_splits", torch.int32, (b + 1,), device)
+    plan = metadata_plan(metadata)
+    if plan is not None and plan.batch is not None and plan.batch != b:
+        raise SnapmlaError(f"tile_scheduler_metadata: planned for {plan.batch} requests, the call has {b} "
+                           "(a work list of a larger batch with num_splits[:b + 1]? plan one for this batch)")
 
 
 def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    given = k_cache.dtype  # (named in the error as the caller passed it, not as viewed)
     if k_cache.dtype == FP8_DTYPE:
         k_cache = k_cache.view(torch.uint8)
     ok_shape = (k_cache.dim() == 3 and k_cache.shape[1:] == (PAGE_SIZE, FP8_TOKEN_BYTES)) or (
@@ -227,7 +238,7 @@ def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
     if k_cache.dtype != torch.uint8 or not ok_shape:
         raise SnapmlaError(
             f"k_cache: expected FP8 cache uint8/float8_e4m3fn [blocks, 64, {FP8_TOKEN_BYTES}] or "
-            f"[blocks, 64, 1, {FP8_TOKEN_BYTES}], got {k_cache.dtype} {list(k_cache.shape)}")
+            f"[blocks, 64, 1, {FP8_TOKEN_BYTES}], got {given} {list(k_cache.shape)}")
     if not k_cache.is_contiguous():
         raise SnapmlaError("k_cache: must be contiguous")
     return k_cache
@@ -473,6 +484,10 @@ def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b
     lengths = checked_lengths(block_table, cache_seqlens, batch, k_cache.shape[0])
     _check_metadata(metadata, num_splits, batch, metadata.device)
     check_work_list(metadata, num_splits, lengths)
+    if k_cache.element_size() == 1:  # an FP8 cache: the tokens read are SnapMLA's encoding
+        rows = k_cache.view(torch.uint8).reshape(k_cache.shape[0], PAGE_SIZE, FP8_TOKEN_BYTES)
+        for i, n in enumerate(lengths):
+            check_key_pads("k_cache", i, gather_from_pages(rows, block_table[i], n))
 
 
 def _check_quantized_finite(q: QuantizedRows) -> None:

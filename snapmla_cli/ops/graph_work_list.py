@@ -74,7 +74,8 @@ class GraphWorkList:
         self.metadata = torch.empty((self.capacity, 1, WORK_FIELDS), dtype=torch.int32, device=self.device)
         self.num_splits = torch.empty(batch + 1, dtype=torch.int32, device=self.device)
         fold = fixed_fold(batch, num_heads_per_head_k, self.config.block_m, self.device)
-        record_plan(self.metadata, MetadataPlan(num_heads_per_head_k, fp8, None, self.config, requested, fold))
+        record_plan(self.metadata, MetadataPlan(num_heads_per_head_k, fp8, None, self.config, requested, fold,
+                                                batch=batch))
         self.update(torch.zeros(batch, dtype=torch.int32))
 
     def update(self, cache_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
