@@ -11,8 +11,9 @@ the outputs and the split buffers, and launches.
 
 A plan holds for one metadata tensor (a weak reference: ids are reused) and one configuration
 object, and one whose split merge was decided from the work list's contents only while they are
-unchanged (``config_choice.ContentStamp``: no in-place write since, no graph capture); the cache forgets every plan when the loaded kernels are forgotten or a kernel build
-switch changes (:func:`clear_plans`).
+unchanged (``config_choice.ContentStamp``: no in-place write since, no graph capture); the cache
+forgets every plan when the loaded kernels are forgotten or a kernel build switch changes
+(:func:`clear_plans`).
 """
 
 from __future__ import annotations

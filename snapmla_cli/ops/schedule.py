@@ -446,7 +446,8 @@ def check_work_list(metadata: torch.Tensor, num_splits: torch.Tensor, lengths: l
     items = np.asarray(metadata.reshape(-1, WORK_FIELDS).cpu(), dtype=np.int64)
     steps = np.diff(counts)
     if counts[0] != 0 or (steps < 0).any():
-        raise SnapmlaError(f"num_splits: expected cumulative split counts from 0, got {counts.tolist()[:8]}...")
+        shown = ", ".join(str(c) for c in counts.tolist()[:8]) + (", ..." if len(counts) > 8 else "")
+        raise SnapmlaError(f"num_splits: expected cumulative split counts from 0, got [{shown}]")
     hint = "(pass the lengths get_mla_metadata planned this work list from)"
     per_request: dict[int, list[tuple[int, int, int]]] = {}
     for request, begin, end, partial in items.tolist():
