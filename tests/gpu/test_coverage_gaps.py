@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from graph_steps import replay_steps  # this folder is sys.path[0]
 
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
@@ -350,22 +351,11 @@ def test_graph_work_list_replays_every_kernel_kind_and_an_all_empty_step(fp8, ve
         _decode(fp8)(q, cache, table, lens, work.metadata, work.num_splits, prob.softmax_scale, True,
                      out=out, lse=lse)
 
-    step()  # first call of the signature outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    results = []
-    for seqlens in steps:
-        host = torch.tensor(seqlens, dtype=torch.int32)
-        lens.copy_(host)
-        work.update(host)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check_against_reference(prob, fp8, out, lse, cache, work.metadata, work.num_splits, device, lens=seqlens)
-        results.append((out.clone(), lse.clone()))
+    def check(host: torch.Tensor) -> None:
+        _check_against_reference(prob, fp8, out, lse, cache, work.metadata, work.num_splits, device,
+                                 lens=host.tolist())
+
+    results = replay_steps(step, work, lens, out, lse, steps, check)
     assert bool((results[1][0] == 0).all()) and bool((results[1][1] == float("inf")).all())
     assert torch.equal(results[0][0], results[-1][0]) and torch.equal(results[0][1], results[-1][1])
 

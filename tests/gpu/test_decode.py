@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from graph_steps import replay_steps  # this folder is sys.path[0]
 
 from snapmla_cli.cache.layout import dequantize_cache
 from snapmla_cli.numerics.decode_ref import decode_reference
@@ -644,23 +645,11 @@ def test_graph_work_list_replays_every_steps_plan(s_q, h_q):
         decode_fp8(q, cache, table, lens, work.metadata, work.num_splits, prob.softmax_scale, True,
                    out=out, lse=lse)
 
-    step()  # the first call of the signature (its checks, tensor maps and launch plan) outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    results = []
-    for seqlens in steps + steps[:1]:
-        host = torch.tensor(seqlens, dtype=torch.int32)
-        lens.copy_(host)
-        work.update(host)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+    def check(host: torch.Tensor) -> None:
         step_prob = replace(prob, layout=replace(prob.layout, cache_seqlens=host))
         _check_fp8_against_emulation(step_prob, out, lse, cache, work.metadata, work.num_splits, device)
-        results.append((out.clone(), lse.clone()))
+
+    results = replay_steps(step, work, lens, out, lse, steps + steps[:1], check)
     assert torch.equal(results[0][0], results[-1][0]) and torch.equal(results[0][1], results[-1][1])
     assert work.metadata.shape == (work.capacity, 1, 4)
 
