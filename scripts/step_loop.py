@@ -1,7 +1,9 @@
 """An engine's decode loop in eager mode: per step ``get_mla_metadata`` (the lengths read from the
 GPU, which waits for the stream, or given on the host with ``device=``), then ``layers`` layers of
-``quantize_q`` + ``decode_fp8`` on that step's work list; every length one token longer each step,
-the requests' lengths spread over a page so that the planner's caches miss as in a real batch.
+``quantize_q`` + ``decode_fp8`` on that step's work list, each layer on its own cache (a view one
+page further into one buffer: its own address, as an engine's layers have, without 61 copies of
+the cache); every length one token longer each step, the requests' lengths spread over a page so
+that the planner's caches miss as in a real batch.
 
 Prints the wall time per step of both loops against the GPU time of one step's layers (the same
 launches replayed from a CUDA graph): what the host leaves the GPU idle per step; and the step of
@@ -36,10 +38,13 @@ def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None
     final = [ctx - int(s) for s in spread]  # the cache holds the last step's tokens
     case = DecodeCase.build(final, 1, h, device)
     rows = case.rows
+    blocks = case.cache8.shape[0]
+    pages = torch.cat([case.cache8] * (1 + -(-(layers - 1) // blocks)))  # room for the layers' offsets
+    layer_caches = [pages[layer : layer + blocks] for layer in range(layers)]
 
     def layers_of(meta: torch.Tensor, splits: torch.Tensor, lens: torch.Tensor) -> None:
-        for _ in range(layers):
-            decode_fp8(quantize_q(case.q), case.cache8, case.table, lens, meta, splits, None, True)
+        for cache in layer_caches:
+            decode_fp8(quantize_q(case.q), cache, case.table, lens, meta, splits, None, True)
 
     def first_lengths() -> tuple[torch.Tensor, torch.Tensor]:
         """The lengths on the host and on the GPU before the first step: the loop's steps end at

@@ -118,6 +118,52 @@ def test_a_new_metadata_tensor_or_config_object_gets_its_own_plan(recorder):
             and not plan.holds_for(meta, splits2, config))
 
 
+@pytest.mark.parametrize("kernel", ["wgmma", "mma.sync"])
+def test_each_layers_cache_replays_the_steps_plan(recorder, monkeypatch, kernel):
+    """An engine's step: one work list, every layer on its own cache. The second layer's call
+    replays the first one's plan (no planning, no kernel lookup) with its own cache: the wgmma
+    kernels get that cache's TMA maps, the mma.sync kernels the cache itself."""
+    from snapmla_cli.ops.decode_config import FP8_MMA_SYNC
+
+    maps_of: dict[int, torch.Tensor] = {}  # a distinct stand-in buffer per cache address
+    monkeypatch.setattr(tensor_map, "fp8_cache_tensor_maps",
+                        lambda cache: maps_of.setdefault(cache.data_ptr(), torch.zeros(256, dtype=torch.uint8)))
+    config = None if kernel == "wgmma" else heuristic_config(S_Q * H_Q, True, FP8_MMA_SYNC).with_sms(8)
+    layer_caches = [_paged()[0] for _ in range(3)]
+    _, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1, config=config)
+    q = _q8()
+    decode_fp8(q, layer_caches[0], table, lens, meta, splits, config=config)
+    built = recorder.kernels_built
+    for cache in layer_caches[1:]:
+        decode_fp8(q, cache, table, lens, meta, splits, config=config)
+    assert recorder.kernels_built == built and len(decode_launch._PLANS) == 1
+    cache_args = [args[3] for name, _, args in recorder.launches if name != "snapmla_combine"]
+    if kernel == "wgmma":
+        expected = [maps_of[cache.data_ptr()].data_ptr() for cache in layer_caches]
+    else:
+        expected = [cache.data_ptr() for cache in layer_caches]
+    assert cache_args == expected and len(set(expected)) == 3
+
+
+def test_the_plans_of_freed_work_lists_are_dropped(recorder):
+    """An eager loop makes a work list per step: the plans of the steps gone must not pile up
+    (each holds its fold counters) until MAX_PLANS clears every plan, the live ones too."""
+    cache, table, lens = _paged()
+    q = _q8()
+    kept_meta, kept_splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode_fp8(q, cache, table, lens, kept_meta, kept_splits)
+    for _ in range(6):
+        meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+        decode_fp8(q, cache, table, lens, meta, splits)
+        del meta, splits
+    # the kept list's plan, and the last step's until the next first call drops it
+    assert len(decode_launch._PLANS) == 2
+    assert any(plan.metadata() is kept_meta for plan in decode_launch.stored_plans())
+    decode_fp8(q, cache, table, lens, kept_meta, kept_splits)  # still replayed
+    assert len(decode_launch._PLANS) == 2
+
+
 def test_a_kernel_build_switch_or_forgotten_kernels_drop_the_plans(recorder):
     cache, table, lens = _paged()
     q = _q8()
@@ -286,6 +332,8 @@ def test_views_at_an_odd_offset_are_refused_on_first_calls_and_replays(recorder)
     with pytest.raises(SnapmlaError, match="^k_cache: data must start on a 16-byte boundary"):
         decode_fp8(q, _offset_view(cache, 8), table, lens, meta, splits)
     decode_fp8(q, cache, table, lens, meta, splits)  # a plan now
+    with pytest.raises(SnapmlaError, match="^k_cache: data must start on a 16-byte boundary"):
+        decode_fp8(q, _offset_view(cache, 8), table, lens, meta, splits)  # same shape: the replay
     odd_rope = QuantizedRows(q.content, q.scale, _offset_view(q.rope, 1))
     with pytest.raises(SnapmlaError, match="^q.rope: data must start on a 16-byte boundary"):
         decode_fp8(odd_rope, cache, table, lens, meta, splits)  # the replay

@@ -34,3 +34,46 @@ def test_missing_driver_is_a_nogpu_error() -> None:
     tensor_map._encode_tiled.cache_clear()
     with pytest.raises(NoGpuError, match="libcuda.so.1"):
         tensor_map.encode_byte_map(0x1000, 64, 656, 128, 64, True)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
+    """Maps encoded without a driver (zero bytes, kept in host memory), a small map cache, and a
+    switch standing in for ``torch.cuda.is_current_stream_capturing``."""
+    state = {"capturing": False}
+    monkeypatch.setattr(tensor_map, "encode_byte_map", lambda *args: bytes(tensor_map.TENSOR_MAP_BYTES))
+    monkeypatch.setattr(tensor_map, "_capturing", lambda cache: state["capturing"])
+    monkeypatch.setattr(tensor_map, "MAX_CACHED_MAPS", 2)
+    monkeypatch.setattr(tensor_map, "TENSOR_MAP_ALIGN", 1)  # (a host buffer stands in for the GPU's)
+    monkeypatch.setattr(tensor_map, "_maps", type(tensor_map._maps)())
+    monkeypatch.setattr(tensor_map, "_pinned", {})
+    return state
+
+
+def _caches(count: int) -> list[torch.Tensor]:
+    return [torch.zeros(64, 656, dtype=torch.uint8) for _ in range(count)]
+
+
+def test_maps_evicted_without_a_graph_are_rebuilt(fake_driver: dict[str, bool]) -> None:
+    first, *others = _caches(4)
+    maps = tensor_map.fp8_cache_tensor_maps(first)
+    assert tensor_map.fp8_cache_tensor_maps(first) is maps  # cached
+    for cache in others:  # three more caches: the first one's maps are evicted
+        tensor_map.fp8_cache_tensor_maps(cache)
+    assert tensor_map.fp8_cache_tensor_maps(first) is not maps
+
+
+def test_maps_used_in_a_graph_capture_outlive_their_eviction(fake_driver: dict[str, bool]) -> None:
+    """A captured graph keeps the maps' device address: evicted and freed, the buffer could be
+    reused by the caching allocator and the replay's TMA would read garbage as its map."""
+    first, *others = _caches(4)
+    maps = tensor_map.fp8_cache_tensor_maps(first)
+    fake_driver["capturing"] = True
+    assert tensor_map.fp8_cache_tensor_maps(first) is maps  # used by the capture: pinned
+    with pytest.raises(SnapmlaError, match="^k_cache: its TMA tensor maps are built"):
+        tensor_map.fp8_cache_tensor_maps(others[0])  # no maps yet: not built inside a capture
+    fake_driver["capturing"] = False
+    for cache in others:
+        tensor_map.fp8_cache_tensor_maps(cache)
+    assert len(tensor_map._maps) == 2 and tensor_map._pinned
+    assert tensor_map.fp8_cache_tensor_maps(first) is maps  # the graph's buffer, not a new one

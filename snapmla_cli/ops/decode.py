@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import ModuleType
 from typing import ParamSpec, TypeVar
@@ -69,7 +68,7 @@ from .decode_config import (
     runs_columns,
     settle_balance,
 )
-from .decode_launch import DecodePlan, combine_launch, find_plan, store_plan
+from .decode_launch import DecodePlan, combine_launch, find_plan, metadata_ref, store_plan
 from .finite import GPU_CHECKS, capturing, check_all_finite, check_finite
 from .schedule import WORK_FIELDS, build_work_list, check_work_list, host_seqlens
 from .split_fold import (
@@ -285,26 +284,38 @@ def _split_kv_decode(
     """What both decode kernels share, on a call's first run: block-table and metadata checks,
     the plan of the launches (:func:`_decode_plan`), stored under ``plan_key`` for the calls
     after it (:mod:`.decode_launch`), then run. ``operands`` are the kernel's leading pointer
-    arguments (Q parts, then the cache or its TMA tensor maps); ``requested`` is the caller's
-    configuration object."""
+    arguments (Q parts, then the checked cache); ``requested`` is the caller's configuration
+    object."""
     b = shape[0]
     _check_table(block_table, cache_seqlens, b, device)
     _check_metadata(tile_scheduler_metadata, num_splits, b, device)
     _check_outputs(out, lse, shape, device)
     plan = _decode_plan(fp8, operands[-1], shape, device, block_table.stride(0), tile_scheduler_metadata,
-                        num_splits, softmax_scale, causal, cfg, requested)
+                        num_splits, softmax_scale, causal, cfg, requested, plan_key)
     if plan_key is not None:
         store_plan(plan_key, plan)
-    return plan.run(tuple(t.data_ptr() for t in operands[:-1]), block_table, cache_seqlens,
+    return plan.run(tuple(t.data_ptr() for t in operands[:-1]), operands[-1], block_table, cache_seqlens,
                     tile_scheduler_metadata, num_splits, out, lse)
+
+
+def _cache_maps(fp8: bool, cfg: DecodeConfig) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The TMA map lookup of the configuration's kernel (None: it reads the cache itself). The
+    maps are built here, on a call's first run, so that a replay finds them cached."""
+    if not cfg.wgmma:
+        return None
+    from ..runtime import tensor_map  # (looked up per plan: tests stand in for the driver)
+
+    return tensor_map.fp8_cache_tensor_maps if fp8 else tensor_map.bf16_cache_tensor_map
 
 
 def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], device: torch.device,
                  table_stride: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
-                 softmax_scale: float | None, causal: bool, cfg: DecodeConfig, requested: DecodeConfig | None
-                 ) -> DecodePlan:
+                 softmax_scale: float | None, causal: bool, cfg: DecodeConfig, requested: DecodeConfig | None,
+                 plan_key: tuple[object, ...] | None = None) -> DecodePlan:
     """The decode launch over (row tiles x work items) and the combine's, for arguments already
-    checked: kernels, grids, scalar arguments, buffer shapes, the fold's counters."""
+    checked: kernels, grids, scalar arguments, buffer shapes, the fold's counters, and the
+    cache's TMA maps built (the wgmma kernels). ``plan_key``: the key the plan is stored under
+    (it is dropped when the work list is freed)."""
     b, s_q, h_q = shape
     rows = s_q * h_q
     scale = checked_softmax_scale(softmax_scale)
@@ -319,6 +330,9 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
     grid = (math.ceil(rows / cfg.block_m), ctas, 1)
     block = (cfg.threads(fp8), 1, 1)
     shared_mem = fp8_smem_bytes(cfg) if fp8 else bf16_smem_bytes(cfg)
+    cache_maps = _cache_maps(fp8, cfg)
+    if cache_maps is not None:
+        cache_maps(cache)  # (built now, before any capture; checks that the cache is whole pages)
     kernel = None
     cluster = 0
     if num_work > 0:
@@ -338,7 +352,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
                                                      device=device.index)
     combine_grid = (b, math.ceil(rows / rows_per_cta), 1)
     return DecodePlan(
-        metadata=weakref.ref(tile_scheduler_metadata),
+        metadata=metadata_ref(tile_scheduler_metadata, plan_key),
         stamp=stamp,
         config=requested,
         device=device,
@@ -352,7 +366,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
         shared_mem=shared_mem,
         cluster_launch=None if not cluster or kernel is None else ClusterLaunch(kernel.function.ptr, grid, block, shared_mem,
                                                               (1, cluster, 1)),
-        cache_ptr=cache.data_ptr(),
+        cache_maps=cache_maps,
         items_per_column=np.int32(items_per_column),
         scalars=(np.int32(table_stride), np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q),
                  np.int32(int(causal))),
@@ -362,7 +376,7 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
         combine_launch=combine_launch(combine, combine_grid),
         combine_grid=combine_grid,
         combine_scalars=(np.int32(h_q), np.int32(s_q), np.int32(0 if run is None else run.folded_up_to)),
-        keep=(cache if cfg.wgmma else None, arrivals),  # the TMA maps; never the caller's cache
+        keep=(arrivals,),  # never the caller's cache
     )
 
 
@@ -379,9 +393,10 @@ def _signature(q_parts: tuple[torch.Tensor, ...], k_cache: torch.Tensor, block_t
                cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
                softmax_scale: float | None, causal: bool, config: DecodeConfig | None,
                out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[object, ...]:
-    """A call's plan key (:mod:`.decode_launch`): what fixes its launches."""
+    """A call's plan key (:mod:`.decode_launch`): what fixes its launches. Not the cache's
+    address: each layer of a step has its own cache and shares the step's work list."""
     return (*(x for t in q_parts for x in (t.shape, t.dtype, t.get_device())),
-            k_cache.shape, k_cache.dtype, k_cache.get_device(), k_cache.data_ptr(),
+            k_cache.shape, k_cache.dtype, k_cache.get_device(),
             block_table.shape, block_table.dtype, block_table.get_device(), block_table.stride(0),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             id(metadata), metadata.shape, metadata.dtype, metadata.get_device(),
@@ -396,13 +411,15 @@ def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], sha
     """A call whose signature has a plan: the checks the key cannot see, then its launches."""
     _fast_checks((*q_parts, ("k_cache", k_cache), ("cache_seqlens", cache_seqlens),
                   ("tile_scheduler_metadata", metadata), ("num_splits", num_splits)), block_table)
+    if k_cache.data_ptr() % VEC_ALIGN:  # (another layer's cache each call: not in the key)
+        require_aligned("k_cache", k_cache)
     if out is not None or lse is not None:
         _check_outputs(out, lse, shape, plan.device)
     q_ptrs = tuple(t.data_ptr() for _, t in q_parts)
     for (name, _), ptr in zip(q_parts, q_ptrs):  # (a new q each step: its address is not in the key)
         if ptr % Q_ALIGN.get(name, VEC_ALIGN):
             _require_q_aligned(((name, ptr),))  # (the error; inline above: the hot path)
-    return plan.run(q_ptrs, block_table, cache_seqlens, metadata, num_splits, out, lse)
+    return plan.run(q_ptrs, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse)
 
 
 def _tensor_args(**named: object) -> None:
@@ -551,10 +568,6 @@ def decode_fp8(
     _require_cuda(cache, "k_cache", device)
     cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
     require_arch(fp8_kernel(cfg)[0], device.index)  # before the tensor maps, which are Hopper's too
-    if cfg.wgmma:
-        from ..runtime.tensor_map import fp8_cache_tensor_maps
-
-        cache = fp8_cache_tensor_maps(cache)
     return _split_kv_decode(True, (content, q.scale, q.rope, cache), (b, s_q, h_q), device,
                             block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                             softmax_scale, causal, cfg, out, lse, config, key)
@@ -605,12 +618,7 @@ def decode_bf16(
     cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,
                             s_q)
     require_arch(bf16_kernel(cfg)[0], device.index)
-    cache: torch.Tensor = k_cache
-    if cfg.wgmma:
-        from ..runtime.tensor_map import bf16_cache_tensor_map
-
-        cache = bf16_cache_tensor_map(k_cache)
-    return _split_kv_decode(False, (q, cache), (b, s_q, h_q), device, block_table,
+    return _split_kv_decode(False, (q, k_cache), (b, s_q, h_q), device, block_table,
                             cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
                             causal, cfg, out, lse, config, key)
 

@@ -4,22 +4,28 @@ Why: an eager decode call (one not replayed from a CUDA graph) ran every argumen
 rebuilt both launches each time: 112-190 us of host time per call at b 1 on the H200's host,
 against 16-24 us of GPU work (docs/PERF.md, eighteenth session), paid on every layer by an
 engine that launches from Python. Now the first call of a signature (shapes, dtypes, devices,
-the cache's address, the metadata tensor, the configuration object, scale, causal) runs every
-check of :mod:`.decode` and stores a :class:`DecodePlan`; a later call tests only what the key
-cannot see (contiguity, the block table's inner stride, a caller's ``out`` / ``lse``), allocates
-the outputs and the split buffers, and launches.
+the metadata tensor, the configuration object, scale, causal) runs every check of :mod:`.decode`
+and stores a :class:`DecodePlan`; a later call tests only what the key cannot see (contiguity,
+start addresses, the block table's inner stride, a caller's ``out`` / ``lse``), looks up the
+cache's TMA maps, allocates the outputs and the split buffers, and launches.
+
+The cache's address is not in the key: an engine calls every layer of a step, each on its own
+cache, with that step's one work list, so a key holding the address made every call of an eager
+loop a first call (about 4x the host time of a replay).
 
 A plan holds for one metadata tensor (a weak reference: ids are reused) and one configuration
 object, and one whose split merge was decided from the work list's contents only while they are
-unchanged (``config_choice.ContentStamp``: no in-place write since, no graph capture); the cache
-forgets every plan when the loaded kernels are forgotten or a kernel build switch changes
-(:func:`clear_plans`).
+unchanged (``config_choice.ContentStamp``: no in-place write since, no graph capture); a plan
+whose work list was freed is dropped at the next first call (a decode loop plans once per step),
+and the cache forgets every plan when the loaded kernels are forgotten or a kernel build switch
+changes (:func:`clear_plans`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +70,9 @@ class DecodePlan:
     block: tuple[int, int, int]
     shared_mem: int
     cluster_launch: ClusterLaunch | None  # a request's splits in one cluster (ops/cluster_fold.py)
-    cache_ptr: int  # the cache, or the device buffer of its TMA maps
+    # the wgmma kernels' TMA maps of a cache (runtime/tensor_map.py, a cached lookup per call);
+    # None: the kernel reads the cache itself
+    cache_maps: Callable[[torch.Tensor], torch.Tensor] | None
     items_per_column: np.int32
     scalars: tuple[object, ...]  # block-table stride, scale * log2(e), h_q, s_q, causal
     fold: tuple[object, ...] | None  # wgmma kernels: (arrivals pointer, fold limit); else None
@@ -72,8 +80,8 @@ class DecodePlan:
     combine_launch: ProgrammaticLaunch | None  # its prepared programmatic launch
     combine_grid: tuple[int, int, int]
     combine_scalars: tuple[object, ...]  # h_q, s_q, folded_up_to
-    # what the pointers above point into and nothing else holds (the TMA maps, the fold's
-    # counters): never a caller's tensor, which a plan must not keep alive
+    # what the pointers above point into and nothing else holds (the fold's counters): never a
+    # caller's tensor, which a plan must not keep alive
     keep: tuple[object, ...]
 
     @property
@@ -85,15 +93,16 @@ class DecodePlan:
         return (self.metadata() is metadata and self.config is config
                 and (self.stamp is None or self.stamp.holds(metadata, num_splits)))
 
-    def run(self, q_ptrs: tuple[int, ...], block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-            metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
-            lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, q_ptrs: tuple[int, ...], k_cache: torch.Tensor, block_table: torch.Tensor,
+            cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
+            out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate what the caller did not give, launch the decode kernel and the combine, on
         the tensors' GPU: the kernels belong to its context, which need not be the current one
-        (a process driving several GPUs)."""
+        (a process driving several GPUs). ``k_cache`` is checked already (shape by the key,
+        start address and contiguity by the caller)."""
         if self.device.type == "cuda" and current_device_index() != self.device.index:
             with torch.cuda.device(self.device):
-                return self.run(q_ptrs, block_table, cache_seqlens, metadata, num_splits, out, lse)
+                return self.run(q_ptrs, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse)
         device = self.device
         if out is None:
             out = torch.empty(size=self.out_shape, dtype=torch.bfloat16, device=device)
@@ -102,7 +111,8 @@ class DecodePlan:
         partial_out = torch.empty(size=self.partial_out_shape, dtype=torch.float32, device=device)
         partial_lse = torch.empty(size=self.partial_lse_shape, dtype=torch.float32, device=device)
         if self.decode is not None:
-            args: list[object] = [*q_ptrs, self.cache_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
+            cache_ptr = (k_cache if self.cache_maps is None else self.cache_maps(k_cache)).data_ptr()
+            args: list[object] = [*q_ptrs, cache_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
                                   metadata.data_ptr(), self.items_per_column, out.data_ptr(), lse.data_ptr(),
                                   partial_out.data_ptr(), partial_lse.data_ptr(), *self.scalars]
             if self.fold is not None:
@@ -120,6 +130,17 @@ class DecodePlan:
 
 
 _PLANS: dict[tuple[object, ...], DecodePlan] = {}
+# keys of plans whose work list was freed (weakref callbacks only append: the dict itself is
+# changed by store_plan, never from inside a garbage collection)
+_FREED_KEYS: list[tuple[object, ...]] = []
+
+
+def metadata_ref(metadata: torch.Tensor, key: tuple[object, ...] | None) -> weakref.ref[torch.Tensor]:
+    """A plan's weak reference to its work list; with a key, the plan is dropped once the list
+    is freed (an eager loop makes one list per step: its plans would pile up to MAX_PLANS)."""
+    if key is None:
+        return weakref.ref(metadata)
+    return weakref.ref(metadata, lambda _ref: _FREED_KEYS.append(key))
 
 
 def combine_launch(kernel: Kernel | None, grid: tuple[int, int, int]) -> ProgrammaticLaunch | None:
@@ -136,7 +157,17 @@ def find_plan(key: tuple[object, ...], metadata: torch.Tensor, num_splits: torch
     return plan if plan is not None and plan.holds_for(metadata, num_splits, config) else None
 
 
+def _drop_freed() -> None:
+    """Forget the plans whose work list is gone (a plan of a newer list under a reused id stays)."""
+    while _FREED_KEYS:
+        key = _FREED_KEYS.pop()
+        plan = _PLANS.get(key)
+        if plan is not None and plan.metadata() is None:
+            del _PLANS[key]
+
+
 def store_plan(key: tuple[object, ...], plan: DecodePlan) -> None:
+    _drop_freed()
     if len(_PLANS) >= MAX_PLANS:
         _PLANS.clear()
     _PLANS[key] = plan
@@ -150,6 +181,7 @@ def stored_plans() -> list[DecodePlan]:
 def clear_plans() -> None:
     """Forget every plan (a kernel build switch changed, or the loaded kernels were dropped)."""
     _PLANS.clear()
+    _FREED_KEYS.clear()
 
 
 on_kernels_cleared(clear_plans)

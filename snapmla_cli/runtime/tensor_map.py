@@ -9,6 +9,12 @@ memory); they are cached per (device, cache address, cache size), so the decode 
 dict lookup only. A map depends on the address and shape alone, so a cache tensor freed and
 reallocated at the same address with the same size reuses a still-correct map.
 
+The cache keeps the maps of the last MAX_CACHED_MAPS caches: more than an engine's layers (one
+cache each, 61 in DeepSeek-V3, plus MTP layers and a second model), since a miss rebuilds the
+maps with a blocking copy to the GPU. A CUDA graph holds the maps' device address, so maps used
+while a graph is captured are pinned and never freed: an evicted buffer reused by the caching
+allocator would make the replay's TMA read garbage as its map.
+
 The FP8 cache is viewed as a 2-D byte tensor ``[num_blocks * 64 rows, 656 bytes]``:
   * map 0: boxes of 64 rows x 128 bytes with 128-byte swizzle (the four content tiles at
     columns 0, 128, 256, 384 and the RoPE tile at column 528), the layout wgmma reads;
@@ -35,7 +41,7 @@ TENSOR_MAP_ALIGN = 64
 TILE_BOX_BYTES = 128  # content / RoPE box width: one 128-byte swizzle span
 SCALE_BOX_BYTES = 16  # scale + pad
 BF16_TOKEN_BYTES = 2 * D_QK
-MAX_CACHED_MAPS = 64
+MAX_CACHED_MAPS = 1024  # 256 B of device memory each (a 512 B block of the caching allocator)
 
 # CUDA driver enums (cuda.h)
 _DTYPE_UINT8 = 0
@@ -46,6 +52,8 @@ _L2_PROMOTION_256B = 3
 _OOB_FILL_NONE = 0
 
 _maps: OrderedDict[tuple[int, int, int, int], torch.Tensor] = OrderedDict()
+# maps a captured CUDA graph reads: kept for the life of the process (graphs outlive any cache)
+_pinned: dict[tuple[int, int, int, int], torch.Tensor] = {}
 
 
 class _TensorMap(ctypes.Structure):
@@ -85,6 +93,11 @@ def encode_byte_map(address: int, rows: int, row_bytes: int, box_bytes: int, box
     return bytes(tmap)
 
 
+def _capturing(cache: torch.Tensor) -> bool:
+    """Whether the cache's GPU is capturing a CUDA graph on the current stream now."""
+    return cache.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _device_maps(cache: torch.Tensor, token_bytes: int, boxes: tuple[tuple[int, bool], ...],
                  what: str) -> torch.Tensor:
     """Device buffer holding one tensor map per ``(box_bytes, swizzle_128b)`` over the contiguous
@@ -96,10 +109,17 @@ def _device_maps(cache: torch.Tensor, token_bytes: int, boxes: tuple[tuple[int, 
     address = cache.data_ptr()
     key = (cache.device.index or 0, address, rows, token_bytes)
     cached = _maps.get(key)
+    if cached is None:
+        cached = _pinned.get(key)  # (evicted, still held by a graph: the same maps again)
+        if cached is not None:
+            _remember(key, cached)
+    capturing = _capturing(cache)
     if cached is not None:
         _maps.move_to_end(key)
+        if capturing:
+            _pinned[key] = cached
         return cached
-    if cache.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing:
         raise SnapmlaError("k_cache: its TMA tensor maps are built (and copied to the GPU) on first "
                            "use; run one decode call on this cache before CUDA graph capture")
     blob = b"".join(encode_byte_map(address, rows, token_bytes, box, PAGE_SIZE, swizzle) for box, swizzle in boxes)
@@ -107,10 +127,15 @@ def _device_maps(cache: torch.Tensor, token_bytes: int, boxes: tuple[tuple[int, 
     device_maps = host.to(cache.device)
     if device_maps.data_ptr() % TENSOR_MAP_ALIGN:
         raise SnapmlaError("tensor map buffer is not 64-byte aligned")
+    _remember(key, device_maps)
+    return device_maps
+
+
+def _remember(key: tuple[int, int, int, int], device_maps: torch.Tensor) -> None:
+    """Cache ``device_maps`` under ``key``, forgetting the least recently used beyond the limit."""
     _maps[key] = device_maps
     while len(_maps) > MAX_CACHED_MAPS:
         _maps.popitem(last=False)
-    return device_maps
 
 
 def fp8_cache_tensor_maps(cache_rows: torch.Tensor) -> torch.Tensor:

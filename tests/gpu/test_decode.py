@@ -582,6 +582,58 @@ def test_replayed_launch_plan_takes_each_calls_tensors(fp8):
     assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_layers_on_their_own_caches_share_a_plan_and_graphs_keep_their_maps(fp8, monkeypatch):
+    """An engine's step: every layer on its own cache with the step's one work list. The second
+    layer replays the first one's plan with its own cache (its TMA maps), bitwise what a freshly
+    planned call gives. A graph captured on a cache keeps that cache's maps even once the map
+    cache evicted them and the caching allocator handed their memory out again (junk bytes)."""
+    from dataclasses import replace
+
+    from snapmla_cli.ops import decode_launch
+    from snapmla_cli.ops.decode import decode_bf16, decode_fp8, get_mla_metadata
+    from snapmla_cli.runtime import tensor_map
+
+    device = torch.device("cuda")
+    first, second = (random_problem([3000, 64, 0, 513], 1, 16, causal=True, seed=s) for s in (21, 22))
+    second = replace(second, layout=first.layout)
+    table = first.layout.block_table.to(device)
+    lens = first.layout.cache_seqlens.to(device)
+    meta, splits = get_mla_metadata(lens, 16, 1, fp8=fp8)
+    if fp8:
+        q = quantize_rows(first.q.to(device))
+        layer_caches = [prob.fp8_cache().to(device) for prob in (first, second)]
+    else:
+        q = first.q.to(device)
+        layer_caches = [prob.bf16_cache().to(device) for prob in (first, second)]
+
+    def call(cache):
+        fn = decode_fp8 if fp8 else decode_bf16
+        return fn(q, cache, table, lens, meta, splits, first.softmax_scale, True)
+
+    decode_launch.clear_plans()
+    out_first, _ = call(layer_caches[0])
+    replayed = call(layer_caches[1])
+    assert len(decode_launch._PLANS) == 1  # the second layer replayed the first one's plan
+    decode_launch.clear_plans()
+    fresh = call(layer_caches[1])
+    assert fresh[0].isfinite().all() and not torch.equal(fresh[0], out_first)
+    assert torch.equal(replayed[0], fresh[0]) and torch.equal(replayed[1], fresh[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(layer_caches[1])
+    monkeypatch.setattr(tensor_map, "MAX_CACHED_MAPS", 1)
+    for pages in (4, 5, 6):  # other caches' maps evict the captured one's
+        other = torch.zeros((pages, *layer_caches[1].shape[1:]), dtype=layer_caches[1].dtype, device=device)
+        (tensor_map.fp8_cache_tensor_maps if fp8 else tensor_map.bf16_cache_tensor_map)(other)
+    junk = [torch.full((256,), 0xFF, dtype=torch.uint8, device=device) for _ in range(64)]  # freed blocks reused
+    captured[0].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], fresh[0]) and torch.equal(captured[1], fresh[1])
+    del junk
+
+
 def test_metadata_from_host_lengths_waits_for_nothing():
     """An engine that keeps its lengths on the host plans with ``device``: the call returns while
     a sleep kernel queued before it still runs (no read from the GPU, asynchronous copies), and
