@@ -387,3 +387,60 @@ def test_metadata_built_elsewhere_settles_an_automatic_balance_blind():
     foreign = build_metadata(torch.tensor([300, 5000], dtype=torch.int32), 16, auto.block_m, auto.split)[0]
     cfg = config_choice.decode_config_for(None, foreign, 16, True, CPU, 2)
     assert not cfg.split.auto_balance and not cfg.split.balanced
+
+
+def test_flashmla_later_metadata_arguments_are_taken(monkeypatch):
+    """FlashMLA's later get_mla_metadata(cache_seqlens, s_q*h_q, h_k, num_heads_q, is_fp8_kvcache,
+    topk): num_heads_q gives s_q to the configuration choice, is_fp8_kvcache picks the format,
+    topk (sparse attention) is refused; each bad value is a one-line error naming it."""
+    asked: list[tuple] = []
+    real = decode.choose_config
+    monkeypatch.setattr(decode, "choose_config", lambda *args: asked.append(args) or real(*args))
+    lens = torch.tensor([300, 5000], dtype=torch.int32)
+    meta, _ = get_mla_metadata(lens, 32, 1, 16, False)  # positional, as FlashMLA's callers pass them
+    assert asked[-1][0] == 32 and asked[-1][-1] == 2 and asked[-1][1] is False  # rows, s_q = 32 / 16, BF16
+    assert decode.metadata_plan(meta).fp8 is False
+    meta, _ = get_mla_metadata(lens, 32, 1, is_fp8_kvcache=True, s_q=4)
+    assert decode.metadata_plan(meta).fp8 is True and asked[-1][-1] == 4
+    assert decode.metadata_plan(get_mla_metadata(lens, 16, 1)[0]).fp8 is True  # neither given: FP8
+    for kwargs, needle in [
+        ({"num_heads_q": 3}, r"^num_heads_q: expected a positive divisor of num_heads_per_head_k \(32"),
+        ({"num_heads_q": 0}, "^num_heads_q: expected a positive divisor"),
+        ({"num_heads_q": 16, "s_q": 1}, r"^s_q: 1 disagrees with num_heads_q 16 \(32 rows = 2 x 16\)"),
+        ({"is_fp8_kvcache": "yes"}, "^is_fp8_kvcache: expected True or False"),
+        ({"is_fp8_kvcache": True, "fp8": False}, "^is_fp8_kvcache: True disagrees with fp8=False"),
+        ({"topk": 2048}, "^topk: sparse attention is not supported"),
+    ]:
+        with pytest.raises(SnapmlaError, match=needle):
+            get_mla_metadata(lens, 32, 1, **kwargs)
+
+
+def test_flashmla_later_decode_forms_are_named():
+    """flash_mla_with_kvcache's later keywords: is_fp8_kvcache must agree with the cache's dtype,
+    the sparse-attention keywords and the lazily planned FlashMLASchedMeta (num_splits None) get
+    one-line errors, not Python TypeErrors; None for a sparse keyword is accepted."""
+    lens = torch.tensor([100, 10], dtype=torch.int32)
+    meta, splits = get_mla_metadata(lens, 16, 1)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    q = torch.randn(2, 1, 16, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    bf16_cache = torch.zeros(4, PAGE_SIZE, 1, 576, dtype=torch.bfloat16)
+    fp8_cache = torch.zeros(4, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    call = decode.flash_mla_with_kvcache
+    with pytest.raises(SnapmlaError, match="^is_fp8_kvcache: True disagrees with k_cache's dtype torch.bfloat16"):
+        call(q, bf16_cache, table, lens, 512, meta, splits, is_fp8_kvcache=True)
+    with pytest.raises(SnapmlaError, match="^is_fp8_kvcache: False disagrees with k_cache's dtype torch.uint8"):
+        call(q, fp8_cache, table, lens, 512, meta, splits, is_fp8_kvcache=False)
+    with pytest.raises(SnapmlaError, match="^indices: sparse attention is not supported"):
+        call(q, fp8_cache, table, lens, 512, meta, splits, indices=torch.zeros(2, 1, 2048, dtype=torch.int32))
+    with pytest.raises(SnapmlaError, match="^attn_sink: sparse attention is not supported"):
+        call(q, fp8_cache, table, lens, 512, meta, splits, attn_sink=torch.zeros(16))
+    with pytest.raises(SnapmlaError, match="^out: not an argument of flash_mla_with_kvcache"):
+        call(q, fp8_cache, table, lens, 512, meta, splits, out=None)
+    with pytest.raises(SnapmlaError, match="^tile_scheduler_metadata: expected the .* tensors of snapmla's "
+                                           "get_mla_metadata.*got object and num_splits=NoneType"):
+        call(q, fp8_cache, table, lens, 512, object(), None)
+    with pytest.raises(SnapmlaError, match="^tile_scheduler_metadata: expected the"):
+        call(q, fp8_cache, table, lens, 512, meta, None)
+    # the flag agreeing and the sparse keywords None: on to the next check (a host q)
+    with pytest.raises(NoGpuError, match="^q: expected a CUDA tensor"):
+        call(q, fp8_cache, table, lens, 512, meta, splits, is_fp8_kvcache=True, indices=None, topk_length=None)

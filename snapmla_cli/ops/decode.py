@@ -96,8 +96,11 @@ def get_mla_metadata(
     cache_seqlens: torch.Tensor,
     num_heads_per_head_k: int,
     num_heads_k: int = 1,
+    num_heads_q: int | None = None,
+    is_fp8_kvcache: bool | None = None,
+    topk: int | None = None,
     *,
-    fp8: bool = True,
+    fp8: bool | None = None,
     config: DecodeConfig | None = None,
     device: torch.device | str | None = None,
     s_q: int | None = None,
@@ -107,6 +110,10 @@ def get_mla_metadata(
     ``s_q`` (optional, not in FlashMLA's signature): the query tokens per request, so that the
     configuration choice takes the tuning entry of this very shape where two shapes have the
     same rows (h_q 32 s_q 1 and h_q 16 s_q 2); without it the rows alone decide.
+
+    FlashMLA's later arguments are taken: ``num_heads_q`` (h_q: it gives ``s_q``),
+    ``is_fp8_kvcache`` (the same as ``fp8``; FP8 unless one says otherwise); ``topk`` (sparse
+    attention) is refused.
 
     ``cache_seqlens`` is read to the host once; its mean length is the context of the
     configuration choice (unless ``config`` is given), and it settles an automatic split
@@ -124,9 +131,13 @@ def get_mla_metadata(
     asynchronous copies. Without ``device`` the tensors go where ``cache_seqlens`` is."""
     if num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k!r}")
+    if topk is not None:
+        raise SnapmlaError(f"topk: sparse attention is not supported (snapmla decodes dense MLA); pass None, "
+                           f"got {topk!r}")
     check_rows(num_heads_per_head_k)
+    s_q = _s_q_of(s_q, num_heads_q, num_heads_per_head_k)
     check_s_q(s_q, num_heads_per_head_k)
-    fp8 = checked_flag("fp8", fp8)
+    fp8 = _cache_format(fp8, is_fp8_kvcache)
     config = checked_config(config, fp8)
     seqlens = host_seqlens(cache_seqlens)  # (checks that it is an int32 [b] tensor)
     target = _metadata_device(cache_seqlens, device)
@@ -139,6 +150,32 @@ def get_mla_metadata(
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold,
                                             ContentStamp.of(work.metadata, work.num_splits), len(seqlens)))
     return work.metadata, work.num_splits
+
+
+def _s_q_of(s_q: int | None, num_heads_q: int | None, num_heads_per_head_k: int) -> int | None:
+    """The query tokens per request, from ``s_q`` or FlashMLA's ``num_heads_q`` (rows = s_q * h_q)."""
+    if num_heads_q is None:
+        return s_q
+    if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int) or num_heads_q < 1 \
+            or num_heads_per_head_k % num_heads_q:
+        raise SnapmlaError(f"num_heads_q: expected a positive divisor of num_heads_per_head_k "
+                           f"({num_heads_per_head_k} = s_q * h_q), got {num_heads_q!r}")
+    derived = num_heads_per_head_k // num_heads_q
+    if s_q is not None and s_q != derived:
+        raise SnapmlaError(f"s_q: {s_q!r} disagrees with num_heads_q {num_heads_q} "
+                           f"({num_heads_per_head_k} rows = {derived} x {num_heads_q})")
+    return derived
+
+
+def _cache_format(fp8: object, is_fp8_kvcache: object) -> bool:
+    """Whether the work list is for the FP8 cache: ``fp8`` or FlashMLA's ``is_fp8_kvcache``
+    (they must agree when both are given); FP8 when neither is."""
+    if is_fp8_kvcache is None:
+        return True if fp8 is None else checked_flag("fp8", fp8)
+    flag = checked_flag("is_fp8_kvcache", is_fp8_kvcache)
+    if fp8 is not None and checked_flag("fp8", fp8) != flag:
+        raise SnapmlaError(f"is_fp8_kvcache: {flag} disagrees with fp8={fp8}")
+    return flag
 
 
 def check_rows(num_heads_per_head_k: int) -> None:
@@ -630,15 +667,28 @@ def flash_mla_with_kvcache(
     cache_seqlens: torch.Tensor,
     head_dim_v: int,
     tile_scheduler_metadata: torch.Tensor,
-    num_splits: torch.Tensor,
+    num_splits: torch.Tensor | None,
     softmax_scale: float | None = None,
     causal: bool = False,
+    is_fp8_kvcache: bool | None = None,
+    **sparse: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's signature. A 656-byte FP8 cache (uint8 / float8_e4m3fn) takes the SnapMLA path
-    (fused Q-quant, then FP8 decode); a bf16 cache takes the BF16 kernel."""
+    (fused Q-quant, then FP8 decode); a bf16 cache takes the BF16 kernel.
+
+    FlashMLA's later forms are answered by name: ``is_fp8_kvcache`` must agree with the cache's
+    dtype (the FP8 cache is SnapMLA's encoding, one scale per token; FlashMLA's DeepSeek-V3.2
+    layout of the same 656 bytes has four, and ``SNAPMLA_CHECK_FINITE=1`` refuses it); its
+    sparse-attention keywords (``indices``, ``attn_sink``, ...) and its lazily planned
+    ``FlashMLASchedMeta`` (``num_splits=None``) are not supported."""
     if head_dim_v != D_V:
         raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v!r}")
+    num_splits = _flash_mla_forms(tile_scheduler_metadata, num_splits, sparse)
     _tensor_args(q=q, k_cache=k_cache)  # the cache's dtype picks the path below
+    if is_fp8_kvcache is not None:
+        fp8_cache = k_cache.dtype in (torch.uint8, FP8_DTYPE)
+        if checked_flag("is_fp8_kvcache", is_fp8_kvcache) != fp8_cache:
+            raise SnapmlaError(f"is_fp8_kvcache: {is_fp8_kvcache} disagrees with k_cache's dtype {k_cache.dtype}")
     if k_cache.dtype == torch.bfloat16:
         return decode_bf16(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                            num_splits, softmax_scale, causal)
@@ -651,3 +701,28 @@ def flash_mla_with_kvcache(
         return decode_fp8(quantize_q(q), k_cache, block_table, cache_seqlens,
                           tile_scheduler_metadata, num_splits, softmax_scale, causal)
     raise SnapmlaError(f"k_cache: expected bf16 or uint8/float8_e4m3fn, got {k_cache.dtype}")
+
+
+# FlashMLA's keywords for sparse attention (DeepSeek-V3.2's top-k decode), which snapmla lacks
+SPARSE_KEYWORDS = ("indices", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "topk_length",
+                   "extra_topk_length")
+
+
+def _flash_mla_forms(tile_scheduler_metadata: object, num_splits: torch.Tensor | None,
+                     sparse: Mapping[str, object]) -> torch.Tensor:
+    """One-line errors for the FlashMLA call forms snapmla does not take (a TypeError from
+    Python or an attribute error deep inside would name neither the argument nor the remedy);
+    returns ``num_splits``, known to be given."""
+    for name, value in sparse.items():
+        if name not in SPARSE_KEYWORDS:
+            raise SnapmlaError(f"{name}: not an argument of flash_mla_with_kvcache")
+        if value is not None:
+            raise SnapmlaError(f"{name}: sparse attention is not supported (snapmla decodes dense MLA); "
+                               f"pass None")
+    if num_splits is None or not isinstance(tile_scheduler_metadata, torch.Tensor):
+        raise SnapmlaError(
+            "tile_scheduler_metadata: expected the (tile_scheduler_metadata, num_splits) tensors of "
+            "snapmla's get_mla_metadata(cache_seqlens, s_q * h_q, 1), got "
+            f"{type(tile_scheduler_metadata).__name__} and num_splits={type(num_splits).__name__} "
+            "(FlashMLA's lazily planned FlashMLASchedMeta is not supported)")
+    return num_splits
