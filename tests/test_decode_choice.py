@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from snapmla_cli.ops.decode import (
     metadata_plan,
 )
 from snapmla_cli.ops.decode_config import DecodeConfig, bf16_kernel, fp8_kernel, heuristic_config
+from snapmla_cli.ops.graph_work_list import GraphWorkList
 from snapmla_cli.ops.schedule import build_metadata
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import Entry, GpuKey, save_entries
@@ -310,7 +312,8 @@ def test_s_q_picks_the_entry_of_its_own_shape(isolated_tuning_dirs):
     ([1, 2], ROWS, "^cache_seqlens: expected a torch.Tensor, got list"),
     (torch.tensor([1, 2], dtype=torch.int32), 16.0, "^num_heads_per_head_k: expected an integer"),
     (torch.tensor([1, 2], dtype=torch.int32), True, "^num_heads_per_head_k: expected an integer"),
-    (torch.tensor([1, 2], dtype=torch.int32), 0, "^num_heads_per_head_k: expected s_q"),
+    (torch.tensor([1, 2], dtype=torch.int32), 0, r"^num_heads_per_head_k: expected 1 <= s_q \* h_q"),
+    (torch.tensor([1, 2], dtype=torch.int32), 2**63, r"^num_heads_per_head_k: expected 1 <= s_q \* h_q <= 2147483647"),
 ])
 def test_get_mla_metadata_bad_arguments_are_one_line_errors(lengths, rows, needle):
     with pytest.raises(SnapmlaError, match=needle):
@@ -403,6 +406,8 @@ def test_flashmla_later_metadata_arguments_are_taken(monkeypatch):
     meta, _ = get_mla_metadata(lens, 32, 1, is_fp8_kvcache=True, s_q=4)
     assert decode.metadata_plan(meta).fp8 is True and asked[-1][-1] == 4
     assert decode.metadata_plan(get_mla_metadata(lens, 16, 1)[0]).fp8 is True  # neither given: FP8
+    get_mla_metadata(lens, 32, 1, num_heads_q=np.int64(16))  # NumPy ints, as for the rows and s_q
+    assert asked[-1][-1] == 2
     for kwargs, needle in [
         ({"num_heads_q": 3}, r"^num_heads_q: expected a positive divisor of num_heads_per_head_k \(32"),
         ({"num_heads_q": 0}, "^num_heads_q: expected a positive divisor"),
@@ -410,9 +415,13 @@ def test_flashmla_later_metadata_arguments_are_taken(monkeypatch):
         ({"is_fp8_kvcache": "yes"}, "^is_fp8_kvcache: expected True or False"),
         ({"is_fp8_kvcache": True, "fp8": False}, "^is_fp8_kvcache: True disagrees with fp8=False"),
         ({"topk": 2048}, "^topk: sparse attention is not supported"),
+        ({"num_heads_k": torch.tensor([1, 1])}, "^num_heads_k: expected 1"),
+        ({"num_heads_k": True}, "^num_heads_k: expected 1"),
+        ({"num_heads_q": 16, "s_q": torch.tensor([1, 1])}, "^s_q: expected the query tokens per request"),
+        ({"num_heads_q": 16, "s_q": 2.0}, "^s_q: expected the query tokens per request"),
     ]:
         with pytest.raises(SnapmlaError, match=needle):
-            get_mla_metadata(lens, 32, 1, **kwargs)
+            get_mla_metadata(lens, 32, **{"num_heads_k": 1, **kwargs})
 
 
 def test_flashmla_later_decode_forms_are_named():
@@ -434,8 +443,10 @@ def test_flashmla_later_decode_forms_are_named():
         call(q, fp8_cache, table, lens, 512, meta, splits, indices=torch.zeros(2, 1, 2048, dtype=torch.int32))
     with pytest.raises(SnapmlaError, match="^attn_sink: sparse attention is not supported"):
         call(q, fp8_cache, table, lens, 512, meta, splits, attn_sink=torch.zeros(16))
-    with pytest.raises(SnapmlaError, match="^out: not an argument of flash_mla_with_kvcache"):
-        call(q, fp8_cache, table, lens, 512, meta, splits, out=None)
+    with pytest.raises(SnapmlaError, match="^indices: sparse attention is not supported"):  # by position
+        call(q, fp8_cache, table, lens, 512, meta, splits, None, False, None, torch.zeros(2, 1, 64, dtype=torch.int32))
+    with pytest.raises(SnapmlaError, match=r"^head_dim_v: expected 512, got tensor\(\[512, 512\]\)"):
+        call(q, fp8_cache, table, lens, torch.tensor([512, 512]), meta, splits)
     with pytest.raises(SnapmlaError, match="^tile_scheduler_metadata: expected the .* tensors of snapmla's "
                                            "get_mla_metadata.*got object and num_splits=NoneType"):
         call(q, fp8_cache, table, lens, 512, object(), None)
@@ -444,3 +455,47 @@ def test_flashmla_later_decode_forms_are_named():
     # the flag agreeing and the sparse keywords None: on to the next check (a host q)
     with pytest.raises(NoGpuError, match="^q: expected a CUDA tensor"):
         call(q, fp8_cache, table, lens, 512, meta, splits, is_fp8_kvcache=True, indices=None, topk_length=None)
+
+
+def test_a_gpu_index_past_the_machines_gpus_is_named(monkeypatch):
+    """device="cuda:7" on a machine of one GPU: a one-line error, not torch's AssertionError
+    ("Invalid device id") from deep inside the first copy."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SnapmlaError, match=r"^device: cuda:7 requested, but this machine has 1 CUDA GPU\(s\)"):
+        get_mla_metadata(torch.tensor([100, 10], dtype=torch.int32), 16, 1, device="cuda:7")
+    with pytest.raises(SnapmlaError, match="^device: cuda:7 requested"):
+        GraphWorkList(2, 16, "cuda:7")
+
+
+def test_graph_work_list_batch_beyond_int32_is_refused():
+    with pytest.raises(SnapmlaError, match="^batch: expected 1..2147483646 requests"):
+        GraphWorkList(2**40, 16, "cpu")
+
+
+def test_flashmla_fp8_flag_checks_each_caches_encoding_once(monkeypatch):
+    """With FlashMLA's is_fp8_kvcache the cache may well be its DeepSeek-V3.2 layout (the same
+    656 bytes, extra scales in SnapMLA's zero pad bytes): the first token of each request's first
+    page is checked, once per cache; a request with no tokens or a page index outside the cache
+    is skipped (the decode's own checks name those)."""
+    from snapmla_cli.ops import encoding_check
+    from snapmla_cli.ops.prep import append_kv
+
+    monkeypatch.setattr(encoding_check, "_checkable", lambda *args: True)  # (a CPU cache stands in)
+    monkeypatch.setattr(encoding_check, "_checked", set())
+    cache = torch.zeros(4, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    kv = torch.randn(4 * PAGE_SIZE, 576, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    append_kv(kv, torch.arange(4 * PAGE_SIZE, dtype=torch.int32), cache)
+    table = torch.tensor([[2, 0], [1, 3], [9, 9]], dtype=torch.int32)  # request 2: a page past the cache
+    lens = torch.tensor([70, 5, 3], dtype=torch.int32)
+    bad = cache.clone()
+    bad[3, 0, 516:528] = 0x3F  # a page no request starts on: not read by this check
+    encoding_check.check_snapmla_encoding_once(bad, table, lens)
+    bad = cache.clone()
+    bad[1, 0, 520] = 1  # request 1's first token
+    with pytest.raises(SnapmlaError, match="^k_cache: request 1 reads token 0 with nonzero pad bytes 516..527"):
+        encoding_check.check_snapmla_encoding_once(bad, table, lens)
+    encoding_check.check_snapmla_encoding_once(bad, table, torch.tensor([70, 0, 3], dtype=torch.int32))  # empty
+    encoding_check.check_snapmla_encoding_once(cache, table, lens)
+    cache[1, 0, 520] = 1
+    encoding_check.check_snapmla_encoding_once(cache, table, lens)  # checked once already: no second read

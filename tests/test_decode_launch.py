@@ -212,10 +212,22 @@ def test_arguments_that_are_not_tensors_get_one_line_errors(recorder):
     with pytest.raises(SnapmlaError, match="k_cache: expected a torch.Tensor, got NoneType"):  # was AttributeError
         decode.flash_mla_with_kvcache(torch.zeros(BATCH, S_Q, H_Q, D_QK, dtype=torch.bfloat16), None, table, lens,
                                       512, meta, splits)
+    q = _q8()
+    for replay in (False, True):  # a first call, then one with a stored plan
+        if replay:
+            decode_fp8(q, cache, table, lens, meta, splits)
+        with pytest.raises(SnapmlaError, match="^out: expected a torch.Tensor or None, got list"):
+            decode_fp8(q, cache, table, lens, meta, splits, out=[1])
+        with pytest.raises(SnapmlaError, match="^lse: expected a torch.Tensor or None, got str"):
+            decode_bf16(torch.zeros(BATCH, S_Q, H_Q, D_QK, dtype=torch.bfloat16), cache, table, lens, meta, splits,
+                        lse="x")
+        with pytest.raises(SnapmlaError, match="^block_table: expected"):  # 0-d: was an IndexError in the key
+            decode_fp8(q, cache, torch.tensor(0, dtype=torch.int32), lens, meta, splits)
 
 
 @pytest.mark.parametrize("scale, needle", [(float("nan"), "a finite number"), (float("-inf"), "a finite number"),
-                                          ("0.1", "a number or None"), (-0.04, "a number >= 0")])
+                                          ("0.1", "a number or None"), (-0.04, "a number >= 0"),
+                                          (10**400, "a finite number, got one beyond the float range")])
 def test_a_softmax_scale_that_is_not_a_finite_number_or_is_negative_is_refused(recorder, scale, needle):
     """Every output would be NaN (or the call would fail deep in the plan): one line naming it."""
     cache, table, lens = _paged()

@@ -110,6 +110,16 @@ def test_append_kv_cpu_writes_only_valid_slots(layout: str) -> None:
     assert bool((flat[untouched] == 0xFF).all())
 
 
+def test_a_zero_dimensional_cache_is_named() -> None:
+    """A 0-d cache was an IndexError (its last dimension read before its rank) in every prep op."""
+    scalar = torch.tensor(1, dtype=torch.uint8)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(SnapmlaError, match=f"^k_cache: expected last dim {FP8_TOKEN_BYTES}, got \\(\\)"):
+        append_kv(_kv(1), torch.zeros(1, dtype=torch.int32), scalar)
+    with pytest.raises(SnapmlaError, match=f"^k_cache: expected last dim {FP8_TOKEN_BYTES}"):
+        fetch_dequant(scalar, table, lens)
+
+
 def test_append_kv_cpu_accepts_int64_slots_and_empty() -> None:
     cache = _poisoned_cache(1)
     kv = _kv(2)

@@ -77,3 +77,18 @@ def test_maps_used_in_a_graph_capture_outlive_their_eviction(fake_driver: dict[s
         tensor_map.fp8_cache_tensor_maps(cache)
     assert len(tensor_map._maps) == 2 and tensor_map._pinned
     assert tensor_map.fp8_cache_tensor_maps(first) is maps  # the graph's buffer, not a new one
+
+
+def test_maps_forgotten_by_the_cache_are_freed_after_their_gpu_drains(fake_driver: dict[str, bool],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel on another stream than the maps were made on may still read them when the LRU
+    forgets them: the GPU is synchronized before the buffer goes back to the caching allocator."""
+    synced: list[object] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    on_gpu = type("GpuBuffer", (), {"is_cuda": True, "device": "cuda:3"})()  # stands in for a CUDA tensor
+    tensor_map._maps[(3, 0x1000, 64, 656)] = on_gpu  # type: ignore[assignment]
+    first, second = _caches(2)
+    tensor_map.fp8_cache_tensor_maps(first)
+    assert not synced  # two entries: nothing forgotten
+    tensor_map.fp8_cache_tensor_maps(second)  # the GPU buffer is the least recently used
+    assert synced == ["cuda:3"] and all(kept is not on_gpu for kept in tensor_map._maps.values())

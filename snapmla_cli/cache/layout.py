@@ -59,7 +59,7 @@ def as_token_bytes(cache: torch.Tensor, name: str = "k_cache") -> torch.Tensor:
         cache = cache.view(torch.uint8)
     if cache.dtype != torch.uint8:
         raise SnapmlaError(f"{name}: expected uint8 or float8_e4m3fn, got {cache.dtype}")
-    if cache.shape[-1] != FP8_TOKEN_BYTES:
+    if cache.dim() == 0 or cache.shape[-1] != FP8_TOKEN_BYTES:
         raise SnapmlaError(f"{name}: expected last dim {FP8_TOKEN_BYTES}, got {tuple(cache.shape)}")
     if cache.dim() == 4:
         if cache.shape[2] != 1:

@@ -29,7 +29,11 @@ def checked_softmax_scale(softmax_scale: object) -> float:
         return default_softmax_scale()
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
         raise SnapmlaError(f"softmax_scale: expected a number or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
+    try:
+        scale = float(softmax_scale)
+    except OverflowError:  # (an int or Fraction beyond the float range)
+        raise SnapmlaError(f"softmax_scale: expected a finite number, got one beyond the float range "
+                           f"({str(softmax_scale)[:20]}...)") from None
     if not math.isfinite(scale):
         raise SnapmlaError(f"softmax_scale: expected a finite number, got {scale}")
     if scale < 0:

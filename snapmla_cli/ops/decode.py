@@ -129,14 +129,14 @@ def get_mla_metadata(
     keeps its lengths on the host (a CPU tensor) passes them with ``device``, the GPU the decode
     runs on: the call then never waits for the GPU, and the tensors go to ``device`` by
     asynchronous copies. Without ``device`` the tensors go where ``cache_seqlens`` is."""
-    if num_heads_k != 1:
+    if not is_integer(num_heads_k) or num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k!r}")
     if topk is not None:
         raise SnapmlaError(f"topk: sparse attention is not supported (snapmla decodes dense MLA); pass None, "
                            f"got {topk!r}")
     check_rows(num_heads_per_head_k)
-    s_q = _s_q_of(s_q, num_heads_q, num_heads_per_head_k)
     check_s_q(s_q, num_heads_per_head_k)
+    s_q = _s_q_of(s_q, num_heads_q, num_heads_per_head_k)
     fp8 = _cache_format(fp8, is_fp8_kvcache)
     config = checked_config(config, fp8)
     seqlens = host_seqlens(cache_seqlens)  # (checks that it is an int32 [b] tensor)
@@ -156,11 +156,10 @@ def _s_q_of(s_q: int | None, num_heads_q: int | None, num_heads_per_head_k: int)
     """The query tokens per request, from ``s_q`` or FlashMLA's ``num_heads_q`` (rows = s_q * h_q)."""
     if num_heads_q is None:
         return s_q
-    if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int) or num_heads_q < 1 \
-            or num_heads_per_head_k % num_heads_q:
+    if not is_integer(num_heads_q) or num_heads_q < 1 or num_heads_per_head_k % num_heads_q:
         raise SnapmlaError(f"num_heads_q: expected a positive divisor of num_heads_per_head_k "
                            f"({num_heads_per_head_k} = s_q * h_q), got {num_heads_q!r}")
-    derived = num_heads_per_head_k // num_heads_q
+    derived = int(num_heads_per_head_k // num_heads_q)
     if s_q is not None and s_q != derived:
         raise SnapmlaError(f"s_q: {s_q!r} disagrees with num_heads_q {num_heads_q} "
                            f"({num_heads_per_head_k} rows = {derived} x {num_heads_q})")
@@ -178,13 +177,18 @@ def _cache_format(fp8: object, is_fp8_kvcache: object) -> bool:
     return flag
 
 
+# the kernels take h_q and s_q (and index rows) as int32
+MAX_ROWS = 2**31 - 1
+
+
 def check_rows(num_heads_per_head_k: int) -> None:
-    """The work list's row count (``s_q * h_q``) is at least one."""
+    """The work list's row count (``s_q * h_q``) is at least one and fits the kernels' int32."""
     if not is_integer(num_heads_per_head_k):
         raise SnapmlaError(f"num_heads_per_head_k: expected an integer (s_q * h_q), "
                            f"got {type(num_heads_per_head_k).__name__}")
-    if num_heads_per_head_k < 1:
-        raise SnapmlaError(f"num_heads_per_head_k: expected s_q * h_q >= 1, got {num_heads_per_head_k}")
+    if not 1 <= num_heads_per_head_k <= MAX_ROWS:
+        raise SnapmlaError(f"num_heads_per_head_k: expected 1 <= s_q * h_q <= {MAX_ROWS}, "
+                           f"got {num_heads_per_head_k}")
 
 
 def check_s_q(s_q: int | None, num_heads_per_head_k: int) -> None:
@@ -222,6 +226,9 @@ def requested_device(device: torch.device | str) -> torch.device:
             raise NoGpuError(f"device: {target} requested, but no CUDA GPU is available")
         if target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
+        elif target.index >= torch.cuda.device_count():
+            raise SnapmlaError(f"device: {target} requested, but this machine has "
+                               f"{torch.cuda.device_count()} CUDA GPU(s)")
     return target
 
 
@@ -434,7 +441,7 @@ def _signature(q_parts: tuple[torch.Tensor, ...], k_cache: torch.Tensor, block_t
     address: each layer of a step has its own cache and shares the step's work list."""
     return (*(x for t in q_parts for x in (t.shape, t.dtype, t.get_device())),
             k_cache.shape, k_cache.dtype, k_cache.get_device(),
-            block_table.shape, block_table.dtype, block_table.get_device(), block_table.stride(0),
+            block_table.shape, block_table.dtype, block_table.get_device(), block_table.stride(),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             id(metadata), metadata.shape, metadata.dtype, metadata.get_device(),
             num_splits.shape, num_splits.dtype, num_splits.get_device(),
@@ -465,6 +472,13 @@ def _tensor_args(**named: object) -> None:
     for name, value in named.items():
         if not isinstance(value, torch.Tensor):
             raise SnapmlaError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+
+
+def _output_args(out: object, lse: object) -> None:
+    """The optional outputs are tensors when given (their checks read dtype and device)."""
+    for name, value in (("out", out), ("lse", lse)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise SnapmlaError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
 
 
 # start alignment of q's parts the kernels need (bytes): 16-byte loads of q, its E4M3 content and
@@ -575,6 +589,8 @@ def decode_fp8(
     _tensor_args(**{"q.content": q.content, "q.scale": q.scale, "q.rope": q.rope}, k_cache=k_cache,
                  block_table=block_table, cache_seqlens=cache_seqlens,
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+    if out is not None or lse is not None:
+        _output_args(out, lse)
     key = _signature((q.content, q.scale, q.rope), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                      num_splits, softmax_scale, causal, config, out, lse)
     if GPU_CHECKS.on:
@@ -629,6 +645,8 @@ def decode_bf16(
     after the first call of a signature the launch is replayed from its plan."""
     _tensor_args(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+    if out is not None or lse is not None:
+        _output_args(out, lse)
     key = _signature((q,), k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                      softmax_scale, causal, config, out, lse)
     plan = find_plan(key, tile_scheduler_metadata, num_splits, config)
@@ -671,18 +689,28 @@ def flash_mla_with_kvcache(
     softmax_scale: float | None = None,
     causal: bool = False,
     is_fp8_kvcache: bool | None = None,
-    **sparse: object,
+    indices: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    topk_length: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's signature. A 656-byte FP8 cache (uint8 / float8_e4m3fn) takes the SnapMLA path
     (fused Q-quant, then FP8 decode); a bf16 cache takes the BF16 kernel.
 
     FlashMLA's later forms are answered by name: ``is_fp8_kvcache`` must agree with the cache's
     dtype (the FP8 cache is SnapMLA's encoding, one scale per token; FlashMLA's DeepSeek-V3.2
-    layout of the same 656 bytes has four, and ``SNAPMLA_CHECK_FINITE=1`` refuses it); its
+    layout of the same 656 bytes has four: with the flag given, each cache's first call checks
+    its requests' first tokens for it, :mod:`.encoding_check`; the checks switch checks every
+    token); its
     sparse-attention keywords (``indices``, ``attn_sink``, ...) and its lazily planned
     ``FlashMLASchedMeta`` (``num_splits=None``) are not supported."""
-    if head_dim_v != D_V:
+    if not is_integer(head_dim_v) or head_dim_v != D_V:
         raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v!r}")
+    sparse = {"indices": indices, "attn_sink": attn_sink, "extra_k_cache": extra_k_cache,
+              "extra_indices_in_kvcache": extra_indices_in_kvcache, "topk_length": topk_length,
+              "extra_topk_length": extra_topk_length}
     num_splits = _flash_mla_forms(tile_scheduler_metadata, num_splits, sparse)
     _tensor_args(q=q, k_cache=k_cache)  # the cache's dtype picks the path below
     if is_fp8_kvcache is not None:
@@ -698,14 +726,14 @@ def flash_mla_with_kvcache(
         _require_cuda(q, "q", None)
         if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
             raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
+        if is_fp8_kvcache is not None and isinstance(block_table, torch.Tensor) \
+                and isinstance(cache_seqlens, torch.Tensor):  # (FlashMLA's flag: maybe its V3.2 layout)
+            from .encoding_check import check_snapmla_encoding_once
+
+            check_snapmla_encoding_once(k_cache, block_table, cache_seqlens)
         return decode_fp8(quantize_q(q), k_cache, block_table, cache_seqlens,
                           tile_scheduler_metadata, num_splits, softmax_scale, causal)
     raise SnapmlaError(f"k_cache: expected bf16 or uint8/float8_e4m3fn, got {k_cache.dtype}")
-
-
-# FlashMLA's keywords for sparse attention (DeepSeek-V3.2's top-k decode), which snapmla lacks
-SPARSE_KEYWORDS = ("indices", "attn_sink", "extra_k_cache", "extra_indices_in_kvcache", "topk_length",
-                   "extra_topk_length")
 
 
 def _flash_mla_forms(tile_scheduler_metadata: object, num_splits: torch.Tensor | None,
@@ -713,9 +741,7 @@ def _flash_mla_forms(tile_scheduler_metadata: object, num_splits: torch.Tensor |
     """One-line errors for the FlashMLA call forms snapmla does not take (a TypeError from
     Python or an attribute error deep inside would name neither the argument nor the remedy);
     returns ``num_splits``, known to be given."""
-    for name, value in sparse.items():
-        if name not in SPARSE_KEYWORDS:
-            raise SnapmlaError(f"{name}: not an argument of flash_mla_with_kvcache")
+    for name, value in sparse.items():  # (FlashMLA's sparse attention: DeepSeek-V3.2's top-k decode)
         if value is not None:
             raise SnapmlaError(f"{name}: sparse attention is not supported (snapmla decodes dense MLA); "
                                f"pass None")

@@ -163,7 +163,7 @@ def _drop_freed() -> None:
         key = _FREED_KEYS.pop()
         plan = _PLANS.get(key)
         if plan is not None and plan.metadata() is None:
-            del _PLANS[key]
+            _PLANS.pop(key, None)  # (another thread may have cleared it since)
 
 
 def store_plan(key: tuple[object, ...], plan: DecodePlan) -> None:

@@ -36,6 +36,9 @@ from .decode_config import DecodeConfig, checked_config, with_balance
 from .schedule import WORK_FIELDS, graph_capacity, graph_work_tables, host_seqlens
 from .split_fold import fixed_fold
 
+# requests the kernels can index (int32), num_splits's batch + 1 entries included
+MAX_BATCH = 2**31 - 2
+
 
 class GraphWorkList:
     """The work list and cumulative split counts of a decode step of ``batch`` requests and
@@ -53,8 +56,8 @@ class GraphWorkList:
     def __init__(self, batch: int, num_heads_per_head_k: int, device: torch.device | str, *, fp8: bool = True,
                  config: DecodeConfig | None = None, max_context: int | None = None,
                  s_q: int | None = None) -> None:
-        if not is_integer(batch) or batch < 1:
-            raise SnapmlaError(f"batch: expected >= 1 requests (an integer), got {batch!r}")
+        if not is_integer(batch) or not 1 <= batch <= MAX_BATCH:
+            raise SnapmlaError(f"batch: expected 1..{MAX_BATCH} requests (an integer), got {batch!r}")
         check_rows(num_heads_per_head_k)
         check_s_q(s_q, num_heads_per_head_k)
         if max_context is not None and (not is_integer(max_context) or not 0 <= max_context <= MAX_SEQLEN):

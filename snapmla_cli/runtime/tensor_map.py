@@ -109,13 +109,12 @@ def _device_maps(cache: torch.Tensor, token_bytes: int, boxes: tuple[tuple[int, 
     address = cache.data_ptr()
     key = (cache.device.index or 0, address, rows, token_bytes)
     cached = _maps.get(key)
-    if cached is None:
-        cached = _pinned.get(key)  # (evicted, still held by a graph: the same maps again)
-        if cached is not None:
-            _remember(key, cached)
-    capturing = _capturing(cache)
     if cached is not None:
         _maps.move_to_end(key)
+    else:
+        cached = _pinned.get(key)  # (evicted, still held by a graph: the same maps again)
+    capturing = _capturing(cache)
+    if cached is not None:
         if capturing:
             _pinned[key] = cached
         return cached
@@ -132,10 +131,16 @@ def _device_maps(cache: torch.Tensor, token_bytes: int, boxes: tuple[tuple[int, 
 
 
 def _remember(key: tuple[int, int, int, int], device_maps: torch.Tensor) -> None:
-    """Cache ``device_maps`` under ``key``, forgetting the least recently used beyond the limit."""
+    """Cache ``device_maps`` under ``key``, forgetting the least recently used beyond the limit.
+    A forgotten buffer is freed only after its GPU has finished every queued kernel: one on
+    another stream than the maps were made on may still read them, and the caching allocator
+    would hand the memory to that stream's next allocation at once (never inside a capture:
+    maps are not built there)."""
     _maps[key] = device_maps
     while len(_maps) > MAX_CACHED_MAPS:
-        _maps.popitem(last=False)
+        _, forgotten = _maps.popitem(last=False)
+        if forgotten.is_cuda:
+            torch.cuda.synchronize(forgotten.device)
 
 
 def fp8_cache_tensor_maps(cache_rows: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from graph_steps import replay_steps  # this folder is sys.path[0]
 from snapmla_cli.cache.layout import dequantize_cache
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
+from snapmla_cli.numerics.formats import PAGE_SIZE
 from snapmla_cli.numerics.metrics import compare
 from snapmla_cli.numerics.problem import random_problem
 from snapmla_cli.numerics.quant import quantize_rows
@@ -382,6 +383,15 @@ def test_flash_mla_with_kvcache_dispatches_on_cache_format():
     assert compare(o8, o16).rel_l2 < 0.1
     with pytest.raises(ValueError, match="head_dim_v"):
         flash_mla_with_kvcache(q, prob.bf16_cache().to(device), table, seqlens_t, 576, meta16, splits16)
+    # FlashMLA's flag: a SnapMLA cache decodes to the same bits; one whose first token of a request
+    # has DeepSeek-V3.2's extra scales in the pad bytes is refused, naming the request
+    snap_cache = prob.fp8_cache().to(device)  # (kept alive: the check runs once per cache address)
+    flagged, _ = flash_mla_with_kvcache(q, snap_cache, table, seqlens_t, 512, meta, splits, is_fp8_kvcache=True)
+    assert torch.equal(flagged, o8)
+    v32_like = snap_cache.clone()
+    v32_like.view(-1, PAGE_SIZE, 656)[int(table[1, 0]), 0, 516:528] = 0x3F  # request 1's first token
+    with pytest.raises(ValueError, match="^k_cache: request 1 reads token 0 with nonzero pad bytes 516..527"):
+        flash_mla_with_kvcache(q, v32_like, table, seqlens_t, 512, meta, splits, is_fp8_kvcache=True)
 
 
 @pytest.mark.parametrize("spec", ["default", "v2", "v3", "v3-rows", "v3-pingpong"])
