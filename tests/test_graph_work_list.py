@@ -180,7 +180,7 @@ def test_bad_arguments_get_one_line_errors():
         work.update(torch.tensor([1, 2], dtype=torch.int64))
     with pytest.raises(SnapmlaError, match="^cache_seqlens: expected a torch.Tensor"):
         work.update([1, 2])  # type: ignore[arg-type]
-    with pytest.raises(SnapmlaError, match="^batch: expected 1..2147483646 requests requests .*2.5"):
+    with pytest.raises(SnapmlaError, match="^batch: expected 1..2147483646 requests .*2.5"):
         GraphWorkList(2.5, 16, "cpu")  # type: ignore[arg-type]
 
 
