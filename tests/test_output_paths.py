@@ -160,6 +160,28 @@ def test_a_socket_is_refused_even_with_force(tmp_path: Path) -> None:
         assert stat.S_ISSOCK(os.lstat(path).st_mode)
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc's fd links")
+def test_a_pipe_behind_a_proc_fd_link_is_refused_up_front(tmp_path: Path) -> None:
+    """``--json /dev/stdout | cat``: /dev/stdout leads through /proc/self/fd/1 to ``pipe:[N]``, a
+    name that exists nowhere. The resolved path called it a dangling symlink, and with --force
+    the command did all its work, then failed to write. A link to this process's own pipe
+    stands in for /dev/stdout: refused as a pipe before any work, --force or not."""
+    read_end, write_end = os.pipe()
+    try:
+        link = tmp_path / "stdout"
+        link.symlink_to(f"/proc/self/fd/{write_end}")
+        for extra in ((), ("--force",)):
+            for args in (("synth", "-o", link, *SYNTH), ("info", "--json", link)):
+                result = invoke(*args, *extra)
+                assert_one_line_error(result, f"{link} is a pipe, not a regular file; "
+                                              "not replacing it, even with --force")
+                assert "dangling" not in result.stderr and result.stdout == ""
+        assert link.is_symlink() and listing(tmp_path) == ["stdout"]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 def test_a_symlink_into_a_missing_folder_names_its_target(tmp_path: Path) -> None:
     link = tmp_path / "out.st"
     link.symlink_to("missing-folder/x.st")
