@@ -309,6 +309,21 @@ def test_errors(models, prompts, tmp_path):
     assert "--check needs" in run(str(models["v3"]), queries=0, check=True)
 
 
+def test_a_file_given_as_the_model_is_named_as_a_file(prompts, tmp_path):
+    """``--model weights.safetensors`` said "no such checkpoint folder"; it is there, as a file.
+    Refused before anything loads, in the library and the CLI, with or without a slash."""
+    from cli_checks import assert_one_line_error, invoke
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    for model in (str(weights), f"{weights}/"):
+        with pytest.raises(SnapmlaError) as exc:
+            capture_kv(DumpOptions(model=model, prompts=prompts))
+        assert _one_line(exc) == f"model {model}: is a file, expected a checkpoint folder"
+    result = invoke("dump", "--model", weights, "--prompts", prompts, "-o", tmp_path / "kv.safetensors")
+    assert_one_line_error(result, f"model {weights}: is a file, expected a checkpoint folder")
+
+
 @pytest.mark.parametrize("options, needle", [
     ({"model": "   "}, "--model: expected a checkpoint folder or a Hugging Face id, got ''"),
     ({"max_tokens": 0}, "--max-tokens 0: expected >= 1"),

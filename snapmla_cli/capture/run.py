@@ -11,6 +11,8 @@ prompt's rows (from the last position 0 to the end) they reproduce the model's a
 from __future__ import annotations
 
 import inspect
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..cache.atomic import check_writable
+from ..cache.atomic import check_writable, file_kind
 from ..cache.dump_file import KVDump, LayerDump, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
@@ -80,6 +82,7 @@ def parse_layers(text: str) -> tuple[int, ...] | None:
 def _check_options(options: DumpOptions) -> None:
     if not options.model.strip():
         raise SnapmlaError("--model: expected a checkpoint folder or a Hugging Face id, got ''")
+    _check_model_is_no_file(options.model)
     if options.dtype not in DTYPES:
         raise SnapmlaError(f"--dtype {options.dtype}: expected one of {', '.join(DTYPES)}")
     if options.device not in DEVICES:
@@ -93,6 +96,19 @@ def _check_options(options: DumpOptions) -> None:
             raise SnapmlaError(f"{option} {value}: expected >= 0")
     if options.check and options.queries < 1:
         raise SnapmlaError("--check needs probe queries: pass --queries >= 1")
+
+
+def _check_model_is_no_file(model: str) -> None:
+    """A ``--model`` that exists but is no folder (the weights file given for its checkpoint
+    folder) is named as what it is: transformers' refusal read as "no such checkpoint folder",
+    which sent the user looking for a missing path. A missing path (or a hub id) is the
+    loader's to explain."""
+    try:
+        mode = os.stat(Path(model)).st_mode  # Path: "weights.st/" is the file too
+    except OSError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise SnapmlaError(f"model {model}: is a {file_kind(mode)}, expected a checkpoint folder")
 
 
 def _select(attentions: list[MlaAttention], layers: tuple[int, ...] | None) -> list[MlaAttention]:
