@@ -779,3 +779,43 @@ def test_the_loader_boundary_keeps_memory_errors_and_interrupts():
     for signal in (MemoryError(), KeyboardInterrupt()):
         with pytest.raises(type(signal)), _loader_errors(message):
             raise signal
+
+
+def _poisoned(models: dict[str, Path], tmp_path: Path, weight: str) -> Path:
+    """A copy of the tiny V2 checkpoint whose ``weight`` holds one NaN."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(models["v2"], tmp_path / "m_nan")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights[weight][0, 0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_nan_from_the_model_is_blamed_on_the_model(models, prompts, tmp_path, check):
+    """A NaN weight in layer 1's kv_a_proj_with_mqa was reported as the output file's
+    ("o.st: layer 1: kv holds NaN/inf") or, with --check, as the recomputed cache's. It is the
+    model's: named with the layer, what it produced and the first prompt and position."""
+    from cli_checks import assert_one_line_error, invoke
+
+    folder = _poisoned(models, tmp_path, "model.layers.1.self_attn.kv_a_proj_with_mqa.weight")
+    expected = f"model {folder}: layer 1 produced NaN/inf in its latent KV (prompt 1, position 0)"
+    with pytest.raises(SnapmlaError) as exc:
+        capture_kv(DumpOptions(model=str(folder), prompts=prompts, dtype="fp32", check=check))
+    assert _one_line(exc) == expected
+    out = tmp_path / "o.st"
+    result = invoke("dump", "--model", folder, "--prompts", prompts, "-o", out, *(["--check"] if check else []))
+    assert_one_line_error(result, expected)
+    assert not out.exists()
+
+
+def test_nan_in_the_probe_queries_is_the_models(models, prompts, tmp_path):
+    """A NaN in layer 0's query projection shows first in the queries the dump absorbs (the
+    last prompt's last tokens), before it spreads into layer 1's latent KV."""
+    folder = _poisoned(models, tmp_path, "model.layers.0.self_attn.q_proj.weight")
+    with pytest.raises(SnapmlaError) as exc:
+        capture_kv(DumpOptions(model=str(folder), prompts=prompts, dtype="fp32", layers=(0,), queries=2))
+    tokens = _count(models["v2"], PROMPTS.splitlines()[1])
+    assert _one_line(exc) == (f"model {folder}: layer 0 produced NaN/inf in its probe queries "
+                              f"(prompt 2, position {tokens - 2})")

@@ -11,6 +11,7 @@ prompt's rows (from the last position 0 to the end) they reproduce the model's a
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import stat
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..cache.atomic import check_writable, file_kind
-from ..cache.dump_file import KVDump, LayerDump, write_dump
+from ..cache.dump_file import MAX_ABS_VALUE, KVDump, LayerDump, first_bad_row, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
 from .check import CheckResult, recompute_check
@@ -153,7 +154,14 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
     ``options.check``). Memory: the model, its KV cache for one prompt, and the dump on the CPU."""
     _check_options(options)
     prompts = read_prompts(options.prompts)
-    model, tokenizer = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
+    token_ids: list[torch.Tensor] = []
+
+    def before_weights(config: Any, tokenizer: Any) -> None:
+        token_ids.extend(_tokenize(prompts, tokenizer, options.max_tokens))
+        _check_lengths(options, config, [int(ids.shape[1]) for ids in token_ids])
+
+    model, _ = load_model(options.model, options.device, options.dtype, options.trust_remote_code,
+                          before_weights=before_weights)
     attentions = _select(find_mla_attention(model, options.model), options.layers)
     state = StepState()
     dtype = DTYPES[options.dtype]
@@ -162,34 +170,18 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
     positions: list[torch.Tensor] = []
     segments: list[int] = []
     if progress:
-        progress(0, len(prompts), 0)
+        progress(0, len(token_ids), 0)
     for rec in recorders:
         rec.attach()
     try:
         with torch.inference_mode():
-            for number, prompt in enumerate(prompts):
-                ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, : options.max_tokens]
-                if ids.shape[1] == 0:
-                    raise SnapmlaError(f"--prompts: prompt {number + 1} has no tokens")
-                ids = ids.to(options.device)
-                total = ids.shape[1] + options.decode
-                last = number == len(prompts) - 1
-                if last and options.queries > total:  # not silently fewer queries than asked
-                    raise SnapmlaError(f"--queries {options.queries}: the last prompt gives only {total} tokens "
-                                       f"({ids.shape[1]} of the prompt + --decode {options.decode})")
-                first_query = max(total - options.queries, 0) if last and options.queries else None
-                cache, start = None, 0
-                for _ in range(options.decode + 1):
-                    width = ids.shape[1]
-                    state.query_rows = _rows(first_query, start, width)
-                    logits, cache = forward(ids, start, cache)
-                    start += width
-                    ids = logits.argmax(dim=-1, keepdim=True)
-                del cache
+            for number, ids in enumerate(token_ids):
+                last = number == len(token_ids) - 1
+                total = _run_prompt(forward, recorders, state, ids.to(options.device), number, options, last)
                 positions.append(torch.arange(total, dtype=torch.int64))
                 segments.append(total)
                 if progress:
-                    progress(number + 1, len(prompts), sum(segments))
+                    progress(number + 1, len(token_ids), sum(segments))
     finally:
         for rec in recorders:
             rec.detach()
@@ -211,6 +203,76 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
             capture.checks.append(recompute_check(layer, rec.attention, expected))
     capture.dump.extra_metadata = _metadata(model, attentions, options, segments)
     return capture
+
+
+
+
+def _tokenize(prompts: list[str], tokenizer: Any, max_tokens: int) -> list[torch.Tensor]:
+    """Each prompt's token ids ``[1, n]``, cut to ``max_tokens``; a prompt of no tokens is
+    refused (the model has nothing to attend to)."""
+    token_ids = []
+    for number, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, :max_tokens]
+        if ids.shape[1] == 0:
+            raise SnapmlaError(f"--prompts: prompt {number + 1} has no tokens")
+        token_ids.append(ids)
+    return token_ids
+
+
+def _check_lengths(options: DumpOptions, config: Any, lengths: list[int]) -> None:
+    """Before the weights load: the last prompt long enough for ``--queries``."""
+    total = lengths[-1] + options.decode
+    if options.queries > total:  # not silently fewer queries than asked
+        raise SnapmlaError(f"--queries {options.queries}: the last prompt gives only {total} tokens "
+                           f"({lengths[-1]} of the prompt + --decode {options.decode})")
+
+
+def _run_prompt(forward: _Forward, recorders: list[LayerRecorder], state: StepState, ids: torch.Tensor,
+                number: int, options: DumpOptions, last: bool) -> int:
+    """One prompt (``number``, 0-based): its prefill, then ``options.decode`` greedy steps,
+    each step's recorded rows checked (:func:`_check_step`). Returns the rows it adds."""
+    total = ids.shape[1] + options.decode
+    first_query = max(total - options.queries, 0) if last and options.queries else None
+    cache, start = None, 0
+    for _ in range(options.decode + 1):
+        width = ids.shape[1]
+        state.query_rows = _rows(first_query, start, width)
+        queries_before = [len(rec.queries) for rec in recorders]
+        logits, cache = forward(ids, start, cache)
+        _check_step(options.model, recorders, queries_before, number, start)
+        start += width
+        ids = logits.argmax(dim=-1, keepdim=True)
+    del cache
+    return total
+
+
+def _check_step(model: str, recorders: list[LayerRecorder], queries_before: list[int], prompt: int,
+                start: int) -> None:
+    """The rows one forward step recorded (positions from ``start``), layer by layer: a NaN/inf
+    or a value too large for the FP8 pipeline is the model's (a damaged weight, an overflow),
+    named with the first layer and position where it shows. Found only when the dump was
+    written, it was blamed on the output file (or, with --check, on the recomputed cache)."""
+    for rec, before in zip(recorders, queries_before):
+        index = rec.attention.index
+        if rec.kv:
+            _check_produced(model, index, "latent KV", rec.kv[-1], prompt, start)
+        rows = rec.state.query_rows
+        if len(rec.queries) > before and rows is not None:
+            _check_produced(model, index, "probe queries", rec.queries[-1], prompt, start + rows.start)
+
+
+def _check_produced(model: str, layer: int, what: str, rows: torch.Tensor, prompt: int, position: int) -> None:
+    """Refuse ``rows`` (positions from ``position`` of prompt ``prompt``, 0-based) holding a value
+    the dump cannot take (:func:`~snapmla_cli.cache.dump_file.first_bad_row`), naming the model."""
+    bad = first_bad_row(rows)
+    if bad is None:
+        return
+    row, value = bad
+    where = f"prompt {prompt + 1}, position {position + row}"
+    if not math.isfinite(value):
+        raise SnapmlaError(f"model {model}: layer {layer} produced NaN/inf in its {what} ({where})")
+    raise SnapmlaError(f"model {model}: layer {layer} produced |x| = {value:.3g} in its {what} ({where}), "
+                       f"expected |x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow")
 
 
 def _rows(first_query: int | None, start: int, width: int) -> slice | None:
