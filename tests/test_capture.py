@@ -329,6 +329,7 @@ def test_a_file_given_as_the_model_is_named_as_a_file(prompts, tmp_path):
     ({"max_tokens": 0}, "--max-tokens 0: expected >= 1"),
     ({"decode": -1}, "--decode -1: expected >= 0"),
     ({"queries": -1}, "--queries -1: expected >= 0"),
+    ({"decode": 2**31}, "--decode 2147483648: expected at most 2147483647"),
 ])
 def test_options_are_checked_before_the_model_loads(prompts, options, needle):
     with pytest.raises(SnapmlaError) as exc:
@@ -819,3 +820,32 @@ def test_nan_in_the_probe_queries_is_the_models(models, prompts, tmp_path):
     tokens = _count(models["v2"], PROMPTS.splitlines()[1])
     assert _one_line(exc) == (f"model {folder}: layer 0 produced NaN/inf in its probe queries "
                               f"(prompt 2, position {tokens - 2})")
+
+
+def test_decode_past_the_context_length_is_refused_before_the_weights_load(models, prompts, tmp_path):
+    """``--decode`` had no bound: prompt + decode past max_position_embeddings (256 here) ran
+    the model past its context. Refused naming --decode and the limit, before the weights load
+    (a checkpoint whose weights are truncated gives the same answer)."""
+    folder = _damaged(models, tmp_path, "truncated")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    longest = _count(models["v3"], PROMPTS.splitlines()[1])
+
+    def refusal(prompt_file: Path = prompts, **options) -> str:
+        with pytest.raises(SnapmlaError) as exc:
+            capture_kv(DumpOptions(model=str(folder), prompts=prompt_file, **options))
+        return _one_line(exc)
+
+    assert refusal(decode=256 - longest + 1) == (
+        f"--decode {257 - longest}: prompt 2 has {longest} tokens, 257 with the decoded ones, past the "
+        f"model's context length 256 (max_position_embeddings); expected --decode <= {256 - longest}")
+    assert refusal(decode=10**12) == "--decode 1000000000000: expected at most 2147483647"
+    assert "cannot load the weights" in refusal(decode=256 - longest)  # at the limit: on to the weights
+    long_prompts = tmp_path / "long.txt"
+    long_prompts.write_text("the cat\n" + " ".join(["the"] * 300) + "\n")
+    tokens = _count(models["v3"], " ".join(["the"] * 300))
+    assert tokens > 256
+    assert refusal(long_prompts) == (
+        f"--max-tokens 2048: prompt 2 has {tokens} tokens, past the model's context length 256 "
+        "(max_position_embeddings); expected --max-tokens <= 256")
+    assert "cannot load the weights" in refusal(long_prompts, max_tokens=256)

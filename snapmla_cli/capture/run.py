@@ -25,6 +25,7 @@ from ..cache.atomic import check_writable, file_kind
 from ..cache.dump_file import MAX_ABS_VALUE, KVDump, LayerDump, first_bad_row, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
+from ..sizes import MAX_SIZE
 from .check import CheckResult, recompute_check
 from .checkpoint import DTYPES, load_model
 from .mla import MlaAttention, find_mla_attention
@@ -95,6 +96,8 @@ def _check_options(options: DumpOptions) -> None:
     for option, value in (("--decode", options.decode), ("--queries", options.queries)):
         if value < 0:
             raise SnapmlaError(f"{option} {value}: expected >= 0")
+    if options.decode > MAX_SIZE:  # a layer's rows are int32 in the files
+        raise SnapmlaError(f"--decode {options.decode}: expected at most {MAX_SIZE}")
     if options.check and options.queries < 1:
         raise SnapmlaError("--check needs probe queries: pass --queries >= 1")
 
@@ -220,11 +223,33 @@ def _tokenize(prompts: list[str], tokenizer: Any, max_tokens: int) -> list[torch
 
 
 def _check_lengths(options: DumpOptions, config: Any, lengths: list[int]) -> None:
-    """Before the weights load: the last prompt long enough for ``--queries``."""
+    """Before the weights load: every prompt plus its ``--decode`` tokens within the model's
+    context length (positions past it are outside what the model was trained for, and
+    ``--decode`` had no bound at all), and the last prompt long enough for ``--queries``."""
+    limit = _context_length(config)
+    if limit is not None:
+        too_long = next((i for i, n in enumerate(lengths) if n > limit), None)
+        if too_long is not None:
+            raise SnapmlaError(f"--max-tokens {options.max_tokens}: prompt {too_long + 1} has {lengths[too_long]} "
+                               f"tokens, past the model's context length {limit} (max_position_embeddings); "
+                               f"expected --max-tokens <= {limit}")
+        longest = max(lengths)
+        if longest + options.decode > limit:
+            raise SnapmlaError(f"--decode {options.decode}: prompt {lengths.index(longest) + 1} has {longest} tokens, "
+                               f"{longest + options.decode} with the decoded ones, past the model's context length "
+                               f"{limit} (max_position_embeddings); expected --decode <= {limit - longest}")
     total = lengths[-1] + options.decode
     if options.queries > total:  # not silently fewer queries than asked
         raise SnapmlaError(f"--queries {options.queries}: the last prompt gives only {total} tokens "
                            f"({lengths[-1]} of the prompt + --decode {options.decode})")
+
+
+def _context_length(config: Any) -> int | None:
+    """The model's ``max_position_embeddings`` (None where its config has no usable one)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return limit
+    return None
 
 
 def _run_prompt(forward: _Forward, recorders: list[LayerRecorder], state: StepState, ids: torch.Tensor,
