@@ -309,11 +309,27 @@ def test_errors(models, prompts, tmp_path):
     assert "--check needs" in run(str(models["v3"]), queries=0, check=True)
 
 
+def test_a_file_given_as_the_model_is_named_as_a_file(prompts, tmp_path):
+    """``--model weights.safetensors`` said "no such checkpoint folder"; it is there, as a file.
+    Refused before anything loads, in the library and the CLI, with or without a slash."""
+    from cli_checks import assert_one_line_error, invoke
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"x")
+    for model in (str(weights), f"{weights}/"):
+        with pytest.raises(SnapmlaError) as exc:
+            capture_kv(DumpOptions(model=model, prompts=prompts))
+        assert _one_line(exc) == f"model {model}: is a file, expected a checkpoint folder"
+    result = invoke("dump", "--model", weights, "--prompts", prompts, "-o", tmp_path / "kv.safetensors")
+    assert_one_line_error(result, f"model {weights}: is a file, expected a checkpoint folder")
+
+
 @pytest.mark.parametrize("options, needle", [
     ({"model": "   "}, "--model: expected a checkpoint folder or a Hugging Face id, got ''"),
     ({"max_tokens": 0}, "--max-tokens 0: expected >= 1"),
     ({"decode": -1}, "--decode -1: expected >= 0"),
     ({"queries": -1}, "--queries -1: expected >= 0"),
+    ({"decode": 2**31}, "--decode 2147483648: expected at most 2147483647"),
 ])
 def test_options_are_checked_before_the_model_loads(prompts, options, needle):
     with pytest.raises(SnapmlaError) as exc:
@@ -764,3 +780,72 @@ def test_the_loader_boundary_keeps_memory_errors_and_interrupts():
     for signal in (MemoryError(), KeyboardInterrupt()):
         with pytest.raises(type(signal)), _loader_errors(message):
             raise signal
+
+
+def _poisoned(models: dict[str, Path], tmp_path: Path, weight: str) -> Path:
+    """A copy of the tiny V2 checkpoint whose ``weight`` holds one NaN."""
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(models["v2"], tmp_path / "m_nan")
+    weights = load_file(str(folder / "model.safetensors"))
+    weights[weight][0, 0] = float("nan")
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_nan_from_the_model_is_blamed_on_the_model(models, prompts, tmp_path, check):
+    """A NaN weight in layer 1's kv_a_proj_with_mqa was reported as the output file's
+    ("o.st: layer 1: kv holds NaN/inf") or, with --check, as the recomputed cache's. It is the
+    model's: named with the layer, what it produced and the first prompt and position."""
+    from cli_checks import assert_one_line_error, invoke
+
+    folder = _poisoned(models, tmp_path, "model.layers.1.self_attn.kv_a_proj_with_mqa.weight")
+    expected = f"model {folder}: layer 1 produced NaN/inf in its latent KV (prompt 1, position 0)"
+    with pytest.raises(SnapmlaError) as exc:
+        capture_kv(DumpOptions(model=str(folder), prompts=prompts, dtype="fp32", check=check))
+    assert _one_line(exc) == expected
+    out = tmp_path / "o.st"
+    result = invoke("dump", "--model", folder, "--prompts", prompts, "-o", out, *(["--check"] if check else []))
+    assert_one_line_error(result, expected)
+    assert not out.exists()
+
+
+def test_nan_in_the_probe_queries_is_the_models(models, prompts, tmp_path):
+    """A NaN in layer 0's query projection shows first in the queries the dump absorbs (the
+    last prompt's last tokens), before it spreads into layer 1's latent KV."""
+    folder = _poisoned(models, tmp_path, "model.layers.0.self_attn.q_proj.weight")
+    with pytest.raises(SnapmlaError) as exc:
+        capture_kv(DumpOptions(model=str(folder), prompts=prompts, dtype="fp32", layers=(0,), queries=2))
+    tokens = _count(models["v2"], PROMPTS.splitlines()[1])
+    assert _one_line(exc) == (f"model {folder}: layer 0 produced NaN/inf in its probe queries "
+                              f"(prompt 2, position {tokens - 2})")
+
+
+def test_decode_past_the_context_length_is_refused_before_the_weights_load(models, prompts, tmp_path):
+    """``--decode`` had no bound: prompt + decode past max_position_embeddings (256 here) ran
+    the model past its context. Refused naming --decode and the limit, before the weights load
+    (a checkpoint whose weights are truncated gives the same answer)."""
+    folder = _damaged(models, tmp_path, "truncated")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    longest = _count(models["v3"], PROMPTS.splitlines()[1])
+
+    def refusal(prompt_file: Path = prompts, **options) -> str:
+        with pytest.raises(SnapmlaError) as exc:
+            capture_kv(DumpOptions(model=str(folder), prompts=prompt_file, **options))
+        return _one_line(exc)
+
+    assert refusal(decode=256 - longest + 1) == (
+        f"--decode {257 - longest}: prompt 2 has {longest} tokens, 257 with the decoded ones, past the "
+        f"model's context length 256 (max_position_embeddings); expected --decode <= {256 - longest}")
+    assert refusal(decode=10**12) == "--decode 1000000000000: expected at most 2147483647"
+    assert "cannot load the weights" in refusal(decode=256 - longest)  # at the limit: on to the weights
+    long_prompts = tmp_path / "long.txt"
+    long_prompts.write_text("the cat\n" + " ".join(["the"] * 300) + "\n")
+    tokens = _count(models["v3"], " ".join(["the"] * 300))
+    assert tokens > 256
+    assert refusal(long_prompts) == (
+        f"--max-tokens 2048: prompt 2 has {tokens} tokens, past the model's context length 256 "
+        "(max_position_embeddings); expected --max-tokens <= 256")
+    assert "cannot load the weights" in refusal(long_prompts, max_tokens=256)

@@ -316,6 +316,19 @@ def test_version_names_the_package_and_the_kernel_sources(monkeypatch: pytest.Mo
     assert result.stdout.startswith(f"snapmla {__version__} (kernel sources: ") and "x.cu" in result.stdout
 
 
+def test_a_kernel_dir_that_is_a_file_is_named_as_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """$SNAPMLA_KERNEL_DIR naming a file said "folder <file> not found": the file is there."""
+    from snapmla_cli.runtime.nvrtc import KERNEL_DIR_ENV
+
+    afile = tmp_path / "kernels.tar"
+    afile.write_text("x")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(afile))
+    result = invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert f"(kernel sources: {afile} is a file, expected a folder (set {KERNEL_DIR_ENV}" in result.stdout
+    assert "not found" not in result.stdout
+
+
 def test_top_level_help_lists_the_commands() -> None:
     result = invoke("--help")
     assert result.exit_code == 0

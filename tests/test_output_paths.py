@@ -81,6 +81,50 @@ def test_paths_without_a_file_name_and_under_a_file(tmp_path: Path, monkeypatch:
         check_writable(tmp_path / "no" / "x.st", force=True, what="--output")
 
 
+# every output option of every command: pathlib drops the trailing slash of "out/"
+FOLDER_NAMED_OUTPUTS = [
+    ("synth", "-o", "{out}", *SYNTH),
+    ("quantize", "{dump}", "-o", "{out}"),
+    ("quantize", "{dump}", "-o", "{tmp}/c.st", "--json", "{out}"),
+    ("quantize", "{dump}", "-o", "{tmp}/c.st", "--plot", "{out}"),
+    ("verify", "--json", "{out}"),
+    ("info", "--json", "{out}"),
+    ("bench", "--cpu-fake", "--json", "{out}"),
+    ("bench", "--cpu-fake", "--plot", "{out}"),
+    ("dump", "--model", "{tmp}", "--prompts", "{dump}", "-o", "{out}"),
+]
+
+
+@pytest.mark.parametrize("args", FOLDER_NAMED_OUTPUTS, ids=lambda args: f"{args[0]} {args[args.index('{out}') - 1]}")
+@pytest.mark.parametrize("tail", ["/", "/."])
+def test_an_output_path_naming_a_folder_is_refused_as_typed(args: tuple[str, ...], tail: str, dump: Path,
+                                                            tmp_path: Path) -> None:
+    """``-o new/`` (or ``new/.``) named a folder; pathlib dropped the slash and a file ``new`` was
+    written (``x.st/ --force`` replaced the file x.st). Refused before any work, showing the
+    path as typed, with or without --force."""
+    existing = tmp_path / "x.st"
+    existing.write_bytes(b"keep me")
+    for name in ("new", "x.st"):
+        out = f"{tmp_path / name}{tail}"
+        typed = [a.format(out=out, dump=dump, tmp=tmp_path) for a in args]
+        for extra in ((), ("--force",)):
+            result = invoke(*typed, *extra)
+            assert_one_line_error(result, f"{out}: expected a file path, not a folder")
+    assert existing.read_bytes() == b"keep me" and listing(tmp_path) == ["x.st"]
+
+
+@pytest.mark.parametrize("args", [("verify", "--dump", "{path}"), ("quantize", "{path}", "-o", "{tmp}/c.st"),
+                                  ("dump", "--model", "{tmp}", "--prompts", "{path}", "-o", "{tmp}/c.st")],
+                         ids=["verify --dump", "quantize DUMP", "dump --prompts"])
+def test_an_input_file_named_with_a_trailing_slash_is_not_a_directory(args: tuple[str, ...], dump: Path,
+                                                                      tmp_path: Path) -> None:
+    """``--dump d.safetensors/`` read the file: the OS says "Not a directory" for such a path,
+    and so does snapmla, naming the option and the path as typed."""
+    typed = [a.format(path=f"{dump}/", tmp=tmp_path) for a in args]
+    assert_one_line_error(invoke(*typed), f"{dump}/: not a directory")
+    assert listing(tmp_path) == []
+
+
 def test_a_folder_that_takes_no_new_file_is_refused_up_front(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The temp file lands next to the output, so a read-only folder is refused before any work.
@@ -114,6 +158,28 @@ def test_a_socket_is_refused_even_with_force(tmp_path: Path) -> None:
             with pytest.raises(SnapmlaError, match="is a socket, not a regular file"):
                 check_writable(path, force=force, what="--output")
         assert stat.S_ISSOCK(os.lstat(path).st_mode)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc's fd links")
+def test_a_pipe_behind_a_proc_fd_link_is_refused_up_front(tmp_path: Path) -> None:
+    """``--json /dev/stdout | cat``: /dev/stdout leads through /proc/self/fd/1 to ``pipe:[N]``, a
+    name that exists nowhere. The resolved path called it a dangling symlink, and with --force
+    the command did all its work, then failed to write. A link to this process's own pipe
+    stands in for /dev/stdout: refused as a pipe before any work, --force or not."""
+    read_end, write_end = os.pipe()
+    try:
+        link = tmp_path / "stdout"
+        link.symlink_to(f"/proc/self/fd/{write_end}")
+        for extra in ((), ("--force",)):
+            for args in (("synth", "-o", link, *SYNTH), ("info", "--json", link)):
+                result = invoke(*args, *extra)
+                assert_one_line_error(result, f"{link} is a pipe, not a regular file; "
+                                              "not replacing it, even with --force")
+                assert "dangling" not in result.stderr and result.stdout == ""
+        assert link.is_symlink() and listing(tmp_path) == ["stdout"]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_a_symlink_into_a_missing_folder_names_its_target(tmp_path: Path) -> None:

@@ -347,14 +347,45 @@ def test_an_entry_of_zero_candidates_loads():
     assert Entry.from_dict(entry.as_dict()) == entry
 
 
-def test_an_empty_database_file_is_an_empty_database(isolated_db):
-    user, _ = isolated_db
+@pytest.mark.parametrize("text", ["", "\n  \n", "# only a comment\n"])
+def test_an_empty_database_file_is_skipped_with_one_warning(isolated_db, text):
+    """A 0-byte (or blank) database file was listed silently as a database of no entries: it is
+    no database, so it gets a corrupt file's treatment (one warning from the lookup, one line in
+    `snapmla info`); a merge still replaces it without --force, as nothing would be dropped."""
+    user, shipped = isolated_db
     path = user / DB_NAME
-    path.write_text("")
-    loaded = load_file(path)
-    assert (loaded.sections, loaded.problems) == ([], [])
+    path.write_text(text)
+    with pytest.raises(DbError, match=r"empty, expected a snapmla tuning database \('format: snapmla-tuning'\)"):
+        load_file(path)
+    save_entries(shipped, GPU, [make_entry(BAD)])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        found = [lookup.lookup_decode_config(rows=rows, fp8=True, device=cuda0()) for rows in (128, 64)]
+    assert found[0] == heuristic_config(128)  # the shipped entry answers
+    messages = [str(w.message) for w in record if "tuning" in str(w.message)]
+    assert len(messages) == 1 and f"ignored: {path}: empty" in messages[0], messages
+    assert (f"tuning file {path}: empty, expected a snapmla tuning database ('format: snapmla-tuning')"
+            in describe_database([]))
     save_entries(user, GPU, [make_entry(GOOD)])  # no --force needed: nothing would be dropped
     assert find_entry(user, GPU, GOOD) == make_entry(GOOD)
+
+
+def test_info_names_a_bad_database_file_once(isolated_db):
+    """`snapmla info` printed "tuning file P: P: not valid YAML": the loader's message starts
+    with the path, and the line named it again."""
+    user, _ = isolated_db
+    path = user / DB_NAME
+    path.write_text("garbage: [\n")
+    lines = [line for line in describe_database([]) if line.startswith("tuning file ")]
+    assert lines == [f"tuning file {path}: not valid YAML (line 2)"]
+    report = user.parent / "info.json"
+    result = invoke("info", "--json", report)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count(str(path)) == 1, result.stdout
+    import json
+
+    skipped = json.loads(report.read_text())["tuning"]["skipped_files"]
+    assert skipped == [{"path": str(path), "problem": "not valid YAML (line 2)"}]
 
 
 def test_entries_that_are_not_a_list_are_one_named_problem(isolated_db):

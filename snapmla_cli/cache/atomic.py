@@ -76,7 +76,7 @@ def check_writable(path: Path, force: bool, what: str = "output") -> None:
     if path.name in ("", ".", ".."):
         raise SnapmlaError(f"{what}: expected a file path, got {str(path)!r}")
     target = final_target(path)
-    kind = _existing_kind(target, what, path)
+    kind = _existing_kind(path, what)
     _refuse_special(kind, path, what)
     dangling = kind is None and os.path.islink(path)
     if dangling and not force:
@@ -135,7 +135,7 @@ def write_atomic(path: Path, write: Callable[[Path], object], *, replace: bool =
     included."""
     path = Path(path)
     target = final_target(path)
-    kind = _existing_kind(target, "output", path)
+    kind = _existing_kind(path, "output")
     _refuse_special(kind, path, "output")
     if not replace and os.path.lexists(path):
         raise _appeared(path)
@@ -384,15 +384,21 @@ def final_target(path: Path) -> Path:
     return Path(os.path.realpath(path)) if os.path.islink(path) else path
 
 
-def _existing_kind(target: Path, what: str, path: Path) -> str | None:
-    """None if nothing is at ``target``, "file" for a regular file, else what it is."""
+def _existing_kind(path: Path, what: str) -> str | None:
+    """None if nothing is at ``path`` (or its symlinks' end), "file" for a regular file, else
+    what it is. ``path`` itself is stat()ed, not :func:`final_target`'s text: a /proc link
+    (``/dev/stdout`` into a pipe) points at ``pipe:[N]``, a name that exists nowhere, so the
+    resolved path would call the pipe a dangling symlink and --force would try to write there."""
     try:
-        mode = os.stat(target).st_mode
+        mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:  # a symlink loop, a folder we may not search
         raise SnapmlaError(f"{what} {path}: cannot check it: {exc.strerror}") from None
-    return file_kind(mode)
+    kind = file_kind(mode)
+    if kind == "fifo" and os.path.islink(path) and not os.path.lexists(final_target(path)):
+        return "pipe"  # an anonymous pipe behind a /proc fd link, e.g. /dev/stdout of `| cat`
+    return kind
 
 
 def file_kind(mode: int) -> str:

@@ -9,6 +9,7 @@ layer and the problem rather than deep inside a decode.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import stat
@@ -180,22 +181,35 @@ def _check_canonical(path: Path, key: str, index: int, part: str) -> None:
         )
 
 
+def first_bad_row(x: torch.Tensor) -> tuple[int, float] | None:
+    """The first row (index along dim 0) of ``x`` holding NaN/inf or a |value| above
+    :data:`MAX_ABS_VALUE`, with its largest |value| (inf or NaN where it holds one); None when
+    every value is fine. Shared by :func:`check_values` and the capture, which names the model
+    and prompt rather than a file."""
+    if x.numel() == 0:
+        return None
+    magnitude = x.detach().float().abs().reshape(x.shape[0], -1)
+    ok = (magnitude <= MAX_ABS_VALUE).all(dim=1)  # False for NaN as well
+    if bool(ok.all()):
+        return None
+    first = int((~ok).nonzero()[0])
+    values = magnitude[first]
+    finite = bool(torch.isfinite(values).all())
+    return first, float(values.max()) if finite else math.nan
+
+
 def check_values(where: str, name: str, x: torch.Tensor, row: str = "token") -> None:
     """Refuse NaN/inf and any |value| above :data:`MAX_ABS_VALUE` in ``x``, naming ``name`` and
     the first bad ``row`` (index along dim 0): such values quantize to inf/NaN scales or RoPE and
     poison every later decode instead of failing here."""
-    if x.numel() == 0:
+    bad = first_bad_row(x)
+    if bad is None:
         return
-    magnitude = x.detach().float().abs().reshape(x.shape[0], -1)
-    ok = (magnitude <= MAX_ABS_VALUE).all(dim=1)  # False for NaN as well
-    if bool(ok.all()):
-        return
-    first = int((~ok).nonzero()[0])
-    values = magnitude[first]
-    if not bool(torch.isfinite(values).all()):
+    first, value = bad
+    if not math.isfinite(value):
         raise SnapmlaError(f"{where}: {name} holds NaN/inf (first at {row} {first})")
     raise SnapmlaError(
-        f"{where}: {name} holds |x| = {float(values.max()):.3g} at {row} {first}, expected "
+        f"{where}: {name} holds |x| = {value:.3g} at {row} {first}, expected "
         f"|x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow"
     )
 

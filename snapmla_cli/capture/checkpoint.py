@@ -255,15 +255,21 @@ def _native_from_pretrained(native: Any, model: str, config: Any, kwargs: dict[s
     return net, info
 
 
-def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = False) -> tuple[torch.nn.Module, Any]:
+def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = False,
+               before_weights: Callable[[Any, Any], None] | None = None) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) from local files only (``local_files_only=True``: a hub id resolves
     from the local Hugging Face cache, nothing is downloaded). A checkpoint that lacks weights of
-    the model, or holds weights of other shapes than its config.json says, is refused."""
+    the model, or holds weights of other shapes than its config.json says, is refused.
+    ``before_weights(config, tokenizer)`` runs before the weights load (minutes for a large
+    checkpoint), so that the caller can refuse options the model cannot serve (a prompt past its
+    context length) up front."""
     transformers = import_transformers()
     with _quiet(transformers):
         config, native = _load_config(transformers, model, trust_remote_code)
         check_mla_config(config, model)
         tokenizer = _load_tokenizer(transformers, model, trust_remote_code)
+        if before_weights is not None:
+            before_weights(config, tokenizer)
         dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
         kwargs = {"config": config, "local_files_only": True, dtype_key: DTYPES[dtype],
                   "output_loading_info": True, "ignore_mismatched_sizes": True}

@@ -11,6 +11,9 @@ prompt's rows (from the last position 0 to the end) they reproduce the model's a
 from __future__ import annotations
 
 import inspect
+import math
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +21,11 @@ from typing import Any
 
 import torch
 
-from ..cache.atomic import check_writable
-from ..cache.dump_file import KVDump, LayerDump, write_dump
+from ..cache.atomic import check_writable, file_kind
+from ..cache.dump_file import MAX_ABS_VALUE, KVDump, LayerDump, first_bad_row, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
+from ..sizes import MAX_SIZE
 from .check import CheckResult, recompute_check
 from .checkpoint import DTYPES, load_model
 from .mla import MlaAttention, find_mla_attention
@@ -80,6 +84,7 @@ def parse_layers(text: str) -> tuple[int, ...] | None:
 def _check_options(options: DumpOptions) -> None:
     if not options.model.strip():
         raise SnapmlaError("--model: expected a checkpoint folder or a Hugging Face id, got ''")
+    _check_model_is_no_file(options.model)
     if options.dtype not in DTYPES:
         raise SnapmlaError(f"--dtype {options.dtype}: expected one of {', '.join(DTYPES)}")
     if options.device not in DEVICES:
@@ -91,8 +96,23 @@ def _check_options(options: DumpOptions) -> None:
     for option, value in (("--decode", options.decode), ("--queries", options.queries)):
         if value < 0:
             raise SnapmlaError(f"{option} {value}: expected >= 0")
+    if options.decode > MAX_SIZE:  # a layer's rows are int32 in the files
+        raise SnapmlaError(f"--decode {options.decode}: expected at most {MAX_SIZE}")
     if options.check and options.queries < 1:
         raise SnapmlaError("--check needs probe queries: pass --queries >= 1")
+
+
+def _check_model_is_no_file(model: str) -> None:
+    """A ``--model`` that exists but is no folder (the weights file given for its checkpoint
+    folder) is named as what it is: transformers' refusal read as "no such checkpoint folder",
+    which sent the user looking for a missing path. A missing path (or a hub id) is the
+    loader's to explain."""
+    try:
+        mode = os.stat(Path(model)).st_mode  # Path: "weights.st/" is the file too
+    except OSError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise SnapmlaError(f"model {model}: is a {file_kind(mode)}, expected a checkpoint folder")
 
 
 def _select(attentions: list[MlaAttention], layers: tuple[int, ...] | None) -> list[MlaAttention]:
@@ -137,7 +157,14 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
     ``options.check``). Memory: the model, its KV cache for one prompt, and the dump on the CPU."""
     _check_options(options)
     prompts = read_prompts(options.prompts)
-    model, tokenizer = load_model(options.model, options.device, options.dtype, options.trust_remote_code)
+    token_ids: list[torch.Tensor] = []
+
+    def before_weights(config: Any, tokenizer: Any) -> None:
+        token_ids.extend(_tokenize(prompts, tokenizer, options.max_tokens))
+        _check_lengths(options, config, [int(ids.shape[1]) for ids in token_ids])
+
+    model, _ = load_model(options.model, options.device, options.dtype, options.trust_remote_code,
+                          before_weights=before_weights)
     attentions = _select(find_mla_attention(model, options.model), options.layers)
     state = StepState()
     dtype = DTYPES[options.dtype]
@@ -146,34 +173,18 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
     positions: list[torch.Tensor] = []
     segments: list[int] = []
     if progress:
-        progress(0, len(prompts), 0)
+        progress(0, len(token_ids), 0)
     for rec in recorders:
         rec.attach()
     try:
         with torch.inference_mode():
-            for number, prompt in enumerate(prompts):
-                ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, : options.max_tokens]
-                if ids.shape[1] == 0:
-                    raise SnapmlaError(f"--prompts: prompt {number + 1} has no tokens")
-                ids = ids.to(options.device)
-                total = ids.shape[1] + options.decode
-                last = number == len(prompts) - 1
-                if last and options.queries > total:  # not silently fewer queries than asked
-                    raise SnapmlaError(f"--queries {options.queries}: the last prompt gives only {total} tokens "
-                                       f"({ids.shape[1]} of the prompt + --decode {options.decode})")
-                first_query = max(total - options.queries, 0) if last and options.queries else None
-                cache, start = None, 0
-                for _ in range(options.decode + 1):
-                    width = ids.shape[1]
-                    state.query_rows = _rows(first_query, start, width)
-                    logits, cache = forward(ids, start, cache)
-                    start += width
-                    ids = logits.argmax(dim=-1, keepdim=True)
-                del cache
+            for number, ids in enumerate(token_ids):
+                last = number == len(token_ids) - 1
+                total = _run_prompt(forward, recorders, state, ids.to(options.device), number, options, last)
                 positions.append(torch.arange(total, dtype=torch.int64))
                 segments.append(total)
                 if progress:
-                    progress(number + 1, len(prompts), sum(segments))
+                    progress(number + 1, len(token_ids), sum(segments))
     finally:
         for rec in recorders:
             rec.detach()
@@ -195,6 +206,98 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
             capture.checks.append(recompute_check(layer, rec.attention, expected))
     capture.dump.extra_metadata = _metadata(model, attentions, options, segments)
     return capture
+
+
+
+
+def _tokenize(prompts: list[str], tokenizer: Any, max_tokens: int) -> list[torch.Tensor]:
+    """Each prompt's token ids ``[1, n]``, cut to ``max_tokens``; a prompt of no tokens is
+    refused (the model has nothing to attend to)."""
+    token_ids = []
+    for number, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, :max_tokens]
+        if ids.shape[1] == 0:
+            raise SnapmlaError(f"--prompts: prompt {number + 1} has no tokens")
+        token_ids.append(ids)
+    return token_ids
+
+
+def _check_lengths(options: DumpOptions, config: Any, lengths: list[int]) -> None:
+    """Before the weights load: every prompt plus its ``--decode`` tokens within the model's
+    context length (positions past it are outside what the model was trained for, and
+    ``--decode`` had no bound at all), and the last prompt long enough for ``--queries``."""
+    limit = _context_length(config)
+    if limit is not None:
+        too_long = next((i for i, n in enumerate(lengths) if n > limit), None)
+        if too_long is not None:
+            raise SnapmlaError(f"--max-tokens {options.max_tokens}: prompt {too_long + 1} has {lengths[too_long]} "
+                               f"tokens, past the model's context length {limit} (max_position_embeddings); "
+                               f"expected --max-tokens <= {limit}")
+        longest = max(lengths)
+        if longest + options.decode > limit:
+            raise SnapmlaError(f"--decode {options.decode}: prompt {lengths.index(longest) + 1} has {longest} tokens, "
+                               f"{longest + options.decode} with the decoded ones, past the model's context length "
+                               f"{limit} (max_position_embeddings); expected --decode <= {limit - longest}")
+    total = lengths[-1] + options.decode
+    if options.queries > total:  # not silently fewer queries than asked
+        raise SnapmlaError(f"--queries {options.queries}: the last prompt gives only {total} tokens "
+                           f"({lengths[-1]} of the prompt + --decode {options.decode})")
+
+
+def _context_length(config: Any) -> int | None:
+    """The model's ``max_position_embeddings`` (None where its config has no usable one)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return limit
+    return None
+
+
+def _run_prompt(forward: _Forward, recorders: list[LayerRecorder], state: StepState, ids: torch.Tensor,
+                number: int, options: DumpOptions, last: bool) -> int:
+    """One prompt (``number``, 0-based): its prefill, then ``options.decode`` greedy steps,
+    each step's recorded rows checked (:func:`_check_step`). Returns the rows it adds."""
+    total = ids.shape[1] + options.decode
+    first_query = max(total - options.queries, 0) if last and options.queries else None
+    cache, start = None, 0
+    for _ in range(options.decode + 1):
+        width = ids.shape[1]
+        state.query_rows = _rows(first_query, start, width)
+        queries_before = [len(rec.queries) for rec in recorders]
+        logits, cache = forward(ids, start, cache)
+        _check_step(options.model, recorders, queries_before, number, start)
+        start += width
+        ids = logits.argmax(dim=-1, keepdim=True)
+    del cache
+    return total
+
+
+def _check_step(model: str, recorders: list[LayerRecorder], queries_before: list[int], prompt: int,
+                start: int) -> None:
+    """The rows one forward step recorded (positions from ``start``), layer by layer: a NaN/inf
+    or a value too large for the FP8 pipeline is the model's (a damaged weight, an overflow),
+    named with the first layer and position where it shows. Found only when the dump was
+    written, it was blamed on the output file (or, with --check, on the recomputed cache)."""
+    for rec, before in zip(recorders, queries_before):
+        index = rec.attention.index
+        if rec.kv:
+            _check_produced(model, index, "latent KV", rec.kv[-1], prompt, start)
+        rows = rec.state.query_rows
+        if len(rec.queries) > before and rows is not None:
+            _check_produced(model, index, "probe queries", rec.queries[-1], prompt, start + rows.start)
+
+
+def _check_produced(model: str, layer: int, what: str, rows: torch.Tensor, prompt: int, position: int) -> None:
+    """Refuse ``rows`` (positions from ``position`` of prompt ``prompt``, 0-based) holding a value
+    the dump cannot take (:func:`~snapmla_cli.cache.dump_file.first_bad_row`), naming the model."""
+    bad = first_bad_row(rows)
+    if bad is None:
+        return
+    row, value = bad
+    where = f"prompt {prompt + 1}, position {position + row}"
+    if not math.isfinite(value):
+        raise SnapmlaError(f"model {model}: layer {layer} produced NaN/inf in its {what} ({where})")
+    raise SnapmlaError(f"model {model}: layer {layer} produced |x| = {value:.3g} in its {what} ({where}), "
+                       f"expected |x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow")
 
 
 def _rows(first_query: int | None, start: int, width: int) -> slice | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -88,24 +89,57 @@ def write_json(path: Path, payload: dict, force: bool = False) -> None:
     write_text_atomic(path, json.dumps(_json_safe(payload), indent=2) + "\n", replace=force)
 
 
-class _EmptyPath(BadParameter):
-    """An empty path on the command line, phrased like ``check_writable``'s refusals (option,
-    then what was expected) rather than click's "Invalid value for ..."."""
+class _PathError(BadParameter):
+    """A path refused as typed on the command line (empty, or a folder's name for a file),
+    phrased like ``check_writable``'s refusals (option and path, then what was expected) rather
+    than click's "Invalid value for ...". ``typed``: the path as given, shown after the option
+    (pathlib drops a trailing slash, so the later errors could not show it)."""
+
+    def __init__(self, message: str, typed: str = "") -> None:
+        super().__init__(message)
+        self.typed = typed
 
     def format_message(self) -> str:
         if self.param is not None and self.param.param_type_name == "argument":  # DUMP, as in the usage
-            return f"{self.param.metavar or (self.param.name or 'path').upper()}: {self.message}"
-        opts = self.param.opts if self.param is not None else []
-        return f"{opts[0] if opts else 'path'}: {self.message}"
+            name = self.param.metavar or (self.param.name or "path").upper()
+        else:
+            opts = self.param.opts if self.param is not None else []
+            name = opts[0] if opts else "path"
+        return f"{name} {self.typed}: {self.message}" if self.typed else f"{name}: {self.message}"
 
 
-def _path_parser(kind: str) -> Any:
-    """The parser of a path option that refuses the empty string: typer would turn ``-o ''``
-    into ``Path('.')``, and the later errors would then name ``'.'``, not what was typed."""
+def _names_folder(typed: str) -> bool:
+    """Whether the path as typed can only name a folder: a trailing slash, or a last part of
+    ``.`` / ``..``. ``Path`` drops the slash and the ``.``, so ``-o out/`` would write a file
+    ``out`` where the user asked for a folder."""
+    return typed.endswith(os.sep) or os.path.basename(typed) in (".", "..")
+
+
+def _refuse_file_as_folder(typed: str) -> None:
+    """A file read through a path that names a folder (``--dump d.safetensors/``): the OS
+    refuses that path ("not a directory"), and so does snapmla, instead of reading the file."""
+    try:
+        os.stat(typed)
+    except NotADirectoryError:
+        raise _PathError("not a directory (a trailing slash names a folder; expected a file path)",
+                         typed) from None
+    except OSError:  # missing, a loop: the reader names it
+        pass
+
+
+def _path_parser(kind: str, reads: bool = False) -> Any:
+    """The parser of a path option that refuses the empty string (typer would turn ``-o ''``
+    into ``Path('.')``, and the later errors would then name ``'.'``, not what was typed) and,
+    for a file, a path that names a folder: an output is refused outright, an input where it
+    is a file (see :func:`_refuse_file_as_folder`)."""
 
     def parse(value: str | Path) -> Path:
         if isinstance(value, str) and value == "":
-            raise _EmptyPath(f"expected a {kind} path, got ''")
+            raise _PathError(f"expected a {kind} path, got ''")
+        if isinstance(value, str) and kind == "file" and _names_folder(value):
+            if not reads:
+                raise _PathError("expected a file path, not a folder", value)
+            _refuse_file_as_folder(value)
         return Path(value)
 
     return parse
@@ -113,8 +147,9 @@ def _path_parser(kind: str) -> Any:
 
 def output_option(*names: str, help: str, folder: bool = False) -> Any:
     """``typer.Option`` for a path the command writes (``--output``, ``--json``, ``--plot``;
-    ``folder``: a folder it writes in): the empty string is a one-line usage error naming the
-    option. Use as ``Annotated[Path, output_option("--output", "-o", help=...)]``."""
+    ``folder``: a folder it writes in): the empty string, and for a file a path that names a
+    folder (``out/``), are one-line usage errors naming the option. Use as
+    ``Annotated[Path, output_option("--output", "-o", help=...)]``."""
     return typer.Option(*names, help=help, parser=_path_parser("folder" if folder else "file"),
                         metavar="<path>")
 
@@ -122,15 +157,16 @@ def output_option(*names: str, help: str, folder: bool = False) -> Any:
 def input_option(*names: str, help: str) -> Any:
     """``typer.Option`` for a file the command reads (``--dump``, ``--prompts``): the empty string
     is a one-line usage error naming the option, where typer would read ``Path('.')`` and the
-    reader then report that ``.`` is a folder. Use as
+    reader then report that ``.`` is a folder; so is a file named with a trailing slash. Use as
     ``Annotated[Path | None, input_option("--dump", help=...)]``."""
-    return output_option(*names, help=help)  # the same parser: only the name says which way
+    return typer.Option(*names, help=help, parser=_path_parser("file", reads=True), metavar="<path>")
 
 
 def input_argument(name: str, help: str) -> Any:
     """``typer.Argument`` for a file the command reads (quantize's ``DUMP``), with the empty
-    string refused as :func:`input_option` refuses it, the error naming ``name``."""
-    return typer.Argument(help=help, parser=_path_parser("file"), metavar=name)
+    string and a file named with a trailing slash refused as :func:`input_option` refuses them,
+    the error naming ``name``."""
+    return typer.Argument(help=help, parser=_path_parser("file", reads=True), metavar=name)
 
 
 def one_line(message: BaseException | str) -> str:

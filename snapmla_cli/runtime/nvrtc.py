@@ -82,10 +82,14 @@ def kernel_dir() -> Path:
     env = os.environ.get(KERNEL_DIR_ENV)
     folder = Path(env).expanduser() if env else bundled_dir(KERNELS)
     if not folder.is_dir():
-        raise SnapmlaError(
-            f"kernel sources: folder {folder} not found "
-            f"(set {KERNEL_DIR_ENV} to the kernels/ folder)"
-        )
+        # a file given as the folder exists: "not found" sent the user looking for a typo
+        if folder.is_file():
+            problem = f"{folder} is a file, expected a folder"
+        elif folder.exists():
+            problem = f"{folder} is not a folder"
+        else:
+            problem = f"folder {folder} not found"
+        raise SnapmlaError(f"kernel sources: {problem} (set {KERNEL_DIR_ENV} to the kernels/ folder)")
     return folder
 
 

@@ -401,6 +401,12 @@ def _unknown_keys(where: str, data: object, known: tuple[str, ...]) -> list[str]
 C_LOADER_MAX_NESTING = 10_000
 
 
+class EmptyDbFile(DbError):
+    """A database file that holds nothing (0 bytes, blank or comments only): no database, so
+    the readers skip it with one warning, as a corrupt one; but a merge may replace it without
+    ``force``, since no entry would be dropped."""
+
+
 def yaml_loader(text: str) -> Any:
     """The PyYAML loader class for ``text``: libyaml's where it is built in and the text is
     shallow enough for it (C_LOADER_MAX_NESTING), else the Python SafeLoader."""
@@ -430,8 +436,8 @@ def parse_text(text: str, path: Path) -> LoadedFile:
     except ValueError as exc:  # past Python's digit limit for int(str); a date like 2026-13-01
         reason = " ".join(str(exc).split(";")[0].split())
         raise DbError(f"{path}: not valid YAML ({reason})") from None
-    if data is None:
-        return LoadedFile(path, [], [])
+    if data is None:  # listed silently as a database before: a truncated copy looked fine
+        raise EmptyDbFile(f"{path}: empty, expected a snapmla tuning database ('format: {FORMAT_TAG}')")
     if not isinstance(data, dict) or data.get("format") != FORMAT_TAG:
         raise DbError(f"{path}: not a snapmla tuning database (expected 'format: {FORMAT_TAG}')")
     if data.get("version") != VERSION:
@@ -590,6 +596,8 @@ def sections_to_merge(path: Path, force: bool = False) -> list[DeviceSection]:
         return []
     try:
         loaded = load_file(path)
+    except EmptyDbFile:
+        return []  # nothing in it to drop
     except DbError as exc:
         if not force:
             raise SnapmlaError(f"{exc}; not overwriting it (move it away or pass --force)"

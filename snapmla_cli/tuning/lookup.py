@@ -421,11 +421,12 @@ def stored_entries(gpu: GpuKey, folder: Path | None = None) -> dict[Bucket, Entr
 
 
 def file_problem(path: Path) -> str | None:
-    """Why a database file is skipped, whole or in part (None: it reads cleanly)."""
+    """Why a database file is skipped, whole or in part (None: it reads cleanly), without the
+    path that the loader's messages start with: the caller names the file once."""
     try:
         loaded = load_file(path)
     except Exception as exc:  # noqa: BLE001 - reported, as the decode path would skip it
-        return " ".join(str(exc).split()) or type(exc).__name__
+        return " ".join(str(exc).removeprefix(f"{path}: ").split()) or type(exc).__name__
     if loaded.problems:
         return f"{len(loaded.problems)} bad entries skipped ({loaded.problems[0]})"
     return None
