@@ -703,9 +703,8 @@ def flash_mla_with_kvcache(
     dtype (the FP8 cache is SnapMLA's encoding, one scale per token; FlashMLA's DeepSeek-V3.2
     layout of the same 656 bytes has four: with the flag given, each cache's first call checks
     its requests' first tokens for it, :mod:`.encoding_check`; the checks switch checks every
-    token); its
-    sparse-attention keywords (``indices``, ``attn_sink``, ...) and its lazily planned
-    ``FlashMLASchedMeta`` (``num_splits=None``) are not supported."""
+    token); its sparse-attention arguments (``indices``, ``attn_sink``, ...) and its lazily
+    planned ``FlashMLASchedMeta`` (``num_splits=None``) are not supported."""
     if not is_integer(head_dim_v) or head_dim_v != D_V:
         raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v!r}")
     sparse = {"indices": indices, "attn_sink": attn_sink, "extra_k_cache": extra_k_cache,

@@ -27,7 +27,8 @@ _checked: set[tuple[object, ...]] = set()
 def _checkable(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> bool:
     """Whether the arguments have the shapes the check reads (else the decode's own checks name
     what is wrong)."""
-    return (k_cache.is_cuda and k_cache.dtype in (torch.uint8, FP8_DTYPE) and k_cache.is_contiguous()
+    return (k_cache.dim() > 0 and k_cache.is_cuda and k_cache.dtype in (torch.uint8, FP8_DTYPE)
+            and k_cache.is_contiguous()
             and k_cache.numel() % (PAGE_SIZE * FP8_TOKEN_BYTES) == 0 and k_cache.shape[-1] == FP8_TOKEN_BYTES
             and block_table.dim() == 2 and block_table.shape[1] > 0 and block_table.device == k_cache.device
             and not block_table.is_floating_point() and cache_seqlens.dim() == 1
@@ -37,7 +38,7 @@ def _checkable(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: 
 def check_snapmla_encoding_once(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """Refuse (one line, naming the request) a cache whose requests' first tokens have nonzero
     pad bytes; once per cache."""
-    if k_cache.dim() == 0 or not _checkable(k_cache, block_table, cache_seqlens) or capturing(k_cache):
+    if not _checkable(k_cache, block_table, cache_seqlens) or capturing(k_cache):
         return
     key = (k_cache.device, k_cache.data_ptr(), tuple(k_cache.shape))
     if key in _checked:

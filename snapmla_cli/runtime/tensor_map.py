@@ -34,6 +34,7 @@ import torch
 
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
+from ..ops.finite import capturing as _capturing
 from . import pdl
 
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
@@ -91,11 +92,6 @@ def encode_byte_map(address: int, rows: int, row_bytes: int, box_bytes: int, box
         raise SnapmlaError(f"k_cache: cuTensorMapEncodeTiled failed with CUresult {status} "
                            f"({rows} rows x {row_bytes} B at 0x{address:x})")
     return bytes(tmap)
-
-
-def _capturing(cache: torch.Tensor) -> bool:
-    """Whether the cache's GPU is capturing a CUDA graph on the current stream now."""
-    return cache.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _device_maps(cache: torch.Tensor, token_bytes: int, boxes: tuple[tuple[int, bool], ...],
