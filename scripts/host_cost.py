@@ -26,8 +26,9 @@ from bench_prep import host_time  # this folder is sys.path[0]
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import time_graph
+from snapmla_cli.numerics.formats import D_QK, PAGE_SIZE
 from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
-from snapmla_cli.ops.prep import quantize_q
+from snapmla_cli.ops.prep import append_kv, quantize_q
 
 CALLS = 400
 # calls issued behind the spin: at most three launches each, and the driver's launch queue
@@ -89,8 +90,12 @@ def measure_shape(b: int, h: int, ctx: int, device: torch.device, profile_dir: P
         growing_on_host.add_(1)
         get_mla_metadata(growing_on_host, case.rows, 1, fp8=True, device=device)
 
+    new_kv = torch.randn(b, D_QK, device=device).to(torch.bfloat16)
+    slots = torch.arange(b, dtype=torch.int32, device=device) * PAGE_SIZE  # (any valid slots: timing only)
+
     cases = {"decode_fp8 (metadata given)": decode_only, "quantize_q + decode_fp8": quantize_and_decode,
              "quantize_q": lambda: quantize_q(case.q),
+             "append_kv": lambda: append_kv(new_kv, slots, case.cache8),
              "get_mla_metadata": lambda: get_mla_metadata(case.lens, case.rows, 1, fp8=True),
              "get_mla_metadata (lengths growing)": metadata_of_a_step,
              "get_mla_metadata (host lengths growing)": metadata_of_a_step_from_the_host}

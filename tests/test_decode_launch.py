@@ -57,6 +57,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(decode_launch, "launch_raw", rec.launch_raw)
     monkeypatch.setattr(decode_launch, "launch_prepared", rec.launch_prepared)
     monkeypatch.setattr(decode_launch, "prepare_programmatic", lambda *a: None)
+    monkeypatch.setattr(decode_launch, "prepare_plain", lambda *a: None)
     monkeypatch.setattr(tensor_map, "fp8_cache_tensor_maps", lambda cache: cache)
     monkeypatch.setattr(tensor_map, "bf16_cache_tensor_map", lambda cache: cache)
     decode_launch.clear_plans()
@@ -315,6 +316,7 @@ def test_the_plan_builds_its_kernels_for_the_tensors_gpu(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(decode, "_runtime", lambda: types.SimpleNamespace(get_kernel=get_kernel))
     monkeypatch.setattr(decode, "combine_launch", lambda kernel, grid: None)
+    monkeypatch.setattr(decode, "decode_launch", lambda *a: None)
     meta = torch.zeros((4, 1, 4), dtype=torch.int32)
     meta[:, 0, 2] = 1  # four one-block items
     meta[:, 0, 3] = torch.tensor([0, 1, 2, 3])  # partial slots: the combine runs too
@@ -573,3 +575,32 @@ def test_the_checks_switch_refuses_a_cache_of_another_fp8_encoding(recorder, che
     with pytest.raises(SnapmlaError, match=r"k_cache: request 1 reads token 199 with nonzero pad bytes 516\.\.527"):
         decode_fp8(_q8(), cache, table, lens, meta, splits)
     assert not recorder.launches
+
+
+def test_the_decode_kernel_goes_through_its_prepared_launch_with_one_split_buffer(recorder, monkeypatch):
+    """Where the driver has ``cuLaunchKernelEx``, the decode kernel is launched through a plain
+    prepared launch built once per plan (CuPy's launch converts every argument each call); the
+    split rows' O / L and lse share one allocation, lse right after the O / L rows."""
+    prepared_calls: list[tuple[int, list]] = []
+    built: list[tuple] = []
+
+    def prepare_plain(kernel, grid, block, shared_mem):
+        built.append((kernel.name, grid, block, shared_mem))
+        return lambda stream, args: prepared_calls.append((stream, list(args)))
+
+    monkeypatch.setattr(decode_launch, "prepare_plain", prepare_plain)
+    monkeypatch.setattr(decode_launch, "current_raw_stream", lambda index: 0x5151)
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    for seed in (0, 1):
+        decode_fp8(_q8(seed), cache, table, lens, meta, splits)
+    assert len(built) == 1, "the prepared launch was built more than once"
+    assert len(prepared_calls) == 2 and all(stream == 0x5151 for stream, _ in prepared_calls)
+    assert [name for name, _, _ in recorder.launches] == ["snapmla_combine"] * 2  # no CuPy decode launch
+    plan = next(iter(decode_launch._PLANS.values()))
+    _, args = prepared_calls[1]
+    places = meta.shape[0] * meta.shape[1]
+    assert args[11] - args[10] == plan.partial_lse_offset == places * S_Q * H_Q * 512 * 4
+    assert plan.partial_floats == places * S_Q * H_Q * 513
+    _, _, combine_args = recorder.launches[1]
+    assert combine_args[:2] == args[10:12]  # the combine reads the same two buffers

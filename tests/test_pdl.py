@@ -95,3 +95,52 @@ def test_a_prepared_launch_sets_the_stream_and_the_arguments_of_each_call(monkey
     monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: None)
     with pytest.raises(SnapmlaError, match="cuLaunchKernelEx is not available"):
         prepared(0x77, [0xBEEF000, 5])
+
+
+def test_a_plain_prepared_launch_has_no_attribute_and_packs_the_first_calls_types(monkeypatch) -> None:
+    """The decode kernel's prepared launch (runtime/launch.py prepare_plain): no attribute, its
+    argument types those of its first call (pointers as ints, NumPy scalars), later calls only
+    store new values."""
+    launched: list[tuple[int, int, float, int]] = []
+
+    def fake_launch_kernel_ex(config_ref, function, params, extra) -> int:
+        config = config_ref._obj
+        assert config.num_attrs == 0 and not config.attrs
+        launched.append((ctypes.c_void_p.from_address(params[0]).value, ctypes.c_int32.from_address(params[1]).value,
+                         ctypes.c_float.from_address(params[2]).value, config.stream))
+        return 0
+
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: fake_launch_kernel_ex)
+    prepared = pdl.PreparedLaunch(0x1234, (3, 2), (384,), 200_000, None)
+    assert prepared._config.shared_mem == 200_000 and prepared._config.grid_y == 2
+    prepared(0x10, [0xBEEF000, np.int32(7), np.float32(0.5)])
+    prepared(0x20, [0xCAFE000, np.int32(-3), np.float32(2.25)])
+    assert launched == [(0xBEEF000, 7, 0.5, 0x10), (0xCAFE000, -3, 2.25, 0x20)]
+
+
+def test_a_kernel_handle_prepares_one_launch_per_block_and_argument_types(monkeypatch) -> None:
+    """KernelHandle.launch (the prep ops' path): one prepared launch per device, block and
+    argument types, the grid set per call; another argument type gets its own (a pointer is
+    never stored into an int slot)."""
+    from snapmla_cli.runtime import launch
+
+    seen: list[tuple[tuple[int, int, int], int, list[object]]] = []
+
+    def fake_launch_kernel_ex(config_ref, function, params, extra) -> int:
+        config = config_ref._obj
+        first = ctypes.c_void_p.from_address(params[0]).value
+        seen.append(((config.grid_x, config.grid_y, config.grid_z), config.stream, [first]))
+        return 0
+
+    monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: fake_launch_kernel_ex)
+    monkeypatch.setattr(launch, "current_raw_stream", lambda index: 0x99)
+    monkeypatch.setattr(launch, "current_device_index", lambda: 0)
+    handle = launch.KernelHandle("prep.cu", "snapmla_fake")
+    handle._functions[0] = SimpleNamespace(ptr=0x4242)  # (as if loaded on device 0)
+    handle.launch(0, (3, 1, 1), (256, 1, 1), (0xA000, np.int32(3)))
+    handle.launch(0, (7, 1, 1), (256, 1, 1), (0xB000, np.int32(7)))
+    handle.launch(0, (2, 1, 1), (256, 1, 1), (0xC000, np.int64(2)))
+    assert seen == [((3, 1, 1), 0x99, [0xA000]), ((7, 1, 1), 0x99, [0xB000]), ((2, 1, 1), 0x99, [0xC000])]
+    assert len(handle._launches) == 2  # int32 and int64 counts: two prepared launches
+    handle.forget()
+    assert not handle._launches

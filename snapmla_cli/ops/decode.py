@@ -68,7 +68,14 @@ from .decode_config import (
     runs_columns,
     settle_balance,
 )
-from .decode_launch import DecodePlan, combine_launch, find_plan, metadata_ref, store_plan
+from .decode_launch import (
+    DecodePlan,
+    combine_launch,
+    decode_launch,
+    find_plan,
+    metadata_ref,
+    store_plan,
+)
 from .finite import GPU_CHECKS, capturing, check_all_finite, check_finite
 from .schedule import WORK_FIELDS, build_work_list, check_work_list, host_seqlens
 from .split_fold import (
@@ -84,6 +91,7 @@ __all__ = ["MetadataPlan", "choose_config", "decode_bf16", "decode_fp8",
            "flash_mla_with_kvcache", "get_mla_metadata", "mean_context", "metadata_plan"]
 
 LOG2E = 1.4426950408889634
+FLOAT32_BYTES = 4
 
 
 def _runtime() -> ModuleType:
@@ -402,14 +410,15 @@ def _decode_plan(fp8: bool, cache: torch.Tensor, shape: tuple[int, int, int], de
         device=device,
         out_shape=(b, s_q, h_q, D_V),
         lse_shape=(b, h_q, s_q),
-        partial_out_shape=(max(num_work, 1), rows, D_V),
-        partial_lse_shape=(max(num_work, 1), rows),
+        partial_floats=max(num_work, 1) * rows * (D_V + 1),
+        partial_lse_offset=max(num_work, 1) * rows * D_V * FLOAT32_BYTES,
         decode=kernel,
         grid=grid,
         block=block,
         shared_mem=shared_mem,
         cluster_launch=None if not cluster or kernel is None else ClusterLaunch(kernel.function.ptr, grid, block, shared_mem,
                                                               (1, cluster, 1)),
+        plain_launch=decode_launch(kernel, grid, block, shared_mem, cluster),
         cache_maps=cache_maps,
         items_per_column=np.int32(items_per_column),
         scalars=(np.int32(table_stride), np.float32(scale * LOG2E), np.int32(h_q), np.int32(s_q),

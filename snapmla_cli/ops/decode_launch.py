@@ -39,9 +39,10 @@ from ..runtime.launch import (
     launch_prepared,
     launch_raw,
     on_kernels_cleared,
+    prepare_plain,
     prepare_programmatic,
 )
-from ..runtime.pdl import ProgrammaticLaunch
+from ..runtime.pdl import PreparedLaunch, ProgrammaticLaunch
 from .config_choice import ContentStamp
 from .decode_config import DecodeConfig
 from .split_fold import COMBINE_THREADS
@@ -63,13 +64,18 @@ class DecodePlan:
     device: torch.device
     out_shape: tuple[int, ...]
     lse_shape: tuple[int, ...]
-    partial_out_shape: tuple[int, ...]
-    partial_lse_shape: tuple[int, ...]
+    # the split rows' float32 buffer, one allocation: O / L [places, rows, 512], then lse
+    # [places, rows] (``partial_lse_offset`` bytes in; a multiple of 16)
+    partial_floats: int
+    partial_lse_offset: int
     decode: Kernel | None  # None: no work item (every request empty)
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int
     cluster_launch: ClusterLaunch | None  # a request's splits in one cluster (ops/cluster_fold.py)
+    # the decode kernel's prepared plain launch when not in clusters (None: no driver entry for
+    # it, then CuPy launches; runtime/launch.py prepare_plain)
+    plain_launch: PreparedLaunch | None
     # the wgmma kernels' TMA maps of a cache (runtime/tensor_map.py, a cached lookup per call);
     # None: the kernel reads the cache itself
     cache_maps: Callable[[torch.Tensor], torch.Tensor] | None
@@ -108,24 +114,28 @@ class DecodePlan:
             out = torch.empty(size=self.out_shape, dtype=torch.bfloat16, device=device)
         if lse is None:
             lse = torch.empty(size=self.lse_shape, dtype=torch.float32, device=device)
-        partial_out = torch.empty(size=self.partial_out_shape, dtype=torch.float32, device=device)
-        partial_lse = torch.empty(size=self.partial_lse_shape, dtype=torch.float32, device=device)
+        # (freed on return: the caching allocator reuses it only after the kernels queued here)
+        partial = torch.empty(size=(self.partial_floats,), dtype=torch.float32, device=device)
+        partial_out = partial.data_ptr()
+        partial_lse = partial_out + self.partial_lse_offset
+        out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr()
         if self.decode is not None:
             cache_ptr = (k_cache if self.cache_maps is None else self.cache_maps(k_cache)).data_ptr()
             args: list[object] = [*q_ptrs, cache_ptr, block_table.data_ptr(), cache_seqlens.data_ptr(),
-                                  metadata.data_ptr(), self.items_per_column, out.data_ptr(), lse.data_ptr(),
-                                  partial_out.data_ptr(), partial_lse.data_ptr(), *self.scalars]
+                                  metadata.data_ptr(), self.items_per_column, out_ptr, lse_ptr,
+                                  partial_out, partial_lse, *self.scalars]
             if self.fold is not None:
                 args += [num_splits.data_ptr(), *self.fold]
-            if self.cluster_launch is not None:
-                self.cluster_launch(current_raw_stream(self.decode.device_index), args)
+            prepared = self.cluster_launch or self.plain_launch
+            if prepared is not None:
+                prepared(current_raw_stream(self.decode.device_index), args)
             else:
                 launch_raw(self.decode, self.grid, self.block, args, self.shared_mem)
         if self.combine is not None:
             # programmatic: launched while the decode grid drains, it waits for it in the kernel
             launch_prepared(self.combine, self.combine_launch, self.combine_grid, COMBINE_BLOCK,
-                            [partial_out.data_ptr(), partial_lse.data_ptr(), num_splits.data_ptr(), out.data_ptr(),
-                             lse.data_ptr(), *self.combine_scalars])
+                            [partial_out, partial_lse, num_splits.data_ptr(), out_ptr, lse_ptr,
+                             *self.combine_scalars])
         return out, lse
 
 
@@ -146,6 +156,13 @@ def metadata_ref(metadata: torch.Tensor, key: tuple[object, ...] | None) -> weak
 def combine_launch(kernel: Kernel | None, grid: tuple[int, int, int]) -> ProgrammaticLaunch | None:
     """The combine's prepared programmatic launch (None without a combine or without PDL)."""
     return None if kernel is None else prepare_programmatic(kernel, grid, COMBINE_BLOCK, 0, COMBINE_ARG_TYPES)
+
+
+def decode_launch(kernel: Kernel | None, grid: tuple[int, int, int], block: tuple[int, int, int],
+                  shared_mem: int, cluster: int) -> PreparedLaunch | None:
+    """The decode kernel's prepared plain launch (None: in clusters, no kernel, or no driver
+    entry for it)."""
+    return None if kernel is None or cluster else prepare_plain(kernel, grid, block, shared_mem)
 
 
 def find_plan(key: tuple[object, ...], metadata: torch.Tensor, num_splits: torch.Tensor,

@@ -202,19 +202,27 @@ class KernelHandle:
     ``launch`` takes *raw* arguments, already in the C types CuPy passes on: Python ints for
     pointers (``tensor.data_ptr()``) and NumPy scalars (:func:`i32` / :func:`i64` / :func:`f32`)
     for values. It runs on torch's current stream of device ``index``, switching the current
-    device only when it differs (the CuPy function belongs to that device's context)."""
+    device only when it differs (the CuPy function belongs to that device's context).
 
-    __slots__ = ("__weakref__", "_functions", "defines", "name", "source")
+    Where the driver has ``cuLaunchKernelEx``, a launch goes through a :class:`pdl.PreparedLaunch`
+    kept per device, block and argument types (the grid is set per call): CuPy's launch
+    converts and checks every argument on each call, a large part of a per-layer op's host
+    time. The types are part of the key so that a value is never stored into a slot of another
+    C type (ctypes would truncate a pointer silently)."""
+
+    __slots__ = ("__weakref__", "_functions", "_launches", "defines", "name", "source")
 
     def __init__(self, source: str, name: str, defines: Mapping[str, int | str] | None = None):
         self.source = source
         self.name = name
         self.defines = dict(defines) if defines else {}
         self._functions: dict[int, Any] = {}
+        self._launches: dict[tuple[object, ...], pdl.PreparedLaunch | None] = {}
         _HANDLES.add(self)
 
     def forget(self) -> None:
         self._functions.clear()
+        self._launches.clear()
 
     def function(self, index: int) -> Any:
         """The CuPy function for device ``index`` (compiled / loaded on first use)."""
@@ -231,15 +239,32 @@ class KernelHandle:
         block: tuple[int, int, int],
         args: Sequence[object],
     ) -> None:
+        key = (index, block, *map(type, args))
+        prepared = self._launches.get(key)
+        if prepared is None and key not in self._launches:  # (None: CuPy launches it)
+            prepared = self._launches[key] = self._prepare(index, grid, block)
+        if current_device_index() == index:
+            self._issue(prepared, index, grid, block, args)
+        else:
+            with torch.cuda.device(index):
+                self._issue(prepared, index, grid, block, args)
+
+    def _prepare(self, index: int, grid: tuple[int, int, int], block: tuple[int, int, int]) -> pdl.PreparedLaunch | None:
+        """The prepared launch of a new key, or None without ``cuLaunchKernelEx`` (then CuPy)."""
+        if not pdl.available():
+            return None
+        return pdl.PreparedLaunch(self.function(index).ptr, grid, block, 0, None)
+
+    def _issue(self, prepared: pdl.PreparedLaunch | None, index: int, grid: tuple[int, int, int],
+               block: tuple[int, int, int], args: Sequence[object]) -> None:
+        stream_ptr = current_raw_stream(index)
+        if prepared is not None:
+            prepared(stream_ptr, args, grid)
+            return
         fn = self._functions.get(index)
         if fn is None:
             fn = self.function(index)
-        stream = _stream_wrapper(current_raw_stream(index))
-        if current_device_index() == index:
-            fn(grid, block, args, 0, stream)
-        else:
-            with torch.cuda.device(index):
-                fn(grid, block, args, 0, stream)
+        fn(grid, block, args, 0, _stream_wrapper(stream_ptr))
 
 
 class _RawStream:
@@ -321,6 +346,21 @@ def prepare_programmatic(kernel: Kernel, grid: tuple[int, ...], block: tuple[int
     if not (pdl.available() and supports_programmatic(kernel)):
         return None
     return pdl.ProgrammaticLaunch(kernel.function.ptr, grid, block, shared_mem, arg_types)
+
+
+def prepare_plain(kernel: Kernel, grid: tuple[int, ...], block: tuple[int, ...],
+                  shared_mem: int) -> pdl.PreparedLaunch | None:
+    """A reusable plain launch of ``kernel`` through ``cuLaunchKernelEx`` (:class:`pdl.
+    PreparedLaunch` without attributes, its argument types those of the first call), or None
+    where the driver lacks it (then :func:`launch_raw`). Why: CuPy's launch converts and checks
+    every argument on each call, the largest single cost of a replayed decode call's host path;
+    a prepared launch only stores the new values. The kernel's shared-memory opt-in is set here,
+    as :func:`launch_raw` would on its first launch."""
+    if not pdl.available():
+        return None
+    if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
+        _set_dynamic_smem(kernel, shared_mem)
+    return pdl.PreparedLaunch(kernel.function.ptr, grid, block, shared_mem, None)
 
 
 def launch_prepared(kernel: Kernel, prepared: pdl.ProgrammaticLaunch | None, grid: tuple[int, ...],

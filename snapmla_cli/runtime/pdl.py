@@ -116,10 +116,13 @@ def programmatic_attribute() -> LaunchAttribute:
 
 
 def launch_config(grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int, stream_ptr: int,
-                  attr: LaunchAttribute) -> LaunchConfig:
-    """A ``CUlaunchConfig`` with one attribute (which the caller keeps alive with it)."""
+                  attr: LaunchAttribute | None) -> LaunchConfig:
+    """A ``CUlaunchConfig`` with one attribute (which the caller keeps alive with it) or, with
+    ``attr`` None, none (a plain launch)."""
     g = (*grid, 1, 1)[:3]
     b = (*block, 1, 1)[:3]
+    if attr is None:
+        return LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, ctypes.c_void_p(stream_ptr), None, 0)
     return LaunchConfig(g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, ctypes.c_void_p(stream_ptr),
                         ctypes.pointer(attr), 1)
 
@@ -150,7 +153,7 @@ def launch_programmatic(function_ptr: int, grid: tuple[int, ...], block: tuple[i
 
 
 class PreparedLaunch:
-    """One kernel's ``cuLaunchKernelEx`` launch with one attribute, its configuration and
+    """One kernel's ``cuLaunchKernelEx`` launch with one attribute or none, its configuration and
     argument buffers built once (for an op's hot path: :func:`launch_programmatic` builds a dozen
     ctypes objects a call). A call sets the stream and the argument values, whose C types are
     ``arg_types`` or, without them, those of the first call's arguments (:func:`pack_args`); a
@@ -159,7 +162,7 @@ class PreparedLaunch:
     __slots__ = ("_attr", "_config", "_function", "_lock", "_pointers", "_values")
 
     def __init__(self, function_ptr: int, grid: tuple[int, ...], block: tuple[int, ...], shared_mem: int,
-                 attr: LaunchAttribute, arg_types: Sequence[type] | None = None) -> None:
+                 attr: LaunchAttribute | None, arg_types: Sequence[type] | None = None) -> None:
         self._attr = attr
         self._config = launch_config(grid, block, shared_mem, 0, attr)
         self._function = ctypes.c_void_p(function_ptr)
@@ -171,9 +174,10 @@ class PreparedLaunch:
                 *[ctypes.addressof(v) for v in self._values])  # type: ignore[arg-type]
         self._lock = threading.Lock()
 
-    def __call__(self, stream_ptr: int, args: Sequence[object]) -> None:
+    def __call__(self, stream_ptr: int, args: Sequence[object], grid: tuple[int, ...] | None = None) -> None:
         """Launch on ``stream_ptr`` with ``args`` (ints for pointers, NumPy scalars or ints for
-        values), one per argument type."""
+        values), one per argument type; ``grid``: this launch's, where it differs from the
+        prepared one (a kernel sized by its call)."""
         fn = require_launch_kernel_ex()
         with self._lock:
             if self._values is None:
@@ -181,6 +185,9 @@ class PreparedLaunch:
             else:
                 for value, arg in zip(self._values, args, strict=True):
                     value.value = arg  # type: ignore[attr-defined]
+            if grid is not None:
+                config = self._config
+                config.grid_x, config.grid_y, config.grid_z = (*grid, 1, 1)[:3]
             self._config.stream = stream_ptr
             check_status(fn(ctypes.byref(self._config), self._function, self._pointers, None), self._config)
 

@@ -368,6 +368,57 @@ def test_programmatic_combine_matches_a_plain_launch_and_replays_in_a_graph(fp8,
     assert torch.equal(out_g, out_plain) and torch.equal(lse_g, lse_plain)
 
 
+def test_prepared_launches_match_cupys_and_run_from_a_new_thread(monkeypatch):
+    """The ops launch through prepared ``cuLaunchKernelEx`` calls (runtime/launch.py
+    prepare_plain, KernelHandle): a step (Q-quant, K-append, decode) gives the bits of CuPy's
+    launches, also from a thread that has made no CUDA call before (the driver's current
+    context is the thread's own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from snapmla_cli.ops import decode_launch
+    from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+    from snapmla_cli.ops.prep import append_kv, quantize_q
+    from snapmla_cli.runtime import launch, pdl
+
+    device = torch.device("cuda")
+    prob = random_problem([9000, 70, 0, 4097], 2, 24, seed=21)
+    table = prob.layout.block_table.to(device)
+    lens = prob.layout.cache_seqlens.to(device)
+    meta, splits = get_mla_metadata(lens, 48, 1, fp8=True)
+    cache0 = prob.fp8_cache().to(device)
+    q = prob.q.to(device)
+    gen = torch.Generator().manual_seed(5)
+    new_kv = torch.randn(8, 576, generator=gen).to(torch.bfloat16).to(device)
+    slots = torch.arange(8, dtype=torch.int32, device=device) * 7  # inside request 0's first pages
+
+    def step():
+        cache = cache0.clone()
+        append_kv(new_kv, slots, cache)
+        out, lse = decode_fp8(quantize_q(q), cache, table, lens, meta, splits, prob.softmax_scale)
+        torch.cuda.synchronize()
+        return out, lse, cache
+
+    def forget_launches():
+        decode_launch.clear_plans()
+        for handle in list(launch._HANDLES):
+            handle._launches.clear()
+
+    prepared = step()
+    assert pdl.available()
+    with ThreadPoolExecutor(max_workers=1) as pool:  # (its thread starts at the submit)
+        from_thread = pool.submit(step).result()
+    monkeypatch.setattr(pdl, "available", lambda: False)  # CuPy's launches (and a plain combine)
+    forget_launches()
+    try:
+        plain = step()
+    finally:
+        monkeypatch.undo()
+        forget_launches()
+    for got in (from_thread, plain):
+        assert all(torch.equal(a, b) for a, b in zip(prepared, got, strict=True))
+    assert not torch.equal(prepared[2], cache0)  # the append wrote
+
+
 def test_flash_mla_with_kvcache_dispatches_on_cache_format():
     from snapmla_cli.ops.decode import flash_mla_with_kvcache, get_mla_metadata
 
