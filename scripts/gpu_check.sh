@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, verify on the GPU, the tuner, the benchmarks.
-# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship-b1|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|smallwork|retune-stale|stale|ab32-rest|ab-pipe|cluster|cluster16|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady|bench-kimi|info|burst|gap ...]
-# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
+# Usage (device machine, repo root): bash scripts/gpu_check.sh [precompile|tests|verify|probe|tune|ship|ship-small|ship-b1|ship16-small|ship16|ship16-hN|ship16-retune|ship32|ship32-rest|ship64|ship64-rest|ship64-b1|ab|ab-small|smallwork|retune-stale|stale|ab32-rest|ab-pipe|cluster|cluster16|ring|tail|race|clocks|voff|rate|host|steploop|ctatimes|stalls|memory|bench|prep|decode|steady|bench-kimi|info|burst|gap|handover ...]
+# With no argument everything but `ship*` / `ab*` / `rate` / `host` / `handover` / `steploop` / `ctatimes` / `clocks` / `stalls` / `memory` / `steady` runs (`ship`: re-tune the shipped database's
 # FP8 entries of every bucket of the decode issues' sweep (b 64), replacing the stored ones (--force), about 4-5
 # minutes; the other entries stay; `ship-small`: add FP8 entries for batches 4 and 16 (16k, 128k), between
 # the shipped 1, 8 and 64; `ship16-small`: the same for BF16; `ship-b1`: FP8 entries for batch 1
@@ -202,6 +202,9 @@ for step in $steps; do
     steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
     ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \
               | tee "$OUT/cta_times.log" | grep '^cta_times' ;;
+    handover) # a hand-over between the two CTAs of a cluster: barrier, 0 / 4 / 16 KB one way
+            python3 scripts/cluster_handover.py --json "$OUT/cluster_handover.json" 2>&1 \
+              | tee "$OUT/cluster_handover.log" | tail -16 ;;
     rate)   python3 scripts/wgmma_rate.py --json "$OUT/wgmma_rate.json" 2>&1 | tee "$OUT/wgmma_rate.log" | tail -24 ;;
     bench)  snap bench --ctx 16k,64k --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -24 ;;
     burst)  python3 scripts/burst_spread.py 2>&1 | tee "$OUT/burst_spread.log" | tail -20 ;;

@@ -104,9 +104,10 @@ def test_prep_is_registered_for_sm90a_and_sm89() -> None:
     assert any(dict(v.defines) == PREP_DEFINES for v in KERNEL_SOURCES[PREP_SOURCE])
 
 
-# diagnostic kernels (scripts/racecheck_handover.py, scripts/wgmma_rate.py): not part of the
-# runtime's registry, each compiled and checked by its own test in this module
-DIAGNOSTIC_SOURCES = {"diag/handover_race.cu", "diag/wgmma_rate.cu"}
+# diagnostic kernels (scripts/racecheck_handover.py, scripts/wgmma_rate.py,
+# scripts/cluster_handover.py): not part of the runtime's registry, each compiled and checked by
+# its own test in this module
+DIAGNOSTIC_SOURCES = {"diag/handover_race.cu", "diag/wgmma_rate.cu", "diag/cluster_handover.cu"}
 
 
 def test_every_kernel_source_is_registered() -> None:
@@ -602,6 +603,28 @@ def test_racecheck_skeleton_compiles_without_spills(defines) -> None:
     module = nvrtc.compile_module("diag/handover_race.cu", defines, "sm_90a")
     res = module.resources["snapmla_diag_handover"]
     assert res.spill_store_bytes == 0 and res.local_bytes == 0
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("mode,payload", [(0, 0), (1, 0), (1, 4096), (1, 16384)])
+def test_cluster_handover_diagnostic_compiles_with_its_cluster_instructions(mode: int, payload: int,
+                                                                           tmp_path: Path) -> None:
+    """scripts/cluster_handover.py's kernel builds for sm_90a in every case the script runs,
+    without spills, and its SASS holds what it exists to time: the cluster barrier, and in the
+    ping-pong the 16-byte stores into the partner CTA and the remote mbarrier arrival."""
+    module = nvrtc.compile_module("diag/cluster_handover.cu", {"MODE": mode, "PAYLOAD_BYTES": payload}, "sm_90a")
+    res = module.resources["snapmla_diag_cluster_handover"]
+    assert res.spill_store_bytes == 0 and res.local_bytes == 0
+    assert res.shared_bytes >= payload
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    cubin = tmp_path / "cluster_handover.cubin"
+    cubin.write_bytes(module.cubin)
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "UCGABAR_ARV" in sass and "UCGABAR_WAIT" in sass  # barrier.cluster
+    assert ("SYNCS.ARRIVE.TRANS64.RED" in sass) == (mode == 1)  # the remote arrival
+    assert ("ST.E.128" in sass) == (mode == 1 and payload > 0)  # st.shared::cluster.v4
 
 
 # The FP8 wgmma kernel's A/B switches (defines, not DecodeConfig fields) and the layouts each one
