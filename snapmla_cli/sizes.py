@@ -5,8 +5,12 @@ context length the same way."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Hashable, Iterable
+from typing import TypeVar
 
 from .errors import SnapmlaError
+
+T = TypeVar("T", bound=Hashable)
 
 _SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}
 # Token counts and lengths are int32 in the decode API and the file formats (SPEC sections 4, 8):
@@ -20,6 +24,12 @@ _SIZE = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
 # digits a size or count may have before it is refused as too large without being converted
 # (int() of a string past Python's 4300-digit limit raises, and no real size has 20 digits)
 MAX_DIGITS = 19
+# The most requests a command decodes in one step (verify's and bench's --batch, tune's batch
+# buckets): no engine decodes more on one GPU in one step, and the host work is per request
+# (verify builds each request's cache and queries in Python, 0.05-0.2 s and up to 1 MB each on
+# a CPU, which its memory estimate of the tokens does not count), so a few zeros too many would
+# run for days or fill the memory instead of failing at once.
+MAX_BATCH = 4096
 
 
 def refuse_long_number(number: str, what: str, text: object, expected: str = "") -> None:
@@ -48,19 +58,43 @@ def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE) -> int
     return value
 
 
+def require_batch(what: str, batch: int | None) -> None:
+    """A one-line error naming ``what`` for a batch beyond :data:`MAX_BATCH` (None: not given)."""
+    if batch is not None and batch > MAX_BATCH:
+        raise SnapmlaError(f"{what}: {batch} is too large (expected at most {MAX_BATCH} requests)")
+
+
+def unique_values(what: str, items: Iterable[tuple[T, str]], show: Callable[[T], str] = str) -> list[T]:
+    """The values of ``items`` (pairs of a value and the text it was typed as), in order; a value
+    given twice, in any spelling (``16k,16384``), is a one-line error naming ``what`` and the
+    value (``--ctx: 16384 given twice ('16k' and '16384')``). Not dropped quietly: a repeat is
+    most often a typo for another value (``--heads 16,64,64`` for 128), and running fewer cases
+    than were typed would hide it."""
+    seen: dict[T, str] = {}
+    for value, typed in items:
+        if value in seen:
+            first = seen[value].strip()
+            spelled = f" ({shorten(first)!r} and {shorten(typed.strip())!r})" if first != typed.strip() else ""
+            raise SnapmlaError(f"{what}: {show(value)} given twice{spelled}")
+        seen[value] = typed
+    return list(seen)
+
+
 def parse_size_list(text: str, what: str = "list", example: str = "16k,64k") -> list[int]:
-    """``"16k,64k"`` -> ``[16384, 65536]``; each item may carry a k/m suffix."""
+    """``"16k,64k"`` -> ``[16384, 65536]``; each item may carry a k/m suffix; a size given twice
+    is an error (:func:`unique_values`)."""
     items = [part for part in str(text).split(",") if part.strip()]
     if not items:
         raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. {example})")
-    return [parse_size(part, what) for part in items]
+    return unique_values(what, ((parse_size(part, what), part) for part in items))
 
 
 def parse_int_list(text: str, what: str, most: int, example: str = "16,64") -> list[int]:
     """``"64"`` or ``"16,64,128"`` -> ints in 1..``most`` without size suffixes (head counts,
-    query tokens), duplicates removed, order kept; ``example`` is the option's own sample value
-    that an error message shows (``--mtp``'s is ``1,2``, not a head list)."""
-    out: list[int] = []
+    query tokens), order kept, a count given twice an error (:func:`unique_values`); ``example``
+    is the option's own sample value that an error message shows (``--mtp``'s is ``1,2``, not a
+    head list)."""
+    out: list[tuple[int, str]] = []
     for part in str(text).split(","):
         part = part.strip()
         if not part:
@@ -71,11 +105,10 @@ def parse_int_list(text: str, what: str, most: int, example: str = "16,64") -> l
             raise SnapmlaError(f"{what}: {part!r} is not a positive integer (expected e.g. {example})")
         if int(part) > most:
             raise SnapmlaError(f"{what}: {part} is too large (expected at most {most})")
-        if int(part) not in out:
-            out.append(int(part))
+        out.append((int(part), part))
     if not out:
         raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. {example})")
-    return out
+    return unique_values(what, out)
 
 
 def format_size(value: int) -> str:

@@ -67,7 +67,8 @@ def test_model_presets_match_the_published_configs() -> None:
 def test_layout_presets_are_the_papers_figure_1() -> None:
     assert LAYOUT_PRESETS == {"dp1tp8": Layout(1, 8), "dp4tp2": Layout(4, 2), "dp8tp1": Layout(8, 1)}
     assert parse_layouts("dp1tp8,DP4/TP2,dp8tp1") == (Layout(1, 8), Layout(4, 2), Layout(8, 1))
-    assert parse_layouts("dp2tp1,dp2tp1") == (Layout(2, 1),)
+    with pytest.raises(SnapmlaError, match=r"^--layout: dp2tp1 given twice \('dp2tp1' and 'DP2/TP1'\)$"):
+        parse_layouts("dp2tp1,DP2/TP1")
     assert Layout(4, 2).world == 8 and Layout(4, 2).label == "DP4/TP2"
 
 
@@ -625,7 +626,8 @@ def test_the_plot_draws_bf16_at_the_same_memory_only_where_its_batch_differs(
 
 def test_a_narrow_terminal_folds_figures_instead_of_cropping_them() -> None:
     """A cropped figure ("18,305,1…") reads as another number; folded, every digit stays."""
-    plan = make_plan(heads=8, layers=2, contexts=[1024], batch=2**31 - 1)
+    # a batch past --batch's bound (MAX_BATCH), set behind make_plan's back: the widest figures
+    plan = replace(make_plan(heads=8, layers=2, contexts=[1024], batch=2), batch=2**31 - 1)
     report = run_benchmark(plan, RunnerSpec(kind="cpu-fake", steps=1, warmup=0), environ={})
     out = Console(record=True, width=80)
     render_report(out, report)

@@ -251,7 +251,9 @@ def test_prompt_files(tmp_path):
     empty.write_text("\n   \n")
     with pytest.raises(SnapmlaError, match="no prompts"):
         read_prompts(empty)
-    assert parse_layers("all") is None and parse_layers("5,0,5") == (0, 5)
+    assert parse_layers("all") is None and parse_layers("5,0") == (0, 5)
+    with pytest.raises(SnapmlaError, match=r"^--layers: 5 given twice \('5' and '05'\)$"):
+        parse_layers("5,0,05")
     assert parse_layers(" ALL ") is None
     with pytest.raises(SnapmlaError, match="--layers"):
         parse_layers("0,x")

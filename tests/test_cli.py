@@ -217,12 +217,11 @@ def test_quantize_refuses_more_probe_queries_than_the_host_holds(tmp_path: Path,
     assert result.exit_code == 0, result.output
 
 
-def test_quantize_measures_a_repeated_config_once(small_dump: Path, tmp_path: Path) -> None:
-    report = tmp_path / "r.json"
-    result = invoke("quantize", small_dump, "-o", tmp_path / "c.st", "--json", report,
-                    "--configs", "snap,A,snap")
-    assert result.exit_code == 0, result.output
-    assert json.loads(report.read_text())["configs"] == ["snap", "A"]
+def test_quantize_refuses_a_repeated_config_before_any_work(small_dump: Path, tmp_path: Path) -> None:
+    report, out = tmp_path / "r.json", tmp_path / "c.st"
+    result = invoke("quantize", small_dump, "-o", out, "--json", report, "--configs", "snap,A,snap")
+    assert_one_line_error(result, "--configs: snap given twice")
+    assert not out.exists() and not report.exists()
 
 
 def test_verify_passes_on_cpu(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from snapmla_cli import host_memory
 from snapmla_cli.cache.synth import SynthSpec, probe_queries, synth_layer_kv
 from snapmla_cli.cli import common, info
 from snapmla_cli.cli.app import INTERNAL_EXIT, TRACEBACK_ENV
-from snapmla_cli.sizes import MAX_SIZE, parse_int_list, parse_size
+from snapmla_cli.errors import SnapmlaError
+from snapmla_cli.sizes import MAX_BATCH, MAX_SIZE, parse_int_list, parse_size
 from snapmla_cli.tuning import lookup
 from snapmla_cli.tuning.db import GpuKey
 
@@ -238,3 +239,62 @@ def test_figure_tables_right_align_figures_and_left_align_text_columns() -> None
     table = figure_table("t", ("layout", "kernel", "ms"), left=("kernel",))
     assert [(c.header, c.justify, c.overflow) for c in table.columns] == [
         ("layout", "right", "fold"), ("kernel", "left", "fold"), ("ms", "right", "fold")]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["verify", "--heads", "16,64,64"], "--heads: 64 given twice"),
+    (["verify", "--mtp", "1,2,01"], "--mtp: 1 given twice ('1' and '01')"),
+    (["verify", "--fp8-kernel", "default,v2, v2"], "--fp8-kernel: v2 given twice"),
+    (["bench", "--cpu-fake", "--ctx", "16k,32k,16384"], "--ctx: 16384 given twice ('16k' and '16384')"),
+    (["bench", "--cpu-fake", "--layout", "dp1tp1,DP1/TP1"], "--layout: dp1tp1 given twice ('dp1tp1' and 'DP1/TP1')"),
+    (["tune", "--dry-run", "--heads", "16,16"], "--heads: 16 given twice"),
+    (["tune", "--dry-run", "--batch", "64,64-64"], "--batch: 64 given twice ('64' and '64-64')"),
+    (["tune", "--dry-run", "--ctx", "16k-32k,16384-32k"], "--ctx: 16384-32768 given twice ('16k-32k' and '16384-32k')"),
+    (["quantize", "-o", "never.st", "--configs", "snap,A,snap"], "--configs: snap given twice"),
+    (["dump", "--model", ".", "--prompts", "p.txt", "-o", "never.st", "--layers", "0,1,1"], "--layers: 1 given twice"),
+])
+def test_a_list_value_given_twice_is_one_line_naming_it(args: list[str], message: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeat, in any spelling, was silently dropped (so fewer cases ran than were typed, and a
+    typo for another value went unnoticed): now refused before any work."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("hello\n")
+    result = invoke(*args)
+    assert_one_line_error(result, message)
+    assert result.stderr.strip().endswith(message), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt"]
+
+
+def test_overlapping_ranges_are_distinct_buckets() -> None:
+    from snapmla_cli.tuning.space import parse_ranges
+
+    assert parse_ranges("16-128,64-128,64", "--batch") == [(16, 128), (64, 128), (64, 64)]
+
+
+@pytest.mark.parametrize("args", [
+    ["verify", "--ctx", "1", "--heads", "16", "--mtp", "1", "--batch"],
+    ["bench", "--cpu-fake", "--ctx", "1k", "--batch"],
+])
+@pytest.mark.parametrize("batch", [MAX_BATCH + 1, 10**9, 10**30])
+def test_a_batch_beyond_max_batch_is_refused_before_any_work(args: list[str], batch: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`verify --ctx 1 --batch 100000` passed the memory check (which counts tokens, not the
+    per-request work) and ran for minutes while its memory grew; bench timed a fake batch of
+    10^23. Both now stop at MAX_BATCH, named in the message."""
+    from snapmla_cli.analysis import verify as analysis
+
+    def no_work(*args: object) -> None:
+        raise AssertionError("the cases were built")
+
+    monkeypatch.setattr(analysis, "synth_layer_kv", no_work)
+    assert_one_line_error(invoke(*args, batch), f"--batch: {batch} is too large (expected at most {MAX_BATCH} requests)")
+
+
+def test_max_batch_itself_is_accepted_and_shared_with_tune() -> None:
+    from snapmla_cli.bench.plan import make_plan
+    from snapmla_cli.tuning.space import MAX_TUNE_BATCH, parse_ranges
+
+    assert make_plan(contexts=[1024], batch=MAX_BATCH).batch == MAX_BATCH
+    assert MAX_TUNE_BATCH == MAX_BATCH and parse_ranges(f"1-{MAX_BATCH}", "--batch") == [(1, MAX_BATCH)]
+    with pytest.raises(SnapmlaError, match=f"at most {MAX_BATCH} requests"):
+        make_plan(contexts=[1024], batch=MAX_BATCH + 1)

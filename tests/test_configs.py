@@ -102,9 +102,11 @@ def test_unknown_config_is_a_one_line_error() -> None:
         get_configs(["snap", "Z"])
 
 
-def test_repeated_config_names_are_measured_once() -> None:
-    """As ``--heads 16,16`` is one head count: order kept, the repeat dropped."""
-    assert [c.id for c in get_configs(["G", "snap", "G", "A", "snap"])] == ["G", "snap", "A"]
+def test_a_config_name_given_twice_is_refused() -> None:
+    """As ``--heads 16,16`` is: a repeat is most often a typo for another name."""
+    with pytest.raises(SnapmlaError, match="^--configs: G given twice$"):
+        get_configs(["G", "snap", "G", "A"], "--configs")
+    assert [c.id for c in get_configs(["G", "snap", "A"])] == ["G", "snap", "A"]
 
 
 def test_snap_beats_a_on_wide_rope_data(report: FidelityReport) -> None:

@@ -434,3 +434,98 @@ def test_verify_refuses_an_existing_json_before_any_case_runs(dump: Path, tmp_pa
     result = invoke("verify", "--dump", dump, "--json", existing, "--ctx", "64", "--heads", "1", "--mtp", "1")
     assert_one_line_error(result, f"--json {existing} exists; pass --force to overwrite it")
     assert "PASS" not in result.stdout and existing.read_text() == "mine"
+
+
+# --- `--json -`: standard output --------------------------------------------------------------
+
+
+JSON_TO_STDOUT = [
+    ("info", "--json", "-"),
+    ("verify", "--ctx", "256", "--heads", "2", "--mtp", "1", "--json", "-"),
+    ("quantize", "{dump}", "-o", "{tmp}/c.st", "--configs", "snap", "--json", "-"),
+    ("bench", "--cpu-fake", "--ctx", "1k", "--quiet", "--json", "-"),
+]
+
+
+@pytest.mark.parametrize("args", JSON_TO_STDOUT, ids=lambda args: args[0])
+def test_json_dash_prints_the_document_alone_on_stdout(args: tuple[str, ...], dump: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--json -` is the JSON document on stdout and nothing else there (the tables go to stderr),
+    no file named `-` is written, and a file `-` already there needs no --force and is kept."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    Path("-").write_text("keep me")
+    result = invoke(*(a.format(dump=dump, tmp=tmp_path) for a in args))
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.stdout)  # the whole of stdout is one document
+    assert isinstance(document, dict) and document
+    assert Path("-").read_text() == "keep me"
+    assert "wrote -" not in result.stderr and result.stderr.strip(), "the report goes to stderr"
+
+
+def test_json_dash_holds_what_the_file_would(dump: Path, tmp_path: Path) -> None:
+    import json
+
+    report = tmp_path / "r.json"
+    args = ("verify", "--ctx", "256", "--heads", "2", "--mtp", "1", "--json")
+    to_file, to_stdout = invoke(*args, report), invoke(*args, "-")
+    assert to_file.exit_code == to_stdout.exit_code == 0
+    assert "cases pass" in to_file.stdout and "cases pass" in to_stdout.stderr
+    assert "cases pass" not in to_stdout.stdout
+    seconds = ("seconds",)
+
+    def timeless(value: object) -> object:
+        if isinstance(value, dict):
+            return {k: timeless(v) for k, v in value.items() if k not in seconds}
+        return [timeless(v) for v in value] if isinstance(value, list) else value
+
+    assert timeless(json.loads(to_stdout.stdout)) == timeless(json.loads(report.read_text()))
+
+
+def test_json_dot_slash_dash_is_a_file_named_dash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only `-` as typed means standard output: `./-` is the file, refused without --force."""
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    result = invoke("info", "--json", "./-")
+    assert result.exit_code == 0, result.output
+    assert json.loads(Path("-").read_text())["format"] == "snapmla-info/1"
+    assert "wrote -" in result.stdout
+    assert_one_line_error(invoke("info", "--json", "./-"), "exists", "--force")
+
+
+@pytest.mark.parametrize("args", [
+    ("synth", "-o", "-", *SYNTH),
+    ("quantize", "-o", "-"),
+    ("quantize", "-o", "{tmp}/c.st", "--plot", "-"),
+    ("bench", "--cpu-fake", "--plot", "-"),
+    ("dump", "--model", "{tmp}", "--prompts", "{tmp}/p.txt", "-o", "-"),
+    ("tune", "--dry-run", "--db-dir", "-"),
+], ids=lambda args: f"{args[0]} {args[args.index('-') - 1]}")
+def test_dash_is_refused_for_outputs_other_than_json(args: tuple[str, ...], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A safetensors file, an image or a database folder on stdout is garbage; a file named `-`
+    is not what was meant either: one line naming the option, and nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("hello\n")
+    option = {"-o": "--output"}.get(args[args.index("-") - 1], args[args.index("-") - 1])
+    assert_one_line_error(invoke(*(a.format(tmp=tmp_path) for a in args)),
+                          f"{option} -: '-' (standard output) is only supported for --json")
+    assert listing(tmp_path) == ["p.txt"]
+
+
+def test_json_dash_prints_nothing_when_a_late_output_fails(dump: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The document is printed after the files landed: a failed --plot leaves stdout empty, as it
+    leaves no --json file."""
+    from matplotlib.figure import Figure
+
+    def full(self: Figure, fname: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", full)
+    result = invoke("quantize", dump, "-o", tmp_path / "c.st", "--plot", tmp_path / "p.png", "--configs", "snap",
+                    "--json", "-")
+    assert_one_line_error(result, "error: --plot:", "No space left on device")
+    assert result.stdout == "" and listing(tmp_path) == []

@@ -121,7 +121,8 @@ def test_range_and_list_parsing():
     assert parse_ranges("16-128", "--batch") == [(16, 128)]
     assert parse_ranges("16k,32k-64k", "--ctx") == [(16384, 16384), (32768, 65536)]
     assert parse_ranges("64,", "--batch") == [(64, 64)] and parse_ranges("8, ,16", "--batch") == [(8, 8), (16, 16)]
-    assert parse_int_list("16,64,16", "--heads", 1024) == [16, 64]
+    with pytest.raises(SnapmlaError, match="^--heads: 16 given twice$"):
+        parse_int_list("16,64,16", "--heads", 1024)
     assert parse_formats("both") == ["fp8", "bf16"] and parse_formats("BF16") == ["bf16"]
     for bad in ("128-16", "", "x", "0"):
         with pytest.raises(SnapmlaError):
@@ -133,10 +134,18 @@ def test_range_and_list_parsing():
     assert b.id == "h64-s2-b16_128-c16384-fp8"
 
 
-def test_repeated_ranges_make_one_bucket_and_timing_points_round_to_nearest() -> None:
-    """`--batch 64,64` must not tune (and time) the same bucket twice; a bucket's timed point is
-    the geometric middle rounded to the nearest integer (sqrt(1 * 8) = 2.83 -> 3, not 2)."""
-    assert parse_ranges("64,16-128,64,16-128", "--batch") == [(64, 64), (16, 128)]
+def test_repeated_ranges_are_refused_and_timing_points_round_to_nearest() -> None:
+    """`--batch 64,64` would tune (and time) the same bucket twice, and is most often a typo:
+    refused, in any spelling of the range; overlapping ranges are distinct buckets. A bucket's
+    timed point is the geometric middle rounded to the nearest integer (sqrt(1 * 8) = 2.83 -> 3,
+    not 2)."""
+    with pytest.raises(SnapmlaError, match="^--batch: 64 given twice$"):
+        parse_ranges("64,16-128,64", "--batch")
+    with pytest.raises(SnapmlaError, match=r"^--batch: 64 given twice \('64' and '64-64'\)$"):
+        parse_ranges("64, 64-64", "--batch")
+    with pytest.raises(SnapmlaError, match=r"^--ctx: 16384-32768 given twice \('16k-32k' and '16384 - 32768'\)$"):
+        parse_ranges("16k-32k,16384 - 32768", "--ctx")
+    assert parse_ranges("16-128,64,64-128", "--batch") == [(16, 128), (64, 64), (64, 128)]
     assert Bucket(64, 1, (1, 8), (16384, 16384), "fp8").timed_batch == 3
     assert Bucket(64, 1, (1, 2), (1000, 3000), "fp8").timed_context == 1732
 

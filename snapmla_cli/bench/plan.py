@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import SnapmlaError
 from ..numerics.formats import BF16_TOKEN_BYTES, FP8_TOKEN_BYTES, PAGE_SIZE
-from ..sizes import MAX_QUERY_HEADS, format_size, refuse_long_number
+from ..sizes import MAX_QUERY_HEADS, format_size, refuse_long_number, require_batch, unique_values
 
 FP8, BF16 = "fp8", "bf16"
 IMPLS = (FP8, BF16)
@@ -88,12 +88,14 @@ _LAYOUT = re.compile(r"^dp(\d+)tp(\d+)$")
 
 def parse_layouts(text: str) -> tuple[Layout, ...]:
     """``"dp1tp8,dp4tp2,dp8tp1"`` (any ``dpNtpM``) -> layouts; all must use the same rank count,
-    because one launch runs them all on the same processes."""
-    names = [part.strip().lower().replace("/", "") for part in str(text).split(",") if part.strip()]
-    if not names:
+    because one launch runs them all on the same processes. A layout given twice (``dp4tp2,DP4/TP2``)
+    is an error (``sizes.unique_values``)."""
+    typed = [part for part in str(text).split(",") if part.strip()]
+    if not typed:
         raise SnapmlaError(f"--layout: {text!r} is empty (expected e.g. dp4tp2 or dp1tp8,dp8tp1)")
-    layouts = []
-    for name in names:
+    found: list[tuple[Layout, str]] = []
+    for part in typed:
+        name = part.strip().lower().replace("/", "")
         match = _LAYOUT.match(name)
         if match is None:
             raise SnapmlaError(
@@ -102,8 +104,8 @@ def parse_layouts(text: str) -> tuple[Layout, ...]:
         layout = Layout(int(match.group(1)), int(match.group(2)))
         if layout.dp < 1 or layout.tp < 1:
             raise SnapmlaError(f"--layout: {name!r}: dp and tp must be at least 1")
-        if layout not in layouts:
-            layouts.append(layout)
+        found.append((layout, part))
+    layouts = unique_values("--layout", found, show=lambda layout: layout.name)
     worlds = {layout.world for layout in layouts}
     if len(worlds) > 1:
         raise SnapmlaError(
@@ -302,6 +304,7 @@ def make_plan(
         raise SnapmlaError(f"--mtp: expected 1..{MAX_MTP} query tokens per request, got {mtp}")
     if batch is not None and batch < 1:
         raise SnapmlaError(f"--batch: expected at least 1, got {batch}")
+    require_batch("--batch", batch)
     if not contexts:
         raise SnapmlaError("--ctx: no context given")
     for ctx in contexts:

@@ -25,7 +25,7 @@ from ..cache.atomic import check_writable, file_kind
 from ..cache.dump_file import MAX_ABS_VALUE, KVDump, LayerDump, first_bad_row, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
-from ..sizes import MAX_SIZE
+from ..sizes import MAX_SIZE, unique_values
 from .check import CheckResult, recompute_check
 from .checkpoint import DTYPES, load_model
 from .mla import MlaAttention, find_mla_attention
@@ -64,21 +64,23 @@ class Capture:
 
 
 def parse_layers(text: str) -> tuple[int, ...] | None:
-    """``"all"`` -> None, ``"0,5,10"`` -> (0, 5, 10); anything else is a one-line error."""
+    """``"all"`` -> None, ``"0,5,10"`` -> (0, 5, 10) (sorted); anything else, a layer given
+    twice included (``sizes.unique_values``), is a one-line error."""
     text = text.strip()
     if text.lower() == "all":
         return None
     try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
+        typed = [(int(part), part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise SnapmlaError(
             f"--layers {text!r}: expected 'all' or comma-separated layer indices"
         ) from None
+    values = unique_values("--layers", typed)
     if not values or min(values) < 0:
         raise SnapmlaError(
             f"--layers {text!r}: expected 'all' or comma-separated layer indices >= 0"
         )
-    return tuple(sorted(set(values)))
+    return tuple(sorted(values))
 
 
 def _check_options(options: DumpOptions) -> None:

@@ -29,8 +29,19 @@ from ..bench.plan import (
 from ..bench.timing import CLOCKS, STEADY
 from ..cache.atomic import check_outputs, committed_together, naming
 from ..errors import SnapmlaError
-from ..sizes import parse_size_list
-from .common import console, one_line, output_option, require_at_least, seed_option, write_json
+from ..sizes import MAX_BATCH, parse_size_list
+from .common import (
+    STDOUT,
+    file_path,
+    is_stdout,
+    one_line,
+    output_option,
+    report_console,
+    require_at_least,
+    seed_option,
+    write_json,
+    wrote_lines,
+)
 
 # --model: the names of bench.plan's presets (one table, so the option cannot drift)
 Model = Enum("Model", {name: name for name in PRESETS}, type=str)  # type: ignore[misc]  # members from a table
@@ -82,7 +93,7 @@ def bench_command(
     layers: Annotated[int | None, typer.Option(help="Attention calls per decoded token (overrides the preset).")] = None,
     mtp: Annotated[int, typer.Option(help="Query tokens per request and step, s_q (MTP: 2).")] = 1,
     ctx: Annotated[str, typer.Option(help="Context lengths, comma-separated: 16k,32k,64k,128k.")] = DEFAULT_CONTEXTS,
-    batch: Annotated[int | None, typer.Option(help="Requests per DP group for both formats (default: what --kv-mem holds in BF16).")] = None,
+    batch: Annotated[int | None, typer.Option(help=f"Requests per DP group for both formats, at most {MAX_BATCH} (default: what --kv-mem holds in BF16).")] = None,
     kv_mem: Annotated[str | None, typer.Option(help="KV-cache budget per GPU for all layers, e.g. 60GiB (default 60GiB without --batch); sizes the equal-memory batches.")] = None,
     dp: Annotated[int | None, typer.Option(help="Data-parallel groups (independent batches) [default: 1].")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel ranks per group (heads / tp per rank) [default: 1].")] = None,
@@ -123,7 +134,7 @@ def bench_command(
 def _bench(plan: BenchPlan, spec: RunnerSpec, json_path: Path | None, plot: Path | None, force: bool,
            progress: bool) -> None:
     """Run the plan on every rank; rank 0 prints the tables and writes the files."""
-    check_outputs((("--json", json_path), ("--plot", plot)), force)
+    check_outputs((("--json", file_path(json_path)), ("--plot", plot)), force)
     if plot is not None:
         from ..plot_files import check_plot_output
 
@@ -138,15 +149,16 @@ def _bench(plan: BenchPlan, spec: RunnerSpec, json_path: Path | None, plot: Path
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return
     report.meta["argv"] = ["snapmla", *sys.argv[1:]]
-    out = console()
+    out = report_console(json_path)
     render_report(out, report)
     with committed_together():  # both files, or neither
-        if json_path is not None:
+        if json_path is not None and not is_stdout(json_path):
             with naming("--json"):
                 write_json(json_path, report.to_dict(), force=force)
         if plot is not None:
             with naming("--plot"):
                 plot_report(report, plot, force=force)
-    for path in (json_path, plot):
-        if path is not None:
-            out.print(f"wrote {path}")
+    if is_stdout(json_path):  # after the plot landed: no JSON for a run whose outputs failed
+        write_json(STDOUT, report.to_dict())
+    for line in wrote_lines(json_path, plot):
+        out.print(line)

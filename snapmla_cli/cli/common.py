@@ -1,11 +1,13 @@
 """Small pieces shared by the subcommands: consoles, number formatting, progress bars, the
-``--device`` choice, output-path options, writing JSON reports and the version line."""
+``--device`` choice, output-path options (``--json -``: standard output), writing JSON reports
+and the version line."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -83,10 +85,46 @@ def _json_safe(value: object) -> object:
     return value
 
 
+# What ``--json -`` parses to: standard output. One object, compared by identity (``is_stdout``),
+# because ``Path("./-")`` equals ``Path("-")``: ``--json ./-`` must still name a file called ``-``.
+STDOUT = Path("-")
+STDOUT_ONLY_FOR = "--json"  # the one kind of output that may go to standard output
+
+
+def is_stdout(path: Path | None) -> bool:
+    """Whether ``path`` is the ``-`` of ``--json -`` (standard output), not a file."""
+    return path is STDOUT
+
+
+def file_path(path: Path | None) -> Path | None:
+    """``path`` when it names a file, None for standard output: what the output checks take
+    (standard output exists, is no file to refuse or replace, needs no ``--force``)."""
+    return None if is_stdout(path) else path
+
+
+def report_console(json_path: Path | None) -> Console:
+    """The console for a command's tables and lines: stdout, or stderr when ``--json -`` owns
+    stdout, so that a pipe (``snapmla info --json - | jq``) reads one JSON document and the
+    person at the terminal still sees the report."""
+    return console(stderr=is_stdout(json_path))
+
+
 def write_json(path: Path, payload: dict, force: bool = False) -> None:
     """The report as JSON, atomically; a file at ``path`` is replaced only with ``force``, also
-    one that appeared after the command checked its outputs (see ``cache.atomic``)."""
-    write_text_atomic(path, json.dumps(_json_safe(payload), indent=2) + "\n", replace=force)
+    one that appeared after the command checked its outputs (see ``cache.atomic``). For
+    :data:`STDOUT` the document is written to standard output in one piece (callers write it
+    last, after their files landed, so a failed command prints no half-reported JSON)."""
+    text = json.dumps(_json_safe(payload), indent=2) + "\n"
+    if is_stdout(path):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    write_text_atomic(path, text, replace=force)
+
+
+def wrote_lines(*paths: Path | None) -> list[str]:
+    """``wrote PATH`` for each output file given (standard output is not a file written)."""
+    return [f"wrote {path}" for path in paths if path is not None and not is_stdout(path)]
 
 
 class _PathError(BadParameter):
@@ -127,15 +165,22 @@ def _refuse_file_as_folder(typed: str) -> None:
         pass
 
 
-def _path_parser(kind: str, reads: bool = False) -> Any:
+def _path_parser(kind: str, reads: bool = False, stdout: bool = False) -> Any:
     """The parser of a path option that refuses the empty string (typer would turn ``-o ''``
     into ``Path('.')``, and the later errors would then name ``'.'``, not what was typed) and,
     for a file, a path that names a folder: an output is refused outright, an input where it
-    is a file (see :func:`_refuse_file_as_folder`)."""
+    is a file (see :func:`_refuse_file_as_folder`). An output's ``-`` is standard output where
+    ``stdout`` allows it (:data:`STDOUT`), else refused: a safetensors file or an image on a
+    terminal is garbage, and a file silently named ``-`` is not what the user meant."""
 
     def parse(value: str | Path) -> Path:
         if isinstance(value, str) and value == "":
             raise _PathError(f"expected a {kind} path, got ''")
+        if isinstance(value, str) and value == "-" and not reads:
+            if stdout:
+                return STDOUT
+            raise _PathError(f"'-' (standard output) is only supported for {STDOUT_ONLY_FOR}; "
+                             f"expected a {kind} path (./- names one called -)", value)
         if isinstance(value, str) and kind == "file" and _names_folder(value):
             if not reads:
                 raise _PathError("expected a file path, not a folder", value)
@@ -148,9 +193,13 @@ def _path_parser(kind: str, reads: bool = False) -> Any:
 def output_option(*names: str, help: str, folder: bool = False) -> Any:
     """``typer.Option`` for a path the command writes (``--output``, ``--json``, ``--plot``;
     ``folder``: a folder it writes in): the empty string, and for a file a path that names a
-    folder (``out/``), are one-line usage errors naming the option. Use as
-    ``Annotated[Path, output_option("--output", "-o", help=...)]``."""
-    return typer.Option(*names, help=help, parser=_path_parser("folder" if folder else "file"),
+    folder (``out/``), are one-line usage errors naming the option. ``--json -`` is standard
+    output (:data:`STDOUT`; see :func:`report_console`); ``-`` for any other output is a usage
+    error. Use as ``Annotated[Path, output_option("--output", "-o", help=...)]``."""
+    stdout = STDOUT_ONLY_FOR in names
+    if stdout:
+        help = f"{help} `-`: standard output (the report then goes to stderr)."
+    return typer.Option(*names, help=help, parser=_path_parser("folder" if folder else "file", stdout=stdout),
                         metavar="<path>")
 
 

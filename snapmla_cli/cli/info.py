@@ -17,7 +17,7 @@ from ..runtime.gpu_facts import GpuListing, ToolchainFacts, list_gpus, toolchain
 from ..runtime.nvrtc import kernel_sources_stamp
 from ..tables import figure_table
 from ..tuning import describe_survey, survey_database
-from .common import console, output_option, version_line, write_json
+from .common import file_path, output_option, report_console, version_line, write_json, wrote_lines
 
 if TYPE_CHECKING:  # (the lookup module is imported when info runs, not when the CLI starts)
     from ..tuning.lookup import DatabaseSurvey
@@ -51,8 +51,8 @@ def info_command(
 
     GPU facts come from NVML (SM count from torch). Without a GPU or driver it says so and
     still exits 0."""
-    check_outputs([("--json", json_path)], force)
-    out = console()
+    check_outputs([("--json", file_path(json_path))], force)
+    out = report_console(json_path)
     stamp = kernel_sources_stamp()  # read once: the version line, the stale marks, the JSON
     out.print(version_line(stamp))
     listing = list_gpus()
@@ -83,4 +83,5 @@ def info_command(
         out.print(line)
     if json_path is not None:
         write_json(json_path, info_as_dict(listing, archs, runs_kernels, tc, stamp[0], database), force=force)
-        out.print(f"wrote {json_path}")
+    for line in wrote_lines(json_path):
+        out.print(line)

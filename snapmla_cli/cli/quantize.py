@@ -29,15 +29,20 @@ from ..numerics.formats import D_QK
 from ..sizes import counted, parse_size
 from ..tables import figure_table
 from .common import (
+    STDOUT,
     Device,
     console,
+    file_path,
     fmt,
     input_argument,
+    is_stdout,
     output_option,
     progress,
+    report_console,
     require_at_least,
     seed_option,
     write_json,
+    wrote_lines,
 )
 
 
@@ -60,7 +65,8 @@ def quantize_command(
     Every layer goes into the SnapMLA 656-byte FP8 cache file (SPEC section 8); the attention
     output and KV error of configurations snap, A, B, C, D, G are measured per layer against
     float64 attention on the original cache (paper Appendix G)."""
-    check_outputs((("--output", output), ("--json", json_path), ("--plot", plot)), force, inputs=(("DUMP", dump),))
+    check_outputs((("--output", output), ("--json", file_path(json_path)), ("--plot", plot)), force,
+                  inputs=(("DUMP", dump),))
     if plot is not None:
         from ..plot_files import check_plot_output
 
@@ -71,7 +77,7 @@ def quantize_command(
     dev = resolve_device(device.value)
     source = _load(dump, layers, tokens, seed, queries)
     _check_host_memory(source, queries)
-    out, err = console(), console(stderr=True)
+    out, err = report_console(json_path), console(stderr=True)
     report = FidelityReport([c.id for c in chosen], [])
     pages = []
     with progress(err) as bar:
@@ -84,11 +90,11 @@ def quantize_command(
             report.layers.append(analyze_layer(layer, chosen, probes, kind, dev))
             bar.advance(task)
     meta = {"source": str(dump) if dump is not None else "synthetic default"}
+    payload = {"source": meta["source"], "model": source.model, **report.as_dict()}
     with committed_together():  # all of the outputs, or none of them
         with naming("--output"):
             write_fp8_cache(FP8CacheFile(pages, source.model, meta), output, force=force)
-        if json_path is not None:
-            payload = {"source": meta["source"], "model": source.model, **report.as_dict()}
+        if json_path is not None and not is_stdout(json_path):
             with naming("--json"):
                 write_json(json_path, payload, force=force)
         if plot is not None:
@@ -96,11 +102,12 @@ def quantize_command(
 
             with naming("--plot"):
                 plot_fidelity(report, plot, title=f"layer-wise fidelity: {meta['source']}", force=force)
+    if is_stdout(json_path):  # after the files landed: no JSON for outputs that failed
+        write_json(STDOUT, payload)
     _render(out, report)
     out.print(f"wrote {output} ({counted(len(pages), 'layer')}, {output.stat().st_size / 2**20:.1f} MiB)")
-    for path in (json_path, plot):
-        if path is not None:
-            out.print(f"wrote {path}")
+    for line in wrote_lines(json_path, plot):
+        out.print(line)
 
 
 # Host bytes of analysing one layer (the layers are done one at a time): per synthetic probe row,

@@ -31,23 +31,29 @@ from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..runtime.gpu_arch import UnsupportedGpuError
 from ..sizes import (
+    MAX_BATCH,
     MAX_QUERY_HEADS,
     MAX_QUERY_TOKENS,
     counted,
     format_size,
     parse_int_list,
     parse_size,
+    require_batch,
+    unique_values,
 )
 from ..tables import figure_table
 from .common import (
     Device,
     console,
+    file_path,
     fmt,
     input_option,
     output_option,
     progress,
+    report_console,
     seed_option,
     write_json,
+    wrote_lines,
 )
 
 CPU_BATCH = 1  # keeps `verify --ctx 32k` (6 cases) near 30 s on two CPU cores
@@ -72,7 +78,7 @@ def _checked_gates(emul: float, floor_factor: float, floor_abs: float, bf16_cos:
 
 def verify_command(
     ctx: Annotated[str | None, typer.Option(help="Context per request: 2048, 32k, 1m (default 32k; a dump: all its tokens).")] = None,
-    batch: Annotated[int | None, typer.Option(help=f"Requests per case (default {CPU_BATCH} on CPU, {GPU_BATCH} on GPU).")] = None,
+    batch: Annotated[int | None, typer.Option(help=f"Requests per case (default {CPU_BATCH} on CPU, {GPU_BATCH} on GPU; at most {MAX_BATCH}).")] = None,
     heads: Annotated[str, typer.Option(help="Query heads h_q, comma-separated.")] = "16,64,128",
     mtp: Annotated[str, typer.Option(help="Query tokens per request s_q, comma-separated.")] = "1,2",
     dump: Annotated[Path | None, input_option("--dump", help="Take KV (and queries) from this KV dump.")] = None,
@@ -94,18 +100,19 @@ def verify_command(
     On CPU the FP8 pipeline's emulation is checked; on a GPU also the kernels (on a GPU they are
     not built for, the emulation only, with a note). Exit 0 only when every gate passes (SPEC
     section 6), 1 when one fails, 2 for a bad argument."""
-    check_outputs([("--json", json_path)], force, inputs=[("--dump", dump)])
+    check_outputs([("--json", file_path(json_path))], force, inputs=[("--dump", dump)])
     dev = resolve_device(device.value)
     head_list = parse_int_list(heads, "--heads", MAX_QUERY_HEADS)
     mtp_list = parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS, example="1,2")
     context = None if ctx is None else parse_size(ctx, "--ctx")
+    require_batch("--batch", batch)  # before the memory estimate, which misses per-request costs
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
     source = _source(dump, layer, seed)
     keys = context or (source.dump.kv.shape[0] if source.dump is not None else DEFAULT_CONTEXT)
     require_host_memory(f"--batch {batch} x --ctx {keys} with up to {max(head_list) * max(mtp_list)} query rows",
                         _case_bytes(batch, keys, max(head_list) * max(mtp_list)))
     gates = _checked_gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos, gate_lse)
-    fp8_kernels = tuple(s.strip() for s in fp8_kernel.split(",") if s.strip())
+    fp8_kernels = tuple(unique_values("--fp8-kernel", ((s.strip(), s) for s in fp8_kernel.split(",") if s.strip())))
     if not fp8_kernels:  # on a GPU the run would pass without checking any FP8 kernel
         raise SnapmlaError("--fp8-kernel: expected at least one kernel name (e.g. default)")
     no_kernels = kernels_problem(dev)
@@ -123,7 +130,7 @@ def verify_command(
                 problem = make_problem(source, tokens, h, s, causal, seed).to(dev)
                 results.append(run_case(problem, impls, gates))
                 bar.advance(task)
-    out = console()
+    out = report_console(json_path)
     _render(out, results, source, dev.type, gates)
     kernels_note = None if no_kernels is None else (
         f"note: no kernel ran ({no_kernels}); the emulation, the kernels' numerics, was checked on the GPU")
@@ -133,7 +140,8 @@ def verify_command(
             out.print(note)
     if json_path is not None:
         write_json(json_path, _as_dict(results, source, dev.type, gates, no_kernels), force=force)
-        out.print(f"wrote {json_path}")
+    for line in wrote_lines(json_path):
+        out.print(line)
     if not all(r.passed for r in results):
         raise typer.Exit(1)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SnapmlaError
+from ..sizes import unique_values
 from .formats import D_CONTENT, D_QK, E4M3_MAX, KV_SCALE_FLOOR, PAGE_SIZE
 from .quant import divide_by, e4m3_round, quantize_rows
 
@@ -115,10 +116,10 @@ CONFIGS: dict[str, QuantConfig] = {
 
 
 def get_configs(ids: list[str] | None = None, what: str | None = None) -> list[QuantConfig]:
-    """The named configurations in the given order (all of them by default), a repeated name
-    once (as ``--heads 16,16`` is one head count: measuring a config twice only repeats its
-    table column and its JSON key); an empty list or an unknown name is a one-line error,
-    prefixed with ``what`` (the option that gave the names)."""
+    """The named configurations in the given order (all of them by default); an empty list, an
+    unknown name or a name given twice (measuring a config twice would only repeat its table
+    column and its JSON key, and the repeat is most often a typo for another name) is a
+    one-line error, prefixed with ``what`` (the option that gave the names)."""
     if ids is None:
         return list(CONFIGS.values())
     prefix = f"{what}: " if what else ""
@@ -127,4 +128,4 @@ def get_configs(ids: list[str] | None = None, what: str | None = None) -> list[Q
     unknown = [i for i in ids if i not in CONFIGS]
     if unknown:
         raise SnapmlaError(f"{prefix}unknown quantization config {unknown[0]!r}; known: {', '.join(CONFIGS)}")
-    return [CONFIGS[i] for i in dict.fromkeys(ids)]
+    return [CONFIGS[i] for i in unique_values(what or "configs", ((i, i) for i in ids))]

@@ -23,7 +23,16 @@ from ..ops import cluster_fold
 from ..ops import decode_config as dc
 from ..ops.decode_config import SMEM_PER_SM, SMEM_RESERVED_PER_CTA, DecodeConfig, heuristic_for_work
 from ..ops.schedule import SplitPolicy, work_columns
-from ..sizes import MAX_SIZE, counted, format_size, parse_size, refuse_long_number, shorten
+from ..sizes import (
+    MAX_BATCH,
+    MAX_SIZE,
+    counted,
+    format_size,
+    parse_size,
+    refuse_long_number,
+    shorten,
+    unique_values,
+)
 from .fields import DbError, read_int, read_pair, show
 
 FORMATS = ("fp8", "bf16")
@@ -147,16 +156,18 @@ def bucket_command(bucket: Bucket, budget: str) -> str:
 
 
 # The largest batch a bucket may name: planning a work list is linear in the batch (a dry run of
-# b 16384 took 25 s), and no engine decodes more requests than this on one GPU in one step.
-MAX_TUNE_BATCH = 4096
+# b 16384 took 25 s), and no engine decodes more requests than this on one GPU in one step
+# (the same bound as every command's --batch: sizes.MAX_BATCH).
+MAX_TUNE_BATCH = MAX_BATCH
 _RANGE = re.compile(r"^\s*([^-\s]+)\s*-\s*([^-\s]+)\s*$")
 
 
 def parse_ranges(text: str, what: str, most: int = MAX_SIZE) -> list[tuple[int, int]]:
     """``"64"``, ``"1,8,64"``, ``"16-128"``, ``"16k,32k-64k"``: each comma item is one bucket
     range, a single value ``N`` meaning ``N-N``, its ends in 1..``most``. Sizes take k/m
-    suffixes (``32k`` = 32768)."""
-    out: list[tuple[int, int]] = []
+    suffixes (``32k`` = 32768). The same range given twice (``64,64-64``, ``16k-32k,16384-32768``)
+    is an error (``sizes.unique_values``)."""
+    out: list[tuple[tuple[int, int], str]] = []
     for part in str(text).split(","):
         if not part.strip():
             continue
@@ -165,11 +176,10 @@ def parse_ranges(text: str, what: str, most: int = MAX_SIZE) -> list[tuple[int, 
             parse_size(part, what, most),) * 2
         if lo > hi:
             raise SnapmlaError(f"{what}: range {part.strip()!r} runs backwards")
-        if (lo, hi) not in out:
-            out.append((lo, hi))
+        out.append(((lo, hi), part))
     if not out:
         raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. 64, 1,8,64 or 16-128)")
-    return out
+    return unique_values(what, out, show=lambda r: str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}")
 
 
 def parse_formats(text: str) -> list[str]:
