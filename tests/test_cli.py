@@ -290,11 +290,11 @@ def test_a_reader_that_left_ends_the_command_quietly(lines: int) -> None:
 def test_version_names_the_package_and_the_kernel_sources(monkeypatch: pytest.MonkeyPatch,
                                                            tmp_path: Path) -> None:
     from snapmla_cli import __version__
-    from snapmla_cli.runtime.nvrtc import KERNEL_DIR_ENV, kernel_dir, source_tree_hash
+    from snapmla_cli.runtime.nvrtc import KERNEL_DIR_ENV, kernel_dir, product_sources_hash
 
     result = invoke("--version")
     assert result.exit_code == 0, result.output
-    assert result.stdout == f"snapmla {__version__} (kernel sources {source_tree_hash(kernel_dir())})\n"
+    assert result.stdout == f"snapmla {__version__} (kernel sources {product_sources_hash(kernel_dir())})\n"
     # without kernel sources the version still prints, with the reason in place of the hash
     monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path / "absent"))
     result = invoke("--version", "info")  # eager: nothing after it runs
@@ -305,7 +305,7 @@ def test_version_names_the_package_and_the_kernel_sources(monkeypatch: pytest.Mo
     # version line names the trouble, no traceback
     from snapmla_cli.runtime import nvrtc
 
-    def unreadable(folder: Path) -> str:
+    def unreadable(folder: Path, skip: tuple[str, ...] = ()) -> str:
         raise PermissionError(13, "Permission denied", str(folder / "x.cu"))
 
     monkeypatch.delenv(KERNEL_DIR_ENV)

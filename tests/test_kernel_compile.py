@@ -363,6 +363,24 @@ def test_the_source_tree_hash_skips_hidden_files_and_caches(tmp_path: Path, monk
     assert nvrtc.source_tree_hash(tmp_path) != before
 
 
+def test_the_product_hash_ignores_the_diagnostics_and_nothing_else(tmp_path: Path) -> None:
+    """Tuning entries are stamped with the product sources' hash: a diagnostic kernel added or
+    edited under diag/ leaves it (and every entry current), while the whole tree's hash, which
+    keys the compile cache, changes; a header or kernel outside diag/ changes both."""
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "ptx.cuh").write_text("// helpers")
+    (tmp_path / "decode.cu").write_text("int a;")
+    product, whole = nvrtc.product_sources_hash(tmp_path), nvrtc.source_tree_hash(tmp_path)
+    (tmp_path / nvrtc.DIAGNOSTIC_FOLDER).mkdir()
+    (tmp_path / nvrtc.DIAGNOSTIC_FOLDER / "probe.cu").write_text("int probe;")
+    assert nvrtc.product_sources_hash(tmp_path) == product
+    assert nvrtc.source_tree_hash(tmp_path) != whole
+    (tmp_path / "common" / "ptx.cuh").write_text("// helpers, edited")
+    assert nvrtc.product_sources_hash(tmp_path) != product
+    (tmp_path / "decode.cu").write_text("int a ;")
+    assert nvrtc.product_sources_hash(tmp_path) != product
+
+
 def test_missing_kernel_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(nvrtc.KERNEL_DIR_ENV, str(tmp_path / "absent"))
     with pytest.raises(SnapmlaError, match=nvrtc.KERNEL_DIR_ENV):

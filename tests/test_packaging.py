@@ -22,7 +22,7 @@ import pytest
 from snapmla_cli import __version__
 from snapmla_cli.bundled import KERNELS, TUNING_DB, bundled_dir
 from snapmla_cli.runtime.kernel_cache import CACHE_DIR_ENV
-from snapmla_cli.runtime.nvrtc import KERNEL_DIR_ENV, kernel_dir, source_tree_hash
+from snapmla_cli.runtime.nvrtc import KERNEL_DIR_ENV, kernel_dir, product_sources_hash
 from snapmla_cli.tuning.db import TUNING_DIR_ENV, shipped_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,14 +124,14 @@ def test_installed_package_finds_its_kernels(installed: tuple[Path, Path, dict[s
     the database resolve inside it, and the kernels hash like the checkout's (the tuning
     database's entries are stamped with that hash, so they stay current after installing)."""
     _, site, env = installed
-    probe = ("import json, snapmla_cli; from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash; "
+    probe = ("import json, snapmla_cli; from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash; "
              "from snapmla_cli.tuning.db import shipped_dir; from snapmla_cli.cli.common import version_line; "
-             "print(json.dumps([snapmla_cli.__file__, str(kernel_dir()), source_tree_hash(kernel_dir()), "
+             "print(json.dumps([snapmla_cli.__file__, str(kernel_dir()), product_sources_hash(kernel_dir()), "
              "str(shipped_dir()), version_line()]))")
     package, kernels, digest, database, version = json.loads(_run([sys.executable, "-c", probe], site.parent, env))
     assert Path(package).resolve().is_relative_to(site.resolve())
     assert Path(kernels) == site.resolve() / "snapmla_cli" / KERNELS
-    assert digest == source_tree_hash(kernel_dir())
+    assert digest == product_sources_hash(kernel_dir())
     assert Path(database) == site.resolve() / "snapmla_cli" / TUNING_DB
     assert {p.name for p in Path(database).glob("*.yaml")} == {p.name for p in (REPO / TUNING_DB).glob("*.yaml")}
     assert version == f"snapmla {__version__} (kernel sources {digest})"

@@ -810,10 +810,10 @@ def test_describe_marks_the_entries_a_resumed_tune_would_retime(isolated_db, mon
     rule changed the default of the b 1 16k buckets of 64+ rows); current entries carry no mark,
     and without an SM count only the kernel sources are compared."""
     from snapmla_cli.runtime.gpu_facts import GpuFacts
-    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
 
     user, _ = isolated_db
-    kernels = source_tree_hash(kernel_dir())
+    kernels = product_sources_hash(kernel_dir())
     b64 = Bucket(64, 2, (64, 64), (16384, 16384), "fp8")
     b1 = Bucket(64, 2, (1, 1), (16384, 16384), "fp8")
     current = replace(entry(), kernels=kernels, default_config=tdb.strip_sms(default_config(b64, 132)))
@@ -857,12 +857,12 @@ def test_the_kernel_stamp_is_none_without_readable_sources(monkeypatch, tmp_path
     (``snapmla info`` still lists them), never an exception out of ``info``."""
     from snapmla_cli.runtime import nvrtc
 
-    assert lookup.kernel_stamp() == nvrtc.source_tree_hash(nvrtc.kernel_dir())
+    assert lookup.kernel_stamp() == nvrtc.product_sources_hash(nvrtc.kernel_dir())
     monkeypatch.setenv(nvrtc.KERNEL_DIR_ENV, str(tmp_path / "absent"))
     assert lookup.kernel_stamp() is None
     monkeypatch.delenv(nvrtc.KERNEL_DIR_ENV)
 
-    def unreadable(folder):
+    def unreadable(folder, skip=()):
         raise PermissionError(13, "Permission denied", str(folder / "x.cu"))
 
     monkeypatch.setattr(nvrtc, "source_tree_hash", unreadable)
@@ -1490,7 +1490,7 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
     sources, this default); with ``--force`` it is timed again. The GPU measurer is replaced by
     FakeMeasurer, so the real run path (cli/tune.py ``_run``) runs on the CPU."""
     from snapmla_cli.cli import tune as tune_cli
-    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
     from snapmla_cli.tuning import measure
     from snapmla_cli.tuning.tuner import Budget
 
@@ -1503,7 +1503,7 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
     default = tdb.strip_sms(space.default)
     save_entries(folder, GPU, [Entry(bucket=bucket, config=default, time_us=50.0, default_time_us=50.0,
                                      date="2026-12-01", snapmla_version="0.1.0", command="snapmla tune",
-                                     default_config=default, kernels=source_tree_hash(kernel_dir()),
+                                     default_config=default, kernels=product_sources_hash(kernel_dir()),
                                      timed_at={"batch": bucket.timed_batch, "context": bucket.timed_context},
                                      candidates=1)])
     tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, False, "snapmla tune")
@@ -1538,11 +1538,11 @@ def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isol
     records the command that names its bucket; a bucket option next to it is refused, and a run
     with nothing stale says so and measures nothing. The measurer is FakeMeasurer on the CPU."""
     from snapmla_cli.cli import tune as tune_cli
-    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
     from snapmla_cli.tuning import measure
 
     user, shipped = isolated_db
-    kernels = source_tree_hash(kernel_dir())
+    kernels = product_sources_hash(kernel_dir())
     space = small_space()
     bucket = space.bucket  # h64 s2 b1 4k fp8
     shadowed = Bucket(64, 2, (1, 1), (8192, 8192), "fp8")
@@ -1589,10 +1589,10 @@ def test_stale_buckets_come_in_order_of_urgency(isolated_db):
     """``snapmla tune --stale`` re-times entries timed against another default first (they may
     now lose to the heuristic), then FP8 before BF16, then in the file's order, so that a run cut
     short by time (``gpu_check.sh stale``) has done the urgent ones."""
-    from snapmla_cli.runtime.nvrtc import kernel_dir, source_tree_hash
+    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
 
     user, _ = isolated_db
-    kernels = source_tree_hash(kernel_dir())
+    kernels = product_sources_hash(kernel_dir())
 
     def stale(b: Bucket, stamp: str, default: DecodeConfig) -> Entry:
         return replace(entry(b.h_q, b.s_q, b.batch, b.context, b.format), kernels=stamp, default_config=default)

@@ -238,7 +238,7 @@ def seed_option(help: str) -> Any:
 
 
 def version_line(stamp: tuple[str | None, str] | None = None) -> str:
-    """``snapmla 0.1.0 (kernel sources c5d237604e542694)``: the package's version and the hash
+    """``snapmla 0.1.0 (kernel sources b29e59e6f1e8d09c)``: the package's version and the hash
     the tuning database's entries are stamped with, so a report names the exact kernels
     (``snapmla --version``, the first line of ``snapmla info``). ``stamp``: the kernel sources'
     stamp if the caller has read it (``nvrtc.kernel_sources_stamp``), else it is read here."""

@@ -295,7 +295,7 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
     import torch
 
     from .. import __version__
-    from ..runtime.nvrtc import kernel_dir, source_tree_hash
+    from ..runtime.nvrtc import kernel_dir, product_sources_hash
     from ..tuning.db import db_filename, entries_for, save_entries, sections_to_merge
     from ..tuning.lookup import clear_cache, device_gpu_key
     from ..tuning.measure import GpuMeasurer
@@ -309,7 +309,7 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
     _make_folder(folder, origin)
     gpu = device_gpu_key(measurer.device.index)
     sections_to_merge(folder / db_filename(gpu.name), force)  # refuse a file it would damage now
-    kernels = source_tree_hash(kernel_dir())
+    kernels = product_sources_hash(kernel_dir())
     out, err = console(), console(stderr=True)
     spaces = [search_space(b, measurer.sm_count) for b in buckets]
     partial = PartialStore(partial_path(folder, gpu), gpu, kernels, resume)

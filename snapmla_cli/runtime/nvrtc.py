@@ -93,12 +93,20 @@ def kernel_dir() -> Path:
     return folder
 
 
-def source_tree_hash(folder: Path) -> str:
-    """Hash of every file under ``folder`` (relative path + bytes); hidden files are skipped."""
+# kernels/diag/: diagnostic kernels that scripts build (timing probes, racecheck skeletons),
+# never part of a decode or prep build
+DIAGNOSTIC_FOLDER = "diag"
+
+
+def source_tree_hash(folder: Path, skip: tuple[str, ...] = ()) -> str:
+    """Hash of every file under ``folder`` (relative path + bytes); hidden files are skipped, and
+    the top-level folders named in ``skip``."""
     digest = hashlib.sha256()
     for path in sorted(folder.rglob("*")):
         rel = path.relative_to(folder)
         if not path.is_file() or any(p.startswith(".") or p == "__pycache__" for p in rel.parts):
+            continue
+        if rel.parts[0] in skip:
             continue
         data = path.read_bytes()
         digest.update(f"{rel.as_posix()}\0{len(data)}\0".encode())
@@ -106,12 +114,20 @@ def source_tree_hash(folder: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def product_sources_hash(folder: Path) -> str:
+    """The hash of what the product kernels compile from: the kernel tree without
+    :data:`DIAGNOSTIC_FOLDER`. Tuning entries are stamped with it (and ``--version`` prints it):
+    a diagnostic added or edited changes no kernel the entries timed, so it must not mark every
+    entry stale. (The compile cache keys on the whole tree: a diagnostic is compiled too.)"""
+    return source_tree_hash(folder, skip=(DIAGNOSTIC_FOLDER,))
+
+
 def kernel_sources_stamp() -> tuple[str | None, str]:
-    """(the kernel sources' hash, "") or (None, why there is none: no folder, or a source that
+    """(the product kernel sources' hash, "") or (None, why there is none: no folder, or a source that
     cannot be read), for what only reports or compares the stamp: ``snapmla --version`` and
     ``info``, the tuning database's stale marks."""
     try:
-        return source_tree_hash(kernel_dir()), ""
+        return product_sources_hash(kernel_dir()), ""
     except SnapmlaError as exc:  # its message names the kernel sources already
         return None, str(exc)
     except OSError as exc:
