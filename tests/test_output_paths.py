@@ -160,6 +160,34 @@ def test_a_socket_is_refused_even_with_force(tmp_path: Path) -> None:
         assert stat.S_ISSOCK(os.lstat(path).st_mode)
 
 
+def test_the_file_standard_output_goes_to_is_refused_as_an_output(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--json /dev/stdout --force > report.json`` (or the output named again in the shell's
+    redirection): the atomic write would replace the file by rename and cut the stream off from
+    it. A file opened as the stream stands in for fd 1: refused by name, also through a
+    symlink, with the `--json -` hint for --json; another file is fine."""
+    from snapmla_cli.cache import atomic
+
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    stream = os.open(report, os.O_WRONLY)
+    try:
+        monkeypatch.setattr(atomic, "_STREAMS", ((stream, "standard output"),))
+        link = tmp_path / "stdout"
+        link.symlink_to(report)
+        for path in (report, link):
+            with pytest.raises(SnapmlaError, match=f"^--json {path} is the file this command's standard output "
+                                                   r"goes to .*; `--json -` prints the report on standard output$"):
+                atomic.check_writable(path, True, "--json")
+        with pytest.raises(SnapmlaError, match=r"^--output .* goes to .*give another path$"):
+            atomic.check_writable(report, True, "--output")
+        other = tmp_path / "other.json"
+        other.write_text("{}")
+        atomic.check_writable(other, True, "--json")
+    finally:
+        os.close(stream)
+
+
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc's fd links")
 def test_a_pipe_behind_a_proc_fd_link_is_refused_up_front(tmp_path: Path) -> None:
     """``--json /dev/stdout | cat``: /dev/stdout leads through /proc/self/fd/1 to ``pipe:[N]``, a

@@ -78,6 +78,8 @@ def check_writable(path: Path, force: bool, what: str = "output") -> None:
     target = final_target(path)
     kind = _existing_kind(path, what)
     _refuse_special(kind, path, what)
+    if kind == "file":
+        _refuse_standard_stream(path, what)
     dangling = kind is None and os.path.islink(path)
     if dangling and not force:
         raise SnapmlaError(f"{what} {path} exists (a dangling symlink to {target}); "
@@ -85,6 +87,34 @@ def check_writable(path: Path, force: bool, what: str = "output") -> None:
     if kind == "file" and not force:
         raise SnapmlaError(f"{what} {path} exists; pass --force to overwrite it")
     _check_folder(path, target, what)
+
+
+_STREAMS = ((1, "standard output"), (2, "standard error"))
+
+
+def _refuse_standard_stream(path: Path, what: str) -> None:
+    """Refuse an output that is the very file this process's stdout or stderr writes to
+    (``-o /dev/stdout > file``, or the output named again in the shell's redirection): an atomic
+    write replaces it by rename, so the stream would go on into the old, unlinked file and
+    whatever the command prints there would be lost (and the shell has truncated it anyway)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return
+    for fd, name in _STREAMS:
+        try:
+            stream = os.fstat(fd)
+        except OSError:  # (closed, or not a file descriptor here)
+            continue
+        if (stream.st_dev, stream.st_ino) == (info.st_dev, info.st_ino):
+            raise SnapmlaError(f"{what} {path} is the file this command's {name} goes to (written "
+                               f"atomically it would be replaced, cutting the stream off); give another "
+                               f"path{_stdout_hint(what)}")
+
+
+def _stdout_hint(what: str) -> str:
+    """Where a stream was named as ``--json``: the way to get the report there."""
+    return "; `--json -` prints the report on standard output" if what == "--json" else ""
 
 
 def check_distinct(outputs: Sequence[NamedPath], inputs: Sequence[NamedPath] = ()) -> None:
@@ -416,7 +446,7 @@ def _refuse_special(kind: str | None, path: Path, what: str) -> None:
         raise SnapmlaError(f"{what} {path} is a directory, expected a file path")
     if kind not in (None, "file"):
         raise SnapmlaError(f"{what} {path} is a {kind}, not a regular file; "
-                           "not replacing it, even with --force")
+                           f"not replacing it, even with --force{_stdout_hint(what)}")
 
 
 def _check_folder(path: Path, target: Path, what: str) -> None:
