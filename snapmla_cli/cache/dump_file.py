@@ -181,6 +181,11 @@ def _check_canonical(path: Path, key: str, index: int, part: str) -> None:
         )
 
 
+# what a value too large is refused for (check_values, and the capture's check of what a model
+# produced)
+VALUE_LIMIT = f"expected |x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow"
+
+
 def first_bad_row(x: torch.Tensor) -> tuple[int, float] | None:
     """The first row (index along dim 0) of ``x`` holding NaN/inf or a |value| above
     :data:`MAX_ABS_VALUE`, with its largest |value| (inf or NaN where it holds one); None when
@@ -209,8 +214,7 @@ def check_values(where: str, name: str, x: torch.Tensor, row: str = "token") -> 
     if not math.isfinite(value):
         raise SnapmlaError(f"{where}: {name} holds NaN/inf (first at {row} {first})")
     raise SnapmlaError(
-        f"{where}: {name} holds |x| = {value:.3g} at {row} {first}, expected "
-        f"|x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow"
+        f"{where}: {name} holds |x| = {value:.3g} at {row} {first}, {VALUE_LIMIT}"
     )
 
 

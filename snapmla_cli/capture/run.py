@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..cache.atomic import check_writable, file_kind
-from ..cache.dump_file import MAX_ABS_VALUE, KVDump, LayerDump, first_bad_row, write_dump
+from ..cache.dump_file import VALUE_LIMIT, KVDump, LayerDump, first_bad_row, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
 from ..sizes import MAX_SIZE, unique_values
@@ -210,8 +210,6 @@ def capture_kv(options: DumpOptions, progress: Progress | None = None) -> Captur
     return capture
 
 
-
-
 def _tokenize(prompts: list[str], tokenizer: Any, max_tokens: int) -> list[torch.Tensor]:
     """Each prompt's token ids ``[1, n]``, cut to ``max_tokens``; a prompt of no tokens is
     refused (the model has nothing to attend to)."""
@@ -299,7 +297,7 @@ def _check_produced(model: str, layer: int, what: str, rows: torch.Tensor, promp
     if not math.isfinite(value):
         raise SnapmlaError(f"model {model}: layer {layer} produced NaN/inf in its {what} ({where})")
     raise SnapmlaError(f"model {model}: layer {layer} produced |x| = {value:.3g} in its {what} ({where}), "
-                       f"expected |x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow")
+                       f"{VALUE_LIMIT}")
 
 
 def _rows(first_query: int | None, start: int, width: int) -> slice | None:

@@ -32,6 +32,7 @@ from .formats import (
     D_ROPE,
     D_V,
     E4M3_MAX,
+    FP8_CACHE_DTYPES,
     FP8_DTYPE,
     FP8_TOKEN_BYTES,
     P_BLOCK_TOKENS,
@@ -131,7 +132,7 @@ def emulate_fp8_decode(
     checked first: a NaN here would otherwise read as a block with no visible key."""
     b, s_q, h_q = _checked_queries(q)
     fp8_cache, softmax_scale, causal, seqlens = checked_paged_decode(
-        "fp8_cache", fp8_cache, FP8_TOKEN_BYTES, (torch.uint8, FP8_DTYPE), block_table, cache_seqlens, b,
+        "fp8_cache", fp8_cache, FP8_TOKEN_BYTES, FP8_CACHE_DTYPES, block_table, cache_seqlens, b,
         softmax_scale, causal)
     fp8_cache = fp8_cache.view(torch.uint8)  # the token bytes, whichever view was given
     if split_bounds is not None and (not isinstance(split_bounds, (list, tuple)) or len(split_bounds) != b):

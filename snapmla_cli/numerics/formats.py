@@ -33,6 +33,7 @@ SOA_TOKEN_BYTES = D_CONTENT + 4 + ROPE_BYTES
 BF16_TOKEN_BYTES = D_QK * 2  # 1152
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_CACHE_DTYPES = (torch.uint8, FP8_DTYPE)  # the dtypes an FP8 cache's bytes may come in
 
 
 def default_softmax_scale() -> float:

@@ -37,6 +37,7 @@ from ..numerics.decode_args import (
 from ..numerics.formats import (
     D_QK,
     D_V,
+    FP8_CACHE_DTYPES,
     FP8_DTYPE,
     FP8_TOKEN_BYTES,
     PAGE_SIZE,
@@ -44,6 +45,7 @@ from ..numerics.formats import (
 from ..numerics.quant import QuantizedRows, as_e4m3
 from ..runtime.cluster_launch import ClusterLaunch
 from ..runtime.gpu_arch import require_arch
+from ..sizes import MAX_SIZE
 from .alignment import VEC_ALIGN, misaligned, require_aligned
 from .cluster_fold import cluster_defines, holds_a_wave, planned_cluster
 from .config_choice import (
@@ -185,8 +187,8 @@ def _cache_format(fp8: object, is_fp8_kvcache: object) -> bool:
     return flag
 
 
-# the kernels take h_q and s_q (and index rows) as int32
-MAX_ROWS = 2**31 - 1
+# the kernels take h_q and s_q (and index rows) as int32, as the sizes of sizes.MAX_SIZE
+MAX_ROWS = MAX_SIZE
 
 
 def check_rows(num_heads_per_head_k: int) -> None:
@@ -722,13 +724,13 @@ def flash_mla_with_kvcache(
     num_splits = _flash_mla_forms(tile_scheduler_metadata, num_splits, sparse)
     _tensor_args(q=q, k_cache=k_cache)  # the cache's dtype picks the path below
     if is_fp8_kvcache is not None:
-        fp8_cache = k_cache.dtype in (torch.uint8, FP8_DTYPE)
+        fp8_cache = k_cache.dtype in FP8_CACHE_DTYPES
         if checked_flag("is_fp8_kvcache", is_fp8_kvcache) != fp8_cache:
             raise SnapmlaError(f"is_fp8_kvcache: {is_fp8_kvcache} disagrees with k_cache's dtype {k_cache.dtype}")
     if k_cache.dtype == torch.bfloat16:
         return decode_bf16(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                            num_splits, softmax_scale, causal)
-    if k_cache.dtype in (torch.uint8, FP8_DTYPE):
+    if k_cache.dtype in FP8_CACHE_DTYPES:
         from .prep import quantize_q
 
         _require_cuda(q, "q", None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics.decode_args import check_key_pads
-from ..numerics.formats import FP8_DTYPE, FP8_TOKEN_BYTES, PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET
+from ..numerics.formats import FP8_CACHE_DTYPES, FP8_TOKEN_BYTES, PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET
 from .finite import capturing
 
 MAX_CHECKED_CACHES = 4096  # forgotten all at once beyond this (a re-check costs one small read)
@@ -27,7 +27,7 @@ _checked: set[tuple[object, ...]] = set()
 def _checkable(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> bool:
     """Whether the arguments have the shapes the check reads (else the decode's own checks name
     what is wrong)."""
-    return (k_cache.dim() > 0 and k_cache.is_cuda and k_cache.dtype in (torch.uint8, FP8_DTYPE)
+    return (k_cache.dim() > 0 and k_cache.is_cuda and k_cache.dtype in FP8_CACHE_DTYPES
             and k_cache.is_contiguous()
             and k_cache.numel() % (PAGE_SIZE * FP8_TOKEN_BYTES) == 0 and k_cache.shape[-1] == FP8_TOKEN_BYTES
             and block_table.dim() == 2 and block_table.shape[1] > 0 and block_table.device == k_cache.device

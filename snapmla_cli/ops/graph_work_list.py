@@ -36,8 +36,9 @@ from .decode_config import DecodeConfig, checked_config, with_balance
 from .schedule import WORK_FIELDS, graph_capacity, graph_work_tables, host_seqlens
 from .split_fold import fixed_fold
 
-# requests the kernels can index (int32), num_splits's batch + 1 entries included
-MAX_BATCH = 2**31 - 2
+# requests the kernels can index (int32, MAX_SEQLEN's bound), num_splits's batch + 1 entries
+# included
+MAX_BATCH = MAX_SEQLEN - 1
 
 
 class GraphWorkList:

@@ -25,7 +25,15 @@ from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.decode_args import checked_lengths, is_integer, require_strided
-from ..numerics.formats import D_CONTENT, D_QK, D_ROPE, FP8_DTYPE, FP8_TOKEN_BYTES, PAGE_SIZE
+from ..numerics.formats import (
+    D_CONTENT,
+    D_QK,
+    D_ROPE,
+    FP8_CACHE_DTYPES,
+    FP8_DTYPE,
+    FP8_TOKEN_BYTES,
+    PAGE_SIZE,
+)
 from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
 from ..runtime.registry import PREP_DEFINES, PREP_KERNELS, PREP_SOURCE
@@ -614,7 +622,7 @@ def _checked_soa(content: object, scale: object, rope: object) -> tuple[torch.Te
     content = _tensor("content", content)
     scale = _tensor("scale", scale)
     rope = _tensor("rope", rope)
-    _dtype("content", content, (torch.uint8, FP8_DTYPE))
+    _dtype("content", content, FP8_CACHE_DTYPES)
     _dtype("scale", scale, (torch.float32,))
     _dtype("rope", rope, (torch.bfloat16,))
     _shape("content", content, (None, D_CONTENT), f"[slots, {D_CONTENT}]")

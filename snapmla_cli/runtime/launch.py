@@ -173,6 +173,13 @@ def _set_dynamic_smem(kernel: Kernel, nbytes: int) -> None:
     kernel.max_dynamic_smem = nbytes
 
 
+def _opt_in_smem(kernel: Kernel, shared_mem: int) -> None:
+    """Opt ``kernel`` into ``shared_mem`` bytes of dynamic shared memory where it has not been
+    yet (a comparison on the hot path, the driver call once)."""
+    if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
+        _set_dynamic_smem(kernel, shared_mem)
+
+
 # ---- the per-call fast path (ops called every decode step) ----
 #
 # torch's private getters return plain ints without building Python objects (torch.compile's
@@ -262,10 +269,7 @@ class KernelHandle:
         if prepared is not None:
             prepared(stream_ptr, args, grid)
             return
-        fn = self._functions.get(index)
-        if fn is None:
-            fn = self.function(index)
-        fn(grid, block, args, 0, _stream_wrapper(stream_ptr))
+        self.function(index)(grid, block, args, 0, _stream_wrapper(stream_ptr))
 
 
 class _RawStream:
@@ -359,8 +363,7 @@ def prepare_plain(kernel: Kernel, grid: tuple[int, ...], block: tuple[int, ...],
     set here, as :func:`launch_raw` would on its first launch."""
     if not pdl.available():
         return None
-    if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
-        _set_dynamic_smem(kernel, shared_mem)
+    _opt_in_smem(kernel, shared_mem)
     return pdl.PreparedLaunch(kernel.function.ptr, grid, block, shared_mem, None)
 
 
@@ -380,8 +383,7 @@ def launch_raw(
 ) -> None:
     """:func:`launch` with the arguments already raw (ints for pointers, NumPy scalars) and the
     grid and block as tuples: the hot path of an op that prepared its launch once."""
-    if shared_mem > max(kernel.max_dynamic_smem, DEFAULT_DYNAMIC_SMEM_LIMIT):
-        _set_dynamic_smem(kernel, shared_mem)
+    _opt_in_smem(kernel, shared_mem)
     stream_ptr = current_raw_stream(kernel.device_index)
     if programmatic and pdl.enabled() and pdl.available() and supports_programmatic(kernel):
         pdl.launch_programmatic(kernel.function.ptr, grid, block, shared_mem, stream_ptr, kargs)
