@@ -26,8 +26,8 @@ from bench_prep import host_time  # this folder is sys.path[0]
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import time_graph
-from snapmla_cli.numerics.formats import D_QK, PAGE_SIZE
-from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+from snapmla_cli.numerics.formats import D_QK, D_V, PAGE_SIZE
+from snapmla_cli.ops.decode import decode_fp8, flash_mla_with_kvcache, get_mla_metadata
 from snapmla_cli.ops.prep import append_kv, quantize_q
 
 CALLS = 400
@@ -75,6 +75,10 @@ def measure_shape(b: int, h: int, ctx: int, device: torch.device, profile_dir: P
     def quantize_and_decode() -> None:
         decode_fp8(quantize_q(case.q), case.cache8, case.table, case.lens, meta, splits, None, True)
 
+    def flash_mla() -> None:
+        """The same through flash_mla_with_kvcache: its fused plan after the first call."""
+        flash_mla_with_kvcache(case.q, case.cache8, case.table, case.lens, D_V, meta, splits, None, True)
+
     growing = case.lens + torch.randint(-ctx // 2, ctx // 2, case.lens.shape, device=device, dtype=torch.int32)
 
     def metadata_of_a_step() -> None:
@@ -94,6 +98,7 @@ def measure_shape(b: int, h: int, ctx: int, device: torch.device, profile_dir: P
     slots = torch.arange(b, dtype=torch.int32, device=device) * PAGE_SIZE  # (any valid slots: timing only)
 
     cases = {"decode_fp8 (metadata given)": decode_only, "quantize_q + decode_fp8": quantize_and_decode,
+             "flash_mla_with_kvcache (fused)": flash_mla,
              "quantize_q": lambda: quantize_q(case.q),
              "append_kv": lambda: append_kv(new_kv, slots, case.cache8),
              "get_mla_metadata": lambda: get_mla_metadata(case.lens, case.rows, 1, fp8=True),

@@ -3,7 +3,8 @@ GPU, which waits for the stream, or given on the host with ``device=``), then ``
 ``quantize_q`` + ``decode_fp8`` on that step's work list, each layer on its own cache (a view one
 page further into one buffer: its own address, as an engine's layers have, without 61 copies of
 the cache); every length one token longer each step, the requests' lengths spread over a page so
-that the planner's caches miss as in a real batch.
+that the planner's caches miss as in a real batch. ``--flash-mla``: each layer calls
+``flash_mla_with_kvcache`` instead (its fused Q-quant + decode plan).
 
 Prints the wall time per step of both loops against the GPU time of one step's layers (the same
 launches replayed from a CUDA graph): what the host leaves the GPU idle per step; and the step of
@@ -22,8 +23,8 @@ from bench_prep import host_time  # this folder is sys.path[0]
 
 from snapmla_cli.bench.decode_case import DecodeCase
 from snapmla_cli.bench.timing import capture_graph, time_graph
-from snapmla_cli.numerics.formats import PAGE_SIZE
-from snapmla_cli.ops.decode import decode_fp8, get_mla_metadata
+from snapmla_cli.numerics.formats import D_V, PAGE_SIZE
+from snapmla_cli.ops.decode import decode_fp8, flash_mla_with_kvcache, get_mla_metadata
 from snapmla_cli.ops.graph_work_list import GraphWorkList
 from snapmla_cli.ops.prep import quantize_q
 
@@ -31,7 +32,7 @@ STEPS = 2 * PAGE_SIZE  # every request starts a page twice
 WARMUP_STEPS = 16  # at least host_time's warm-up calls
 
 
-def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None:
+def measure(b: int, h: int, ctx: int, layers: int, device: torch.device, flash_mla: bool) -> None:
     """Print one shape's step times: GPU only (graph), eager with GPU lengths, eager with host
     lengths, and graph replays with a GraphWorkList."""
     spread = torch.randint(0, PAGE_SIZE, (b,), generator=torch.Generator().manual_seed(b * 131 + h))
@@ -44,7 +45,10 @@ def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None
 
     def layers_of(meta: torch.Tensor, splits: torch.Tensor, lens: torch.Tensor) -> None:
         for cache in layer_caches:
-            decode_fp8(quantize_q(case.q), cache, case.table, lens, meta, splits, None, True)
+            if flash_mla:
+                flash_mla_with_kvcache(case.q, cache, case.table, lens, D_V, meta, splits, None, True)
+            else:
+                decode_fp8(quantize_q(case.q), cache, case.table, lens, meta, splits, None, True)
 
     def first_lengths() -> tuple[torch.Tensor, torch.Tensor]:
         """The lengths on the host and on the GPU before the first step: the loop's steps end at
@@ -88,7 +92,8 @@ def measure(b: int, h: int, ctx: int, layers: int, device: torch.device) -> None
     loop(host=False), loop(host=True)  # every configuration the steps choose built and loaded
     on_gpu, on_host = loop(host=False), loop(host=True)
     graphed = graph_loop()
-    print(f"b{b} h{h} {ctx // 1024}k, {layers} layers: GPU (graph) {gpu * 1e3:.3f} ms/step, eager with GPU lengths "
+    call = "flash_mla_with_kvcache" if flash_mla else "quantize_q + decode_fp8"
+    print(f"b{b} h{h} {ctx // 1024}k, {layers} layers of {call}: GPU (graph) {gpu * 1e3:.3f} ms/step, eager with GPU lengths "
           f"{on_gpu * 1e3:.3f} ms, with host lengths {on_host * 1e3:.3f} ms ({on_gpu / on_host:.3f}x), "
           f"graph replays with a GraphWorkList {graphed * 1e3:.3f} ms", flush=True)
 
@@ -99,11 +104,12 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8,64")
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--layers", type=int, default=61)
+    ap.add_argument("--flash-mla", action="store_true", help="each layer calls flash_mla_with_kvcache")
     args = ap.parse_args()
     device = torch.device("cuda")
     for b in map(int, args.batch.split(",")):
         for h in map(int, args.heads.split(",")):
-            measure(b, h, args.ctx, args.layers, device)
+            measure(b, h, args.ctx, args.layers, device, args.flash_mla)
             torch.cuda.empty_cache()
 
 

@@ -604,3 +604,89 @@ def test_the_decode_kernel_goes_through_its_prepared_launch_with_one_split_buffe
     assert plan.partial_floats == places * S_Q * H_Q * 513
     _, _, combine_args = recorder.launches[1]
     assert combine_args[:2] == args[10:12]  # the combine reads the same two buffers
+
+
+@pytest.fixture
+def q_quant_launches(monkeypatch):
+    """The Q-quant kernel's launches (prep's handle stands in: the tests run on the CPU)."""
+    from snapmla_cli.ops import prep
+
+    calls: list[tuple] = []
+    monkeypatch.setattr(prep, "_QUANTIZE_Q",
+                        types.SimpleNamespace(launch=lambda index, grid, block, args: calls.append(tuple(args))))
+    return calls
+
+
+def _bf16_q(seed: int = 0) -> torch.Tensor:
+    return torch.randn(BATCH, S_Q, H_Q, D_QK, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def test_flash_mla_fp8_replays_q_quant_and_decode_from_one_workspace(recorder, q_quant_launches):
+    """flash_mla_with_kvcache on an FP8 cache: the first call runs quantize_q and decode_fp8 with
+    every check; a later one replays one fused plan: the Q-quant kernel writes Q's three parts
+    into a workspace, the decode kernel reads them there and writes its split rows right after
+    them, and the combine reads those."""
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode.flash_mla_with_kvcache(_bf16_q(0), cache, table, lens, 512, meta, splits)
+    assert not q_quant_launches  # (the first call quantized on the CPU: quantize_q's reference path)
+    built, launched = recorder.kernels_built, len(recorder.launches)
+    q = _bf16_q(1)
+    out, lse = decode.flash_mla_with_kvcache(q, cache, table, lens, 512, meta, splits)
+    assert recorder.kernels_built == built
+    assert out.shape == (BATCH, S_Q, H_Q, 512) and lse.shape == (BATCH, H_Q, S_Q)
+    (q_ptr, content, scale, rope, rows), = q_quant_launches
+    rows_count = BATCH * S_Q * H_Q
+    assert q_ptr == q.data_ptr() and int(rows) == rows_count
+    assert (scale - content, rope - scale) == (rows_count * 512, rows_count * 4)  # (16-byte multiples here)
+    (_, _, args), (cname, _, cargs) = recorder.launches[launched:]
+    assert cname == "snapmla_combine"
+    assert args[:3] == [content, scale, rope]
+    assert args[10] == rope + rows_count * 64 * 2  # the split rows follow Q's RoPE
+    assert args[8:10] == [out.data_ptr(), lse.data_ptr()]
+    assert cargs[:2] == args[10:12]
+    fused = [plan for plan in decode_launch.stored_plans() if plan.q_quant is not None]
+    assert len(fused) == 1 and len(decode_launch._PLANS) == 2  # the fused plan and decode_fp8's
+
+
+def test_a_replayed_flash_mla_fp8_call_still_checks_q(recorder, q_quant_launches):
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode.flash_mla_with_kvcache(_bf16_q(), cache, table, lens, 512, meta, splits)
+    strided = torch.empty(BATCH, S_Q, H_Q, 2 * D_QK, dtype=torch.bfloat16)[..., :D_QK]
+    with pytest.raises(SnapmlaError, match="^q: must be contiguous"):
+        decode.flash_mla_with_kvcache(strided, cache, table, lens, 512, meta, splits)
+    shifted = torch.empty(BATCH * S_Q * H_Q * D_QK + 1, dtype=torch.bfloat16)[1:].view(BATCH, S_Q, H_Q, D_QK)
+    with pytest.raises(SnapmlaError, match="^q: .*16"):
+        decode.flash_mla_with_kvcache(shifted, cache, table, lens, 512, meta, splits)
+    with pytest.raises(SnapmlaError, match="^q: expected bf16"):  # another dtype: another key, the full checks
+        decode.flash_mla_with_kvcache(_bf16_q().float(), cache, table, lens, 512, meta, splits)
+    assert not q_quant_launches
+
+
+def test_flash_mla_fp8_with_the_checks_switch_takes_the_checked_path(recorder, q_quant_launches, checks_on,
+                                                                      monkeypatch):
+    """With the checks switch on, every call runs quantize_q and decode_fp8 with their checks
+    (the NaN checks read Q's quantized rows): no fused plan is stored or replayed."""
+    checked: list[str] = []
+    monkeypatch.setattr(decode, "_check_quantized_finite", lambda q: checked.append("q"))
+    monkeypatch.setattr(decode, "_check_table_reads", lambda *args: checked.append("table"))
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    for seed in (0, 1, 2):
+        decode.flash_mla_with_kvcache(_bf16_q(seed), cache, table, lens, 512, meta, splits)
+    assert checked == ["q", "table"] * 3 and not q_quant_launches
+    assert not any(plan.q_quant is not None for plan in decode_launch.stored_plans())
+
+
+def test_the_fused_plan_of_a_freed_work_list_is_dropped(recorder, q_quant_launches):
+    cache, table, lens = _paged()
+    for _ in range(4):
+        meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+        decode.flash_mla_with_kvcache(_bf16_q(), cache, table, lens, 512, meta, splits)
+        decode.flash_mla_with_kvcache(_bf16_q(), cache, table, lens, 512, meta, splits)
+        del meta, splits
+    assert len(q_quant_launches) == 4
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    decode.flash_mla_with_kvcache(_bf16_q(), cache, table, lens, 512, meta, splits)  # a first call drops them
+    assert len(decode_launch._PLANS) == 2 and all(plan.metadata() is meta for plan in decode_launch.stored_plans())

@@ -731,19 +731,66 @@ def flash_mla_with_kvcache(
         return decode_bf16(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                            num_splits, softmax_scale, causal)
     if k_cache.dtype in FP8_CACHE_DTYPES:
-        from .prep import quantize_q
-
-        _require_cuda(q, "q", None)
-        if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
-            raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
-        if is_fp8_kvcache is not None and isinstance(block_table, torch.Tensor) \
-                and isinstance(cache_seqlens, torch.Tensor):  # (FlashMLA's flag: maybe its V3.2 layout)
-            from .encoding_check import check_snapmla_encoding_once
-
-            check_snapmla_encoding_once(k_cache, block_table, cache_seqlens)
-        return decode_fp8(quantize_q(q), k_cache, block_table, cache_seqlens,
-                          tile_scheduler_metadata, num_splits, softmax_scale, causal)
+        return _quantize_and_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                                    softmax_scale, causal, is_fp8_kvcache is not None)
     raise SnapmlaError(f"k_cache: expected bf16 or uint8/float8_e4m3fn, got {k_cache.dtype}")
+
+
+def _check_encoding(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
+    """FlashMLA's ``is_fp8_kvcache`` flag was given: the cache may hold its V3.2 layout
+    (:mod:`.encoding_check`, once per cache)."""
+    from .encoding_check import check_snapmla_encoding_once
+
+    check_snapmla_encoding_once(k_cache, block_table, cache_seqlens)
+
+
+# the first item of a fused call's plan key: never equal to a decode call's first (a shape)
+_FUSED_KEY = "quantize_q + decode_fp8"
+
+
+@_strided_args_named
+def _quantize_and_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                         cache_seqlens: torch.Tensor, tile_scheduler_metadata: torch.Tensor,
+                         num_splits: torch.Tensor, softmax_scale: float | None, causal: bool,
+                         check_encoding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``flash_mla_with_kvcache`` on an FP8 cache: Q-quant, then FP8 decode. The first call of a
+    signature runs ``quantize_q`` and ``decode_fp8`` with all their checks and stores a fused plan
+    (the decode plan with the Q-quant launch in front); a later call checks what the key cannot
+    see and runs it, Q's FP8 rows carved with the split rows out of one workspace
+    (``DecodePlan.run_fused``: three allocations and a plan lookup fewer). With the checks switch
+    on, every call takes the checked path (its NaN checks read Q's quantized rows)."""
+    _tensor_args(block_table=block_table, cache_seqlens=cache_seqlens,
+                 tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+    key = (_FUSED_KEY, *_signature((q,), k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                                   softmax_scale, causal, None, None, None))
+    plan = None if GPU_CHECKS.on else find_plan(key, tile_scheduler_metadata, num_splits, None)
+    if plan is not None:  # (the key fixes the shapes and dtypes, which an earlier call checked)
+        if check_encoding:
+            _check_encoding(k_cache, block_table, cache_seqlens)
+        _fast_checks((("q", q), ("k_cache", k_cache), ("cache_seqlens", cache_seqlens),
+                      ("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)), block_table)
+        if k_cache.data_ptr() % VEC_ALIGN:
+            require_aligned("k_cache", k_cache)
+        q_ptr = q.data_ptr()
+        if q_ptr % VEC_ALIGN:
+            misaligned("q", q_ptr)
+        return plan.run_fused(q_ptr, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+    from .prep import quantize_q, quantize_q_launch
+
+    _require_cuda(q, "q", None)
+    if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
+        raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
+    if check_encoding:
+        _check_encoding(k_cache, block_table, cache_seqlens)
+    q8 = quantize_q(q)
+    result = decode_fp8(q8, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                        softmax_scale, causal)
+    decode_key = _signature((q8.content, q8.scale, q8.rope), k_cache, block_table, cache_seqlens,
+                            tile_scheduler_metadata, num_splits, softmax_scale, causal, None, None, None)
+    decoded_by = None if GPU_CHECKS.on else find_plan(decode_key, tile_scheduler_metadata, num_splits, None)
+    if decoded_by is not None:
+        store_plan(key, decoded_by.fused(quantize_q_launch(q), metadata_ref(tile_scheduler_metadata, key)))
+    return result
 
 
 def _flash_mla_forms(tile_scheduler_metadata: object, num_splits: torch.Tensor | None,

@@ -24,6 +24,7 @@ changes (:func:`clear_plans`).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from ..runtime.launch import (
 from ..runtime.pdl import PreparedLaunch, ProgrammaticLaunch
 from .config_choice import ContentStamp
 from .decode_config import DecodeConfig
+from .prep import QuantizeQLaunch
 from .split_fold import COMBINE_THREADS
 
 MAX_PLANS = 1024  # plans kept (all forgotten when full: signatures change rarely)
@@ -89,6 +91,8 @@ class DecodePlan:
     # what the pointers above point into and nothing else holds (the fold's counters): never a
     # caller's tensor, which a plan must not keep alive
     keep: tuple[object, ...]
+    # flash_mla_with_kvcache's plans: the Q-quant launch into the call's workspace (run_fused)
+    q_quant: QuantizeQLaunch | None = None
 
     @property
     def cluster_size(self) -> int:
@@ -99,24 +103,52 @@ class DecodePlan:
         return (self.metadata() is metadata and self.config is config
                 and (self.stamp is None or self.stamp.holds(metadata, num_splits)))
 
+    def fused(self, q_quant: QuantizeQLaunch, metadata: weakref.ref[torch.Tensor]) -> DecodePlan:
+        """This plan with Q's quantization in front (``metadata``: the reference under the fused
+        call's own key)."""
+        return dataclasses.replace(self, q_quant=q_quant, metadata=metadata)
+
+    def run_fused(self, q_ptr: int, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                  metadata: torch.Tensor, num_splits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize the bf16 Q at ``q_ptr`` and decode it: Q's FP8 rows and the split rows are
+        carved out of one workspace allocation (Q's parts first, then the split rows), freed on
+        return like the split buffer of :meth:`run`."""
+        quant = self.q_quant
+        if quant is None:
+            raise AssertionError("run_fused on a plan without its Q-quant launch")
+        if self.device.type == "cuda" and current_device_index() != self.device.index:
+            with torch.cuda.device(self.device):
+                return self.run_fused(q_ptr, k_cache, block_table, cache_seqlens, metadata, num_splits)
+        workspace = torch.empty(size=(quant.nbytes + self.partial_floats * torch.float32.itemsize,), dtype=torch.uint8,
+                                device=self.device)
+        base = workspace.data_ptr()
+        quant(q_ptr, base)
+        return self.run((base, base + quant.scale_offset, base + quant.rope_offset), k_cache, block_table,
+                        cache_seqlens, metadata, num_splits, None, None, partial_out=base + quant.nbytes)
+
     def run(self, q_ptrs: tuple[int, ...], k_cache: torch.Tensor, block_table: torch.Tensor,
             cache_seqlens: torch.Tensor, metadata: torch.Tensor, num_splits: torch.Tensor,
-            out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            out: torch.Tensor | None, lse: torch.Tensor | None,
+            partial_out: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate what the caller did not give, launch the decode kernel and the combine, on
         the tensors' GPU: the kernels belong to its context, which need not be the current one
         (a process driving several GPUs). ``k_cache`` is checked already (shape by the key,
-        start address and contiguity by the caller)."""
+        start address and contiguity by the caller). ``partial_out``: the split rows' buffer
+        in a workspace the caller holds until the kernels are queued (else allocated here)."""
         if self.device.type == "cuda" and current_device_index() != self.device.index:
             with torch.cuda.device(self.device):
-                return self.run(q_ptrs, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse)
+                return self.run(q_ptrs, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse,
+                                partial_out)
         device = self.device
         if out is None:
             out = torch.empty(size=self.out_shape, dtype=torch.bfloat16, device=device)
         if lse is None:
             lse = torch.empty(size=self.lse_shape, dtype=torch.float32, device=device)
-        # (freed on return: the caching allocator reuses it only after the kernels queued here)
-        partial = torch.empty(size=(self.partial_floats,), dtype=torch.float32, device=device)
-        partial_out = partial.data_ptr()
+        partial: torch.Tensor | None = None
+        if partial_out is None:
+            # (freed on return: the caching allocator reuses it only after the kernels queued here)
+            partial = torch.empty(size=(self.partial_floats,), dtype=torch.float32, device=device)
+            partial_out = partial.data_ptr()
         partial_lse = partial_out + self.partial_lse_offset
         out_ptr, lse_ptr = out.data_ptr(), lse.data_ptr()
         if self.decode is not None:

@@ -18,7 +18,9 @@ Semantics shared by both paths:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_tokens
@@ -295,6 +297,46 @@ def _quantize_q_cuda(q: torch.Tensor, out: QuantizedRows | None = None) -> Quant
             (ptr, content.data_ptr(), scale.data_ptr(), rope.data_ptr(), rows_arg),
         )
     return result
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeQLaunch:
+    """The Q-quant launch of one query shape writing into a caller's workspace, and where in it
+    the three parts go: FP8 content at 0, the float32 scales at ``scale_offset``, the pre-scaled
+    RoPE at ``rope_offset`` (each 16-byte aligned, the offsets the decode kernel reads Q at).
+
+    Why: ``flash_mla_with_kvcache`` on an FP8 cache quantizes Q only for its own decode, so Q's
+    rows need no tensors of their own; carving them (and the decode's split rows) out of one
+    allocation saves three ``torch.empty`` calls of an eager call's host time
+    (:mod:`.decode_launch`, ``DecodePlan.run_fused``)."""
+
+    index: int  # the device
+    rows: int
+    grid: tuple[int, int, int]
+    rows_arg: np.int64
+    scale_offset: int
+    rope_offset: int
+    nbytes: int  # the three parts together
+
+    def __call__(self, q_ptr: int, workspace_ptr: int) -> None:
+        """Quantize ``q`` (bf16 ``[rows, 576]`` at ``q_ptr``) into the workspace at ``workspace_ptr``."""
+        if self.rows:
+            _QUANTIZE_Q.launch(self.index, self.grid, _BLOCK,
+                               (q_ptr, workspace_ptr, workspace_ptr + self.scale_offset,
+                                workspace_ptr + self.rope_offset, self.rows_arg))
+
+
+def quantize_q_launch(q: torch.Tensor) -> QuantizeQLaunch:
+    """The workspace launch of ``q``'s shape, for a ``q`` that ``quantize_q`` has checked."""
+    rows = q.numel() // D_QK
+    scale_offset = rows * D_CONTENT  # (FP8: one byte a value)
+    rope_offset = scale_offset + _aligned(rows * torch.float32.itemsize)
+    return QuantizeQLaunch(q.get_device(), rows, _grid(rows), i64(rows), scale_offset, rope_offset,
+                           _aligned(rope_offset + rows * D_ROPE * torch.bfloat16.itemsize))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // VEC_ALIGN) * VEC_ALIGN
 
 
 def _q_out_tensors(

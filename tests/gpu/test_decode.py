@@ -445,6 +445,48 @@ def test_flash_mla_with_kvcache_dispatches_on_cache_format():
         flash_mla_with_kvcache(q, v32_like, table, seqlens_t, 512, meta, splits, is_fp8_kvcache=True)
 
 
+@pytest.mark.parametrize("seqlens,s_q,h_q,causal", [([0, 65, 4097], 2, 20, True), ([777], 1, 128, False),
+                                                   ([64, 1, 300, 0], 1, 16, True)])
+def test_flash_mla_fp8_replays_quantize_and_decode_from_one_workspace(seqlens, s_q, h_q, causal):
+    """flash_mla_with_kvcache on an FP8 cache: the first call plans, later ones replay the fused
+    plan (Q's FP8 rows and the split rows carved out of one workspace). Each call, on each
+    layer's cache, with a new Q each time, gives the bits of quantize_q + decode_fp8; inside a
+    CUDA graph too. The workspace of the call before is filled with NaN bytes in between, so a
+    part read before it is written shows."""
+    from dataclasses import replace
+
+    from snapmla_cli.ops import decode_launch
+    from snapmla_cli.ops.decode import decode_fp8, flash_mla_with_kvcache, get_mla_metadata
+    from snapmla_cli.ops.prep import quantize_q
+
+    device = torch.device("cuda")
+    probs = [random_problem(seqlens, s_q, h_q, causal=causal, seed=s) for s in (41, 42, 43)]
+    probs = [probs[0]] + [replace(p, layout=probs[0].layout) for p in probs[1:]]
+    table = probs[0].layout.block_table.to(device)
+    lens = probs[0].layout.cache_seqlens.to(device)
+    meta, splits = get_mla_metadata(lens, s_q * h_q, 1)
+    caches = [p.fp8_cache().to(device) for p in probs]
+    scale = probs[0].softmax_scale
+    decode_launch.clear_plans()
+    for i, prob in enumerate(probs):
+        q = prob.q.to(device)
+        got = flash_mla_with_kvcache(q, caches[i], table, lens, 512, meta, splits, scale, causal)
+        want = decode_fp8(quantize_q(q), caches[i], table, lens, meta, splits, scale, causal)
+        assert got[0].isfinite().all()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"call {i}"
+        torch.full((1 << 24,), 0xFF, dtype=torch.uint8, device=device)  # freed blocks: NaN bytes
+    assert sum(plan.q_quant is not None for plan in decode_launch.stored_plans()) == 1
+    q = probs[1].q.to(device)
+    want = decode_fp8(quantize_q(q), caches[2], table, lens, meta, splits, scale, causal)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flash_mla_with_kvcache(q, caches[2], table, lens, 512, meta, splits, scale, causal)
+    captured[0].fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], want[0]) and torch.equal(captured[1], want[1])
+
+
 @pytest.mark.parametrize("spec", ["default", "v2", "v3", "v3-rows", "v3-pingpong"])
 @pytest.mark.parametrize("heads,mtp", [(16, 1), (128, 2)])
 def test_fp8_decode_meets_verify_gates_on_synthetic_default(spec, heads, mtp):
