@@ -20,7 +20,7 @@
 # PV_FRAG_AHEAD switches against the build before them at 16-32 rows, b 64, and their phase traces; `rate`: the tensor cores' rate at the
 # decode kernel's wgmma shapes (scripts/wgmma_rate.py); `host`: the host's cost of eager decode calls
 # (scripts/host_cost.py); `steploop`: an eager 61-layer decode loop with the metadata planned per
-# step from GPU or host lengths (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
+# step from GPU or host lengths, quantize_q + decode_fp8 per layer, then flash_mla_with_kvcache (scripts/step_loop.py); `ctatimes`: a 16k call's fixed cost phase by phase,
 # CTA by CTA (scripts/cta_times.py, the CTAs' rows saved in $OUT); `stalls`: Nsight Compute's warp-state
 # sampling of one 16k call at 16, 32 and 64 rows, per instruction (scripts/stall_ledger.py; reports in $OUT);
 # `memory`: Nsight Compute's memory workload of a 16k call at 16 and 32 rows and of a read-only stream;
@@ -199,7 +199,8 @@ for step in $steps; do
             python3 scripts/ab_cluster_fold.py --ctx 16384 --shapes 16:1,32:1,32:2,64:1 --formats bf16 2>&1 \
               | tee "$OUT/ab_cluster16.log" | tail -8 ;;
     host)   python3 scripts/host_cost.py --profile-dir "$OUT" 2>&1 | tee "$OUT/host_cost.log" | tail -20 ;;
-    steploop) python3 scripts/step_loop.py 2>&1 | tee "$OUT/step_loop.log" | tail -8 ;;
+    steploop) { python3 scripts/step_loop.py; python3 scripts/step_loop.py --flash-mla; } 2>&1 \
+              | tee "$OUT/step_loop.log" | tail -16 ;;
     ctatimes) python3 scripts/cta_times.py --heads 16,32,64 --mtp 1,2 --ctx 16384 --raw-dir "$OUT" 2>&1 \
               | tee "$OUT/cta_times.log" | grep '^cta_times' ;;
     handover) # a hand-over between the two CTAs of a cluster: barrier, 0 / 4 / 16 KB one way
