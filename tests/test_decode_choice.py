@@ -499,3 +499,6 @@ def test_flashmla_fp8_flag_checks_each_caches_encoding_once(monkeypatch):
     encoding_check.check_snapmla_encoding_once(cache, table, lens)
     cache[1, 0, 520] = 1
     encoding_check.check_snapmla_encoding_once(cache, table, lens)  # checked once already: no second read
+    # a checked cache costs a replayed call one lookup, not the arguments' shape tests
+    monkeypatch.setattr(encoding_check, "_checkable", lambda *args: pytest.fail("a checked cache was re-examined"))
+    encoding_check.check_snapmla_encoding_once(cache, table, lens)

@@ -38,10 +38,10 @@ def _checkable(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: 
 def check_snapmla_encoding_once(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
     """Refuse (one line, naming the request) a cache whose requests' first tokens have nonzero
     pad bytes; once per cache."""
-    if not _checkable(k_cache, block_table, cache_seqlens) or capturing(k_cache):
-        return
     key = (k_cache.device, k_cache.data_ptr(), tuple(k_cache.shape))
-    if key in _checked:
+    if key in _checked:  # (first: a replayed decode call pays only this lookup)
+        return
+    if not _checkable(k_cache, block_table, cache_seqlens) or capturing(k_cache):
         return
     pages = k_cache.view(torch.uint8).view(-1, PAGE_SIZE, FP8_TOKEN_BYTES)
     first_page = block_table[:, 0].long()
