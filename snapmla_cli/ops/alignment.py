@@ -28,3 +28,9 @@ def require_aligned(name: str, t: torch.Tensor, align: int = VEC_ALIGN) -> None:
     """``t``'s data starts on an ``align``-byte boundary (an empty tensor is never read)."""
     if t.numel() and t.data_ptr() % align:
         misaligned(name, t.data_ptr(), align)
+
+
+def aligned_up(nbytes: int, align: int = VEC_ALIGN) -> int:
+    """``nbytes`` rounded up to a multiple of ``align``: the offset of the next part of a buffer
+    carved into several that the kernels read with aligned accesses."""
+    return -(-nbytes // align) * align

@@ -464,6 +464,16 @@ def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], sha
             metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
             lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A call whose signature has a plan: the checks the key cannot see, then its launches."""
+    q_ptrs = _replay_checks(plan, q_parts, shape, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse)
+    return plan.run(q_ptrs, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse)
+
+
+def _replay_checks(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], shape: tuple[int, ...],
+                   k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   metadata: torch.Tensor, num_splits: torch.Tensor, out: torch.Tensor | None,
+                   lse: torch.Tensor | None) -> tuple[int, ...]:
+    """What a replayed call's key cannot see (contiguity, start addresses, a caller's outputs);
+    returns q's part addresses."""
     _fast_checks((*q_parts, ("k_cache", k_cache), ("cache_seqlens", cache_seqlens),
                   ("tile_scheduler_metadata", metadata), ("num_splits", num_splits)), block_table)
     if k_cache.data_ptr() % VEC_ALIGN:  # (another layer's cache each call: not in the key)
@@ -474,7 +484,7 @@ def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], sha
     for (name, _), ptr in zip(q_parts, q_ptrs):  # (a new q each step: its address is not in the key)
         if ptr % Q_ALIGN.get(name, VEC_ALIGN):
             _require_q_aligned(((name, ptr),))  # (the error; inline above: the hot path)
-    return plan.run(q_ptrs, k_cache, block_table, cache_seqlens, metadata, num_splits, out, lse)
+    return q_ptrs
 
 
 def _tensor_args(**named: object) -> None:
@@ -767,13 +777,8 @@ def _quantize_and_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
     if plan is not None:  # (the key fixes the shapes and dtypes, which an earlier call checked)
         if check_encoding:
             _check_encoding(k_cache, block_table, cache_seqlens)
-        _fast_checks((("q", q), ("k_cache", k_cache), ("cache_seqlens", cache_seqlens),
-                      ("tile_scheduler_metadata", tile_scheduler_metadata), ("num_splits", num_splits)), block_table)
-        if k_cache.data_ptr() % VEC_ALIGN:
-            require_aligned("k_cache", k_cache)
-        q_ptr = q.data_ptr()
-        if q_ptr % VEC_ALIGN:
-            misaligned("q", q_ptr)
+        q_ptr, = _replay_checks(plan, (("q", q),), (), k_cache, block_table, cache_seqlens,
+                                tile_scheduler_metadata, num_splits, None, None)
         return plan.run_fused(q_ptr, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     from .prep import quantize_q, quantize_q_launch
 

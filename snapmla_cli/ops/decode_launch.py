@@ -116,9 +116,8 @@ class DecodePlan:
         quant = self.q_quant
         if quant is None:
             raise AssertionError("run_fused on a plan without its Q-quant launch")
-        if self.device.type == "cuda" and current_device_index() != self.device.index:
-            with torch.cuda.device(self.device):
-                return self.run_fused(q_ptr, k_cache, block_table, cache_seqlens, metadata, num_splits)
+        # (on the plan's GPU whichever is current: the allocation names it, the Q-quant launch
+        # and run switch to it)
         workspace = torch.empty(size=(quant.nbytes + self.partial_floats * torch.float32.itemsize,), dtype=torch.uint8,
                                 device=self.device)
         base = workspace.data_ptr()

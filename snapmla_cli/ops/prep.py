@@ -40,7 +40,7 @@ from ..numerics.quant import QuantizedRows, quantize_rows
 from ..runtime.launch import KernelHandle, i32, i64
 from ..runtime.registry import PREP_DEFINES, PREP_KERNELS, PREP_SOURCE
 from ..sizes import counted
-from .alignment import VEC_ALIGN, misaligned, require_aligned
+from .alignment import VEC_ALIGN, aligned_up, misaligned, require_aligned
 from .finite import GPU_CHECKS, capturing, check_quantizable
 
 _CPU_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -330,13 +330,9 @@ def quantize_q_launch(q: torch.Tensor) -> QuantizeQLaunch:
     """The workspace launch of ``q``'s shape, for a ``q`` that ``quantize_q`` has checked."""
     rows = q.numel() // D_QK
     scale_offset = rows * D_CONTENT  # (FP8: one byte a value)
-    rope_offset = scale_offset + _aligned(rows * torch.float32.itemsize)
+    rope_offset = scale_offset + aligned_up(rows * torch.float32.itemsize)
     return QuantizeQLaunch(q.get_device(), rows, _grid(rows), i64(rows), scale_offset, rope_offset,
-                           _aligned(rope_offset + rows * D_ROPE * torch.bfloat16.itemsize))
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // VEC_ALIGN) * VEC_ALIGN
+                           aligned_up(rope_offset + rows * D_ROPE * torch.bfloat16.itemsize))
 
 
 def _q_out_tensors(
