@@ -1,4 +1,4 @@
-"""Where an FP8 decode kernel's registers go, per source line (no GPU needed).
+"""Where a decode kernel's registers go, per source line (no GPU needed).
 
 A design that adds warps to a CTA (a third consumer warpgroup, four of 128 dims each) is decided
 by the registers a consumer thread has left beside O, and ptxas reports only the kernel's total.
@@ -13,6 +13,7 @@ decode source that inlined it, so a PV wgmma counts for the PV code that issues 
     python3 scripts/register_peaks.py                      # the 64-row default build
     python3 scripts/register_peaks.py 3:4:1:4:1:1:1:4 --budget 160 --top 30
     python3 scripts/register_peaks.py --rows 32 --define TRACE_PHASES=1
+    python3 scripts/register_peaks.py --format bf16
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapmla_cli.ops.decode_config import (
+    bf16_defines,
+    bf16_kernel,
     config_from_spec,
     fp8_defines,
     fp8_kernel,
@@ -176,6 +179,7 @@ def ptxas_summary(log: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", nargs="?", help="kernel spec (config_from_spec); default: the heuristic's for --rows")
+    parser.add_argument("--format", choices=("fp8", "bf16"), default="fp8", help="which decode kernel (default fp8)")
     parser.add_argument("--rows", type=int, default=DEFAULT_ROWS, help="rows a CTA's tile serves (default 64)")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="an extra compile-time define (repeatable)")
@@ -183,9 +187,10 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=None,
                         help="also count the lines whose peak exceeds this many registers")
     args = parser.parse_args()
-    cfg = config_from_spec(args.spec) if args.spec else heuristic_config(args.rows)
-    source, _ = fp8_kernel(cfg)
-    defines: dict[str, int | str] = dict(fp8_defines(cfg))
+    fp8 = args.format == "fp8"
+    cfg = config_from_spec(args.spec) if args.spec else heuristic_config(args.rows, fp8=fp8)
+    source, _ = fp8_kernel(cfg) if fp8 else bf16_kernel(cfg)
+    defines: dict[str, int | str] = dict(fp8_defines(cfg) if fp8 else bf16_defines(cfg))
     for item in args.define:
         name, sep, value = item.partition("=")
         if not sep:
