@@ -188,7 +188,10 @@ def main() -> None:
                         help="also count the lines whose peak exceeds this many registers")
     args = parser.parse_args()
     fp8 = args.format == "fp8"
-    cfg = config_from_spec(args.spec) if args.spec else heuristic_config(args.rows, fp8=fp8)
+    try:
+        cfg = config_from_spec(args.spec) if args.spec else heuristic_config(args.rows, fp8=fp8)
+    except ValueError as exc:
+        sys.exit(str(exc))
     source, _ = fp8_kernel(cfg) if fp8 else bf16_kernel(cfg)
     defines: dict[str, int | str] = dict(fp8_defines(cfg) if fp8 else bf16_defines(cfg))
     for item in args.define:
