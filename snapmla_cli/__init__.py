@@ -4,8 +4,8 @@ Public API, FlashMLA-shaped: ``get_mla_metadata`` (``GraphWorkList`` for a decod
 from a CUDA graph), ``flash_mla_with_kvcache``, plus the fused
 token-preparation ops (``quantize_q``, ``append_kv``, ``fetch_dequant``) and ``decode_fp8`` for an
 already-quantized Q; ``set_gpu_checks`` turns on the NaN / inf checks of CUDA inputs
-(``SNAPMLA_CHECK_FINITE=1``). GPU modules are imported on first use so that ``import snapmla_cli`` works on
-a machine without CuPy or a GPU.
+(``SNAPMLA_CHECK_FINITE=1``); every refused argument raises ``SnapmlaError``. GPU modules are
+imported on first use so that ``import snapmla_cli`` works on a machine without CuPy or a GPU.
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ _LAZY = {
     "fetch_dequant_slots": "snapmla_cli.ops.prep",
     "fetch_dequant_soa": "snapmla_cli.ops.prep",
     "set_gpu_checks": "snapmla_cli.ops.finite",
+    "SnapmlaError": "snapmla_cli.errors",
 }
 
 __all__ = [
     "GraphWorkList",
+    "SnapmlaError",
     "append_kv",
     "decode_bf16",
     "decode_fp8",

@@ -30,6 +30,7 @@ MAX_DIGITS = 19
 # a CPU, which its memory estimate of the tokens does not count), so a few zeros too many would
 # run for days or fill the memory instead of failing at once.
 MAX_BATCH = 4096
+BATCH_LIMIT_TEXT = f"{MAX_BATCH} requests"  # how every --batch error names the limit
 
 
 def refuse_long_number(number: str, what: str, text: object, expected: str = "") -> None:
@@ -40,28 +41,30 @@ def refuse_long_number(number: str, what: str, text: object, expected: str = "")
         raise SnapmlaError(f"{what}: {shorten(str(text))!r} is too large{expected}")
 
 
-def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE) -> int:
+def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE, most_text: str | None = None) -> int:
     """``"32k"`` -> 32768, ``"1m"`` -> 1048576, ``"4096"`` -> 4096 (k = 1024, m = 1024*1024),
-    between 1 and ``most``."""
+    between 1 and ``most``; an error beyond it names ``most_text`` (default ``most`` as a size:
+    "4k"; a batch says "4096 requests", as every command's --batch does)."""
+    limit = most_text or format_size(most)
     if isinstance(text, int):
         value = text
     else:
         match = _SIZE.match(str(text))
         if match is None:
             raise SnapmlaError(f"{what}: {text!r} is not a size (expected e.g. 2048, 32k or 1m)")
-        refuse_long_number(match.group(1), what, text, f" (expected at most {format_size(most)})")
+        refuse_long_number(match.group(1), what, text, f" (expected at most {limit})")
         value = int(match.group(1)) * _SUFFIX[match.group(2).lower()]
     if value < 1:
         raise SnapmlaError(f"{what}: {text!r} must be at least 1")
     if value > most:
-        raise SnapmlaError(f"{what}: {text!r} is too large (expected at most {format_size(most)})")
+        raise SnapmlaError(f"{what}: {text!r} is too large (expected at most {limit})")
     return value
 
 
 def require_batch(what: str, batch: int | None) -> None:
     """A one-line error naming ``what`` for a batch beyond :data:`MAX_BATCH` (None: not given)."""
     if batch is not None and batch > MAX_BATCH:
-        raise SnapmlaError(f"{what}: {batch} is too large (expected at most {MAX_BATCH} requests)")
+        raise SnapmlaError(f"{what}: {batch} is too large (expected at most {BATCH_LIMIT_TEXT})")
 
 
 def unique_values(what: str, items: Iterable[tuple[T, str]], show: Callable[[T], str] = str) -> list[T]:

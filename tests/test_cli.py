@@ -395,6 +395,30 @@ def test_the_large_floor_note_starts_above_a_tenth() -> None:
     assert note is not None and note.startswith("note: FP8 storage alone is 0.5 (rel_l2)") and "h_q 64 s_q 2" in note
 
 
+def test_the_emulation_missing_the_ref64_gate_is_explained_not_a_kernel_miss() -> None:
+    """An emulation (no kernel) over the ref64 gate gets a note naming the worst case and the
+    gate's factor (random-normal caches with spread attention: about 1.3x the floor); a short
+    context keeps its own reason; a kernel's miss or a pass gets no note."""
+    from snapmla_cli.analysis.verify import EMULATION, CaseResult, GateCheck, Gates, ImplResult
+    from snapmla_cli.cli.verify import SHORT_CONTEXT, _emulation_miss_note
+    from snapmla_cli.numerics.metrics import ErrorMetrics
+
+    def case(name: str, rel: float, floor: float, ctx: int = 32768, heads: int = 16) -> CaseResult:
+        limit = 1.1 * floor + 1e-3
+        impl = ImplResult(name, "fp8", ErrorMetrics(0.0, 0.0, rel, 0.0), ErrorMetrics(0.0, 0.0, 0.0, 0.0), None,
+                          [GateCheck("rel_l2 vs ref64", rel, limit)], 0.1)
+        return CaseResult(heads, 1, 1, ctx, True, ErrorMetrics(0.0, 0.0, floor, 0.0), [impl])
+
+    gates = Gates()
+    assert _emulation_miss_note([case(EMULATION, 0.026, 0.026)], gates) is None
+    assert _emulation_miss_note([case("fp8-kernel", 0.05, 0.026)], gates) is None
+    note = _emulation_miss_note([case(EMULATION, 0.030, 0.026), case(EMULATION, 0.035, 0.026, heads=64)], gates)
+    assert note is not None and "misses the ref64 gate at h_q 64 s_q 1 (0.035 against a floor of 0.026)" in note
+    assert "--gate-floor-factor (1.1)" in note
+    short = _emulation_miss_note([case(EMULATION, 0.2, 0.05, ctx=SHORT_CONTEXT - 1)], gates)
+    assert short is not None and "averaged over few keys" in short
+
+
 def test_counts_take_the_right_number(tmp_path: Path) -> None:
     assert counted(1, "layer") == "1 layer" and counted(0, "layer") == "0 layers"
     assert counted(1, "query", "queries") == "1 query" and counted(3, "query", "queries") == "3 queries"

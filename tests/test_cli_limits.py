@@ -28,8 +28,10 @@ from snapmla_cli.tuning.db import GpuKey
     (["verify", "--ctx", "1k", "--mtp", "17"], ["--mtp", "at most 16"]),
     (["verify", "--ctx", "1k", "--batch", "0"], ["--batch", "at least 1"]),
     (["tune", "--dry-run", "--ctx", "99999999999999999999999"], ["--ctx", "too large"]),
-    (["tune", "--dry-run", "--batch", "1-100000"], ["--batch", "at most 4k"]),
+    (["tune", "--dry-run", "--batch", "1-100000"], ["--batch", "at most 4096 requests"]),
     (["synth", "-o", "never.st", "--tokens", "100000000m"], ["--tokens", "too large"]),
+    # (no cap once ran a 100,000-head synth out of host memory past an estimate 25% low)
+    (["synth", "-o", "never.st", "--heads", "1025"], ["--heads: expected at most 1024, got 1025"]),
     (["verify", "--ctx", "9" * 5000], ["--ctx", "too large"]),
     (["tune", "--dry-run", "--heads", "9" * 5000], ["--heads", "too large"]),
     (["tune", "--dry-run", "--budget", "9" * 5000], ["--budget", "too large"]),
@@ -58,11 +60,13 @@ def test_more_memory_than_the_host_has_is_refused_before_any_work(tmp_path: Path
 
 @pytest.mark.parametrize(("args", "needle"), [
     (["synth", "--layers", "abc", "-o", "x.st"], "snapmla synth: Invalid value for '--layers'"),
-    (["quantize", "--device", "gpu"], "snapmla quantize: Invalid value for '--device'"),
+    # (without pydantic's "Value error, " between the option and the choices)
+    (["quantize", "--device", "gpu"],
+     "snapmla quantize: Invalid value for '--device': 'gpu' is not one of 'auto', 'cpu', 'cuda'."),
     (["synth"], "snapmla synth: Missing option '--output'"),
     (["info", "extra"], "snapmla info: Got unexpected extra argument"),
     (["info", "--bogus"], "snapmla info: No such option: --bogus"),
-    (["bench", "--model", "foo"], "snapmla bench: Invalid value for '--model'"),
+    (["bench", "--model", "foo"], "snapmla bench: Invalid value for '--model': 'foo' is not one of"),
     (["verify", "--seed", "99999999999999999999999"], "snapmla verify: Invalid value for '--seed'"),
     (["synth", "-o", "x.st", "--seed", "-1"], "snapmla synth: Invalid value for '--seed'"),
     (["verify", "--heads", "\u00b2"], "--heads: '\u00b2' is not a positive integer"),

@@ -45,3 +45,10 @@ def test_non_finite_values_pass_only_where_the_reference_has_them(got, ref, fini
     metrics = compare(torch.tensor(got), torch.tensor(ref))
     values = (metrics.rmse, metrics.cos_diff, metrics.rel_l2, metrics.max_abs)
     assert all(v == 0.0 for v in values) if finite else all(v == math.inf for v in values)
+
+
+def test_arrays_of_different_shapes_are_refused_by_name() -> None:
+    from snapmla_cli.errors import SnapmlaError
+
+    with pytest.raises(SnapmlaError, match=r"^compare: shapes differ, \(3,\) vs \(4,\)"):
+        compare(torch.zeros(3), torch.zeros(4))

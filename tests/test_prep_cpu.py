@@ -561,6 +561,8 @@ def test_public_api_names_resolve() -> None:
     for name in snapmla_cli.__all__:
         assert callable(getattr(snapmla_cli, name)), name
     assert snapmla_cli.set_gpu_checks is set_gpu_checks
+    # a caller catches the library's refusals by the top-level name
+    assert snapmla_cli.SnapmlaError is SnapmlaError
     for not_a_bool in ("false", 0, None):  # bool("false") is True: the switch would do the opposite
         with pytest.raises(SnapmlaError, match="enabled: expected True or False"):
             set_gpu_checks(not_a_bool)

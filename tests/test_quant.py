@@ -172,3 +172,11 @@ def test_any_leading_shape(shape: tuple[int, ...]) -> None:
     rows = quantize_rows(x)
     flat = quantize_rows(x.reshape(-1, D_QK))
     assert torch.equal(rows.scale.reshape(-1), flat.scale)
+
+
+def test_a_row_of_another_width_is_named_in_the_librarys_error() -> None:
+    """The reference quantizer's shape error is a SnapmlaError (the CLI's one-line kind)."""
+    from snapmla_cli.errors import SnapmlaError
+
+    with pytest.raises(SnapmlaError, match=rf"^quantize_rows: expected last dim {D_QK}, got \(1, {D_CONTENT}\)"):
+        quantize_rows(torch.zeros(1, D_CONTENT))

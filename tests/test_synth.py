@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from snapmla_cli.cache.synth import (
@@ -121,6 +125,29 @@ def test_synth_bytes_count_every_layers_cache() -> None:
 
     one, eight = SynthSpec(layers=1, tokens=1000), SynthSpec(layers=8, tokens=1000)
     assert synth_bytes(eight) - synth_bytes(one) == 7 * 1000 * 576 * 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the peak RSS from /proc (Linux)")
+def test_synth_bytes_cover_a_many_row_build_measured_in_a_fresh_process() -> None:
+    """The host-memory check trusts the estimate: at few tokens and many probe rows (4,096 here)
+    the build's peak is the gathered keys, which the estimate once put 25% low (a 100,000-head
+    synth passed the check and the kernel killed it). The growth of a fresh process's peak RSS
+    (VmHWM: a new process image starts its own, unlike getrusage's maxrss, which keeps the
+    forking parent's across exec)."""
+    code = (
+        "from snapmla_cli.cache.synth import SynthSpec, synth_bytes, synth_dump\n"
+        "def hwm():\n"
+        "    line = next(t for t in open('/proc/self/status') if t.startswith('VmHWM:'))\n"
+        "    return int(line.split()[1]) * 1024\n"
+        "spec = SynthSpec(layers=1, tokens=64, queries=4, heads=1024, seed=1)\n"
+        "base = hwm()\n"
+        "synth_dump(spec)\n"
+        "print(hwm() - base, synth_bytes(spec))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    grown, estimate = (int(v) for v in done.stdout.split())
+    assert grown > 100 * 2**20, done.stdout  # the build did allocate what is being compared
+    assert grown <= estimate <= 1.5 * grown, (grown, estimate)
 
 
 def test_probe_queries_are_sized_for_the_softmax_scale_given() -> None:

@@ -274,9 +274,11 @@ KV_BYTES_PER_TOKEN = D_QK * 2
 BUILD_BYTES_PER_TOKEN = 4 * D_QK * 4
 PROBE_BYTES_PER_LOGIT = 4 * 8
 # per probe row, while probe_queries builds it: the gathered content of the QUERY_MIX_KEYS keys it
-# mixes (float32, with int64 indices) and its float64 copies (content, RoPE, the two logit rows'
-# inputs); a large --queries x --heads at few tokens is bound by this, not by the logits
-PROBE_BUILD_BYTES_PER_ROW = QUERY_MIX_KEYS * (D_CONTENT * 4 + 8) + 4 * D_QK * 8
+# mixes, twice (float32: the gather and its division by the channel RMS live together, with int64
+# indices), and its float64 copies (content and RoPE); a large --queries x --heads at few tokens
+# is bound by this, not by the logits (measured: 0.99 GiB for 16,000 rows at 64 tokens, which
+# the estimate had at 0.80 without the second copy)
+PROBE_BUILD_BYTES_PER_ROW = QUERY_MIX_KEYS * (2 * D_CONTENT * 4 + 8) + 2 * D_QK * 8
 
 
 def synth_bytes(spec: SynthSpec) -> int:

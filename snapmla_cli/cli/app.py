@@ -54,6 +54,17 @@ def _stdout_gone() -> NoReturn:
     sys.exit(STDOUT_GONE_EXIT)
 
 
+# typer validates choices through pydantic, whose message for a ValueError starts with this; the
+# user asked for a choice, not for a validator's wording
+_VALIDATOR_PREFIX = "Value error, "
+
+
+def _without_validator_prefix(message: str) -> str:
+    """A parse error's text without pydantic's "Value error, " (``--device foo``: "Invalid value
+    for '--device': 'foo' is not one of 'auto', 'cpu', 'cuda'.")."""
+    return message.replace(": " + _VALIDATOR_PREFIX, ": ")
+
+
 class SnapmlaGroup(TyperGroup):
     """Turns user-facing errors of every subcommand into one line and exit code 2, the option
     parser's too (typer would draw them as a multi-line box)."""
@@ -68,7 +79,7 @@ class SnapmlaGroup(TyperGroup):
             sys.exit(USAGE_EXIT)
         except click_errors.ClickException as exc:
             where = f"{exc.ctx.command_path}: " if isinstance(exc, click_errors.UsageError) and exc.ctx else ""
-            typer.echo(f"error: {where}{one_line(exc.format_message())}", err=True)
+            typer.echo(f"error: {where}{one_line(_without_validator_prefix(exc.format_message()))}", err=True)
             sys.exit(exc.exit_code)
         except typer.Abort:  # end of input at a prompt
             typer.echo("aborted", err=True)

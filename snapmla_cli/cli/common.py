@@ -53,6 +53,13 @@ def require_at_least(option: str, value: int | None, least: int = 1) -> None:
         raise SnapmlaError(f"{option}: expected at least {least}, got {value}")
 
 
+def require_at_most(option: str, value: int, most: int) -> None:
+    """A one-line error naming ``option`` when a count given on the command line is above
+    ``most`` (a typo, not a shape: it would otherwise run the host out of memory)."""
+    if value > most:
+        raise SnapmlaError(f"{option}: expected at most {most}, got {value}")
+
+
 def fmt(value: float | None, digits: int = 3) -> str:
     if value is None:
         return "-"

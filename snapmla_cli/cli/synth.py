@@ -10,9 +10,9 @@ import typer
 from ..cache.atomic import check_writable, naming
 from ..cache.dump_file import write_dump
 from ..cache.synth import DEFAULT_SPEC, SynthSpec, layer_stats, synth_dump
-from ..sizes import counted, format_size, parse_size
+from ..sizes import MAX_QUERY_HEADS, counted, format_size, parse_size
 from ..tables import figure_table
-from .common import console, output_option, require_at_least, seed_option
+from .common import console, output_option, require_at_least, require_at_most, seed_option
 
 
 def synth_command(
@@ -30,6 +30,7 @@ def synth_command(
     whose range grows with depth to about +-1e3, and probe queries per layer."""
     require_at_least("--layers", layers)
     require_at_least("--heads", heads)
+    require_at_most("--heads", heads, MAX_QUERY_HEADS)  # as verify's and bench's --heads
     require_at_least("--queries", queries, 0)
     check_writable(output, force, "--output")
     spec = SynthSpec(layers=layers, tokens=parse_size(tokens, "--tokens"), queries=queries,

@@ -93,7 +93,7 @@ def _advance(bar: Progress, task: TaskID, offset: int, desc: str, done: int, tot
 
 def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_dir: Path | None, force: bool,
           stale: bool) -> None:
-    from ..sizes import MAX_QUERY_HEADS, MAX_QUERY_TOKENS, parse_int_list
+    from ..sizes import BATCH_LIMIT_TEXT, MAX_QUERY_HEADS, MAX_QUERY_TOKENS, parse_int_list
     from ..tuning.space import (
         MAX_TUNE_BATCH,
         make_buckets,
@@ -113,7 +113,7 @@ def _tune(options: BucketOptions, budget: str, dry_run: bool, resume: bool, db_d
         heads, mtp, batch, ctx, fmt = (options.text(name) for name in ("heads", "mtp", "batch", "ctx", "fmt"))
         buckets = make_buckets(parse_int_list(heads, "--heads", MAX_QUERY_HEADS),
                                parse_int_list(mtp, "--mtp", MAX_QUERY_TOKENS, example="1,2"),
-                               parse_ranges(batch, "--batch", MAX_TUNE_BATCH), parse_ranges(ctx, "--ctx"),
+                               parse_ranges(batch, "--batch", MAX_TUNE_BATCH, BATCH_LIMIT_TEXT), parse_ranges(ctx, "--ctx"),
                                parse_formats(fmt))
         commands = {}
         # (quoted: the entry's command must paste back into a shell, `--ctx "16k, 32k"` too)

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from ..analysis.verify import (
     DEFAULT_CONTEXT,
+    EMULATION,
     CaseResult,
     Gates,
     ProblemSource,
@@ -226,11 +227,33 @@ def _render(out: Console, results: list[CaseResult], source: ProblemSource, devi
     out.print(f"{passed}/{len(results)} cases pass (fp8: rel_l2 vs ref64 <= {gates.floor_factor} * floor + "
               f"{gates.floor_abs}, vs emul <= {gates.emul_rel_l2}; bf16: cos_diff <= {gates.bf16_cos_diff}; "
               f"kernels' lse max_abs <= {gates.lse_max_abs})")
-    if first.ctx < SHORT_CONTEXT and any(not c.passed and c.name.endswith("ref64")
-                                          for case in results for r in case.impls for c in r.checks):
-        out.print(f"note: at {first.ctx} tokens P's E4M3 rounding (SPEC section 5) is averaged over few keys, "
-                  "so even the emulation, the algorithm's definition, can miss the ref64 gate; the gate "
-                  "is meant for long contexts")
+    note = _emulation_miss_note(results, gates)
+    if note:
+        out.print(note)
+
+
+def _emulation_miss_note(results: list[CaseResult], gates: Gates) -> str | None:
+    """Why the emulation, the algorithm's definition (no kernel), can miss the ref64 gate: P's
+    E4M3 rounding (SPEC section 5, with V's per-token scales fused into P) is an error of the
+    FP8 pipeline on top of storage, as large as the floor itself when attention spreads evenly
+    over many keys of unstructured values (random-normal caches: about 1.3x the floor at any
+    magnitude), and barely averaged at short contexts. A FAIL there answers "is FP8 attention
+    within the tolerance of storage alone on this data", not "is a kernel wrong"."""
+    missed = [(case, r) for case in results for r in case.impls
+              if r.name == EMULATION and any(not c.passed and c.name.endswith("ref64") for c in r.checks)]
+    if not missed:
+        return None
+    case, worst = max(missed, key=lambda m: m[1].vs_ref64.rel_l2 / max(m[0].floor.rel_l2, 1e-300))
+    if case.ctx < SHORT_CONTEXT:
+        return (f"note: at {case.ctx} tokens P's E4M3 rounding (SPEC section 5) is averaged over few keys, "
+                "so even the emulation, the algorithm's definition, can miss the ref64 gate; the gate "
+                "is meant for long contexts")
+    return (f"note: the emulation, the FP8 algorithm's definition (no kernel), misses the ref64 gate at h_q "
+            f"{case.heads} s_q {case.mtp} ({worst.vs_ref64.rel_l2:.3g} against a floor of "
+            f"{case.floor.rel_l2:.3g}): P's E4M3 rounding, which carries V's per-token scales, adds error "
+            f"beyond storage on this data (attention spread over many keys of unstructured values); the "
+            f"kernels are gated against the emulation, and --gate-floor-factor ({gates.floor_factor}) sets "
+            "how much more than storage alone is acceptable")
 
 
 def _as_dict(results: list[CaseResult], source: ProblemSource, device: str, gates: Gates,

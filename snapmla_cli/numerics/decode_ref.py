@@ -14,6 +14,9 @@ from .decode_args import check_finite_keys, checked_paged_decode, require_finite
 from .formats import D_QK, D_V
 from .visibility import visibility_mask
 
+# the dtypes a reference may compute in (float16 overflows the logits, bfloat16 is the error measured)
+REFERENCE_DTYPES = (torch.float64, torch.float32)
+
 
 def decode_reference(
     q: torch.Tensor,
@@ -35,8 +38,8 @@ def decode_reference(
         got = f"{tuple(q.shape)} {q.dtype}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
     require_finite("q: expected finite values, found NaN or inf", q)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise SnapmlaError(f"dtype: expected a torch floating-point dtype (float64 or float32), got {dtype!r}")
+    if dtype not in REFERENCE_DTYPES:  # float16 / bfloat16 were accepted and went wrong silently
+        raise SnapmlaError(f"dtype: expected torch.float64 or torch.float32 for the reference, got {dtype!r}")
     b, s_q, h_q, d = q.shape
     kv_cache, softmax_scale, causal, seqlens = checked_paged_decode(
         "kv_cache", kv_cache, D_QK, (torch.bfloat16, torch.float16, torch.float32, torch.float64),

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import SnapmlaError
+
 
 @dataclass(frozen=True)
 class ErrorMetrics:
@@ -27,7 +29,7 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> ErrorMetrics:
     """Metrics of ``x`` against ``ref``; positions where ``ref`` is non-finite (e.g. lse = +inf of
     empty rows) must match exactly and are then left out of the sums."""
     if x.shape != ref.shape:
-        raise ValueError(f"compare: shapes differ, {tuple(x.shape)} vs {tuple(ref.shape)}")
+        raise SnapmlaError(f"compare: shapes differ, {tuple(x.shape)} vs {tuple(ref.shape)}")
     a = x.detach().to("cpu", torch.float64).reshape(-1)
     r = ref.detach().to("cpu", torch.float64).reshape(-1)
     ref_finite = torch.isfinite(r)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import SnapmlaError
 from .formats import D_CONTENT, D_QK, D_ROPE, E4M3_MAX, FP8_DTYPE, KV_SCALE_FLOOR
 
 
@@ -62,9 +63,13 @@ def row_scale(content: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor) -> QuantizedRows:
-    """Quantize ``x[..., 576]`` (any float dtype) row by row, as SPEC section 3 defines."""
+    """Quantize ``x[..., 576]`` (any float dtype) row by row, as SPEC section 3 defines.
+
+    The definition, not a checked entry point: a row holding NaN or inf gets a non-finite scale.
+    The callers that take user data check it first (``quantize_q``, ``append_kv``, the dump
+    reader behind ``snapmla quantize``), so the whole-cache path pays no second pass."""
     if x.shape[-1] != D_QK:
-        raise ValueError(f"quantize_rows: expected last dim {D_QK}, got {tuple(x.shape)}")
+        raise SnapmlaError(f"quantize_rows: expected last dim {D_QK}, got {tuple(x.shape)}")
     x32 = x.float()
     content, rope = x32[..., :D_CONTENT], x32[..., D_CONTENT:]
     scale = row_scale(content)

@@ -162,18 +162,18 @@ MAX_TUNE_BATCH = MAX_BATCH
 _RANGE = re.compile(r"^\s*([^-\s]+)\s*-\s*([^-\s]+)\s*$")
 
 
-def parse_ranges(text: str, what: str, most: int = MAX_SIZE) -> list[tuple[int, int]]:
+def parse_ranges(text: str, what: str, most: int = MAX_SIZE, most_text: str | None = None) -> list[tuple[int, int]]:
     """``"64"``, ``"1,8,64"``, ``"16-128"``, ``"16k,32k-64k"``: each comma item is one bucket
     range, a single value ``N`` meaning ``N-N``, its ends in 1..``most``. Sizes take k/m
     suffixes (``32k`` = 32768). The same range given twice (``64,64-64``, ``16k-32k,16384-32768``)
-    is an error (``sizes.unique_values``)."""
+    is an error (``sizes.unique_values``); ``most_text`` names the limit (``parse_size``)."""
     out: list[tuple[tuple[int, int], str]] = []
     for part in str(text).split(","):
         if not part.strip():
             continue
         m = _RANGE.match(part)
-        lo, hi = (parse_size(m.group(1), what, most), parse_size(m.group(2), what, most)) if m else (
-            parse_size(part, what, most),) * 2
+        lo, hi = (parse_size(m.group(1), what, most, most_text), parse_size(m.group(2), what, most, most_text)) if m \
+            else (parse_size(part, what, most, most_text),) * 2
         if lo > hi:
             raise SnapmlaError(f"{what}: range {part.strip()!r} runs backwards")
         out.append(((lo, hi), part))
