@@ -51,6 +51,7 @@ from snapmla_cli.bench.roofline import Ceilings, DecodeWork
 from snapmla_cli.cli.bench import bench_command
 from snapmla_cli.errors import NoGpuError, SnapmlaError
 from snapmla_cli.runtime.gpu_arch import UnsupportedGpuError
+from snapmla_cli.sizes import MAX_BATCH
 
 GiB = 2**30
 
@@ -120,10 +121,12 @@ def test_budget_batch_for_deepseek_v3_at_60_gib() -> None:
     assert budget_batch(60 * GiB, 131072, 61, FP8) == 12
     assert budget_batch(60 * GiB, 131072, 61, BF16) == 6
     assert budget_batch(GiB, 131072, 61, BF16) == 0
-    # FP8 holds 1152 / 656 = 1.76x the tokens
+    # FP8 holds 1152 / 656 = 1.76x the tokens (batches of 3,050 and 1,737, below the cap)
     ctx = 4096
-    ratio = budget_batch(10**15, ctx, 1, FP8) / budget_batch(10**15, ctx, 1, BF16)
-    assert math.isclose(ratio, 1152 / 656, rel_tol=1e-6)
+    ratio = budget_batch(5 * 10**11, ctx, 61, FP8) / budget_batch(5 * 10**11, ctx, 61, BF16)
+    assert math.isclose(ratio, 1152 / 656, rel_tol=1e-3)
+    # at most MAX_BATCH requests: a short context's budget sized 873,813 once (64 tokens, 1 layer)
+    assert budget_batch(60 * GiB, 64, 1, FP8) == budget_batch(10**15, ctx, 1, BF16) == MAX_BATCH == 4096
 
 
 def test_budget_counts_whole_pages() -> None:
@@ -921,3 +924,15 @@ def test_a_case_spread_is_its_noisiest_rank_and_a_noisy_one_gets_a_note() -> Non
     assert "1 of 4 measurements" in note and "7.2%" in note and f"bf16 batch 3 on rank {noisy_rank}" in note
     cells = {c.header: list(c.cells) for c in kernel_table(calm).columns}
     assert cells["spread"] == ["7.2%", "1.0%"]
+
+
+def test_the_cpu_runner_spec_records_what_the_cpu_runner_runs() -> None:
+    """The report's meta.runner is the spec: with --cpu-fake it once said 20 steps, 3 warm-ups
+    and graphs where 5, 1 and eager steps ran."""
+    spec = RunnerSpec(kind="cpu-fake", steps=20, warmup=3, graphs=True)
+    assert (spec.steps, spec.warmup, spec.graphs) == (5, 1, False)
+    runner = spec.build(0)
+    assert (runner.steps, runner.warmup) == (5, 1)  # type: ignore[attr-defined]
+    assert RunnerSpec(kind="gpu", steps=20, warmup=3).steps == 20
+    with pytest.raises(SnapmlaError, match="--steps: expected at least 1"):
+        RunnerSpec(kind="cpu-fake", steps=0)

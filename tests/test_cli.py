@@ -419,6 +419,46 @@ def test_the_emulation_missing_the_ref64_gate_is_explained_not_a_kernel_miss() -
     assert short is not None and "averaged over few keys" in short
 
 
+def test_the_table_shows_each_rows_own_gates_limit_and_lse() -> None:
+    """The `limit` beside rel_l2 is rel_l2's (a BF16 row, gated on cos_diff, shows none: its
+    5e-6 there read as a failure marked PASS), and `lse max_abs` is the gated value: an FP8
+    kernel's against the emulation, not against ref64."""
+    from rich.console import Console
+
+    from snapmla_cli.analysis.verify import (
+        EMULATION,
+        LSE_GATE_PREFIX,
+        REL_L2_GATE,
+        CaseResult,
+        GateCheck,
+        Gates,
+        ImplResult,
+        synthetic_source,
+    )
+    from snapmla_cli.cli.verify import _render
+    from snapmla_cli.numerics.metrics import ErrorMetrics
+
+    def metrics(rel: float, max_abs: float = 0.0) -> ErrorMetrics:
+        return ErrorMetrics(1e-3, 1e-7, rel, max_abs)
+
+    emul = ImplResult(EMULATION, "fp8", metrics(0.0261), metrics(0.0, 0.0123), None,
+                      [GateCheck(REL_L2_GATE, 0.0261, 0.0297)], 0.1)
+    fp8 = ImplResult("fp8-kernel", "fp8", metrics(0.0262), metrics(0.0, 0.0647), metrics(0.0011),
+                     [GateCheck(REL_L2_GATE, 0.0262, 0.0297), GateCheck(f"{LSE_GATE_PREFIX}emul", 0.000456, 0.01)], 0.1)
+    bf16 = ImplResult("bf16-kernel", "bf16", metrics(0.00167), metrics(0.0, 0.000789), None,
+                      [GateCheck("cos_diff vs ref64", 1e-7, 5e-6), GateCheck(f"{LSE_GATE_PREFIX}ref64", 0.000789, 0.01)],
+                      0.1)
+    case = CaseResult(16, 1, 1, 32768, True, metrics(0.0261), [emul, fp8, bf16])
+    out = Console(record=True, width=300)
+    _render(out, [case], synthetic_source(None), "cuda", Gates())
+    rows = {line.split("│")[3].strip(): [c.strip() for c in line.split("│")[1:-1]]
+            for line in out.export_text().splitlines() if line.count("│") > 10 and "impl" not in line}
+    limit, lse = 5, 8  # columns: h_q, s_q, impl, rel_l2, floor, limit, cos_diff, rmse, lse max_abs, ...
+    assert rows["bf16-kernel"][limit] == "-" and rows["fp8-kernel"][limit] == "2.970e-02"
+    assert rows["fp8-kernel"][lse] == "4.560e-04"  # vs emul (its lse vs ref64 is 6.47e-2)
+    assert rows["bf16-kernel"][lse] == "7.890e-04" and rows[EMULATION][lse] == "1.230e-02"
+
+
 def test_counts_take_the_right_number(tmp_path: Path) -> None:
     assert counted(1, "layer") == "1 layer" and counted(0, "layer") == "0 layers"
     assert counted(1, "query", "queries") == "1 query" and counted(3, "query", "queries") == "3 queries"
@@ -445,3 +485,42 @@ def test_quantize_labels_the_synthetic_defaults_probes_synthetic(tmp_path: Path)
     assert result.exit_code == 0, result.output
     assert [layer["probes"] for layer in json.loads(report.read_text())["layers"]] == ["synthetic"]
     assert "synthetic queries" in " ".join(result.stdout.split())
+
+
+def test_a_zero_error_layer_is_a_gap_in_the_fidelity_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer with zero error (all-zero KV) on the log axes was drawn at 1e-300, stretching
+    every panel over 300 decades; it is now a gap, and the panel names the layer."""
+    import matplotlib.pyplot as plt
+
+    from snapmla_cli.analysis.fidelity import METRICS, FidelityReport, LayerFidelity
+    from snapmla_cli.analysis.plot import plot_fidelity
+    from snapmla_cli.numerics.metrics import ErrorMetrics
+
+    def layer(index: int, err: float) -> LayerFidelity:
+        metrics = ErrorMetrics(err, err, err, err)
+        return LayerFidelity(index, 64, 8, "synthetic", {"output": {"snap": metrics}})
+
+    figures: list = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    report = FidelityReport(layers=[layer(0, 2e-2), layer(1, 0.0), layer(2, 3e-2)], configs=["snap"])
+    plot_fidelity(report, tmp_path / "f.png")
+    axes = figures[0].axes
+    assert len(axes) == len(METRICS)
+    for ax in axes:
+        low, high = ax.get_ylim()
+        assert low > 1e-4 and high < 1.0, (low, high)
+        assert any("0 (not drawn) at layer 1" in t.get_text() for t in ax.texts)
+    assert (tmp_path / "f.png").stat().st_size > 0
+
+
+def test_the_mean_tables_title_names_every_kind_of_probe() -> None:
+    """A dump with its own queries in some layers only: the title once named layer 0's probes."""
+    from snapmla_cli.analysis.fidelity import LayerFidelity
+    from snapmla_cli.cli.quantize import _probe_summary
+
+    def layer(rows: int, probes: str) -> LayerFidelity:
+        return LayerFidelity(0, 64, rows, probes, {})
+
+    assert _probe_summary([layer(32, "dump"), layer(32, "dump")]) == "32 probe rows/layer, dump queries"
+    assert _probe_summary([layer(32, "dump"), layer(64, "synthetic"), layer(32, "dump")]) == (
+        "layers differ: 32 probe rows/layer, dump queries; 64 probe rows/layer, synthetic queries")

@@ -21,10 +21,18 @@ def plot_fidelity(report: FidelityReport, path: Path, title: str = "", force: bo
     layers = [layer.layer for layer in report.layers]
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 4), constrained_layout=True)
     for ax, metric in zip(axes, METRICS):
+        exact: set[int] = set()
         for config in report.configs:
-            values = [max(getattr(layer.metrics["output"][config], metric), 1e-300) for layer in report.layers]
+            # a zero (an all-zero layer, an exact copy) has no place on a log axis: drawn at 1e-300
+            # it stretched every panel over 300 decades, so it is a gap, named in the panel
+            raw = [getattr(layer.metrics["output"][config], metric) for layer in report.layers]
+            exact.update(n for n, v in zip(layers, raw) if not v > 0)
+            values = [v if v > 0 else float("nan") for v in raw]
             ax.plot(layers, values, marker="o", markersize=3, label="SnapMLA" if config == "snap" else f"Config {config}")
         ax.set_yscale("log")
+        if exact:
+            ax.text(0.02, 0.02, f"0 (not drawn) at layer {', '.join(map(str, sorted(exact)))}",
+                    transform=ax.transAxes, fontsize=7, va="bottom")
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(_TITLES[metric])

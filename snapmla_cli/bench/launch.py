@@ -44,6 +44,8 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 PG_TIMEOUT = timedelta(minutes=10)  # GPU ranks: compiles, cache fills and long steps
 FAKE_PG_TIMEOUT = timedelta(seconds=60)  # CPU fake: a hang fails CI in a minute
 RUNNER_KINDS = ("gpu", "cpu-fake")
+# the CPU runner (CI) keeps its runs short and eager, whatever --steps / --warmup / --graphs say
+FAKE_MAX_STEPS, FAKE_MAX_WARMUP = 5, 1
 BF16_IMPLS = ("auto", "snapmla", "flashmla")
 MAX_PORT = 65535
 
@@ -63,6 +65,10 @@ class RunnerSpec:
     def __post_init__(self) -> None:
         if self.kind not in RUNNER_KINDS:
             raise SnapmlaError(f"runner: {self.kind!r} is not one of {', '.join(RUNNER_KINDS)}")
+        if self.kind == "cpu-fake":  # what runs is what the report's meta.runner records
+            object.__setattr__(self, "steps", min(self.steps, FAKE_MAX_STEPS))
+            object.__setattr__(self, "warmup", min(self.warmup, FAKE_MAX_WARMUP))
+            object.__setattr__(self, "graphs", False)
         if self.steps < 1:
             raise SnapmlaError(f"--steps: expected at least 1, got {self.steps}")
         if self.warmup < 0:
@@ -84,7 +90,7 @@ class RunnerSpec:
                                  self.bf16_impl, self.roofline, self.clocks)
         from .fake_step import CpuFakeRunner
 
-        return CpuFakeRunner(steps=min(self.steps, 5), warmup=min(self.warmup, 1))
+        return CpuFakeRunner(steps=self.steps, warmup=self.warmup)
 
 
 @dataclass(frozen=True)

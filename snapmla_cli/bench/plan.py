@@ -9,7 +9,9 @@ Conventions (see docs/DESIGN.md, "snapmla bench"):
   split the KV cache: every rank of a TP group holds the whole cache of the group's requests.
 - The KV budget ``--kv-mem`` is per GPU and pays for the real model's ``L`` layer caches:
   ``batch = floor(budget / (L * pages(ctx) * 64 * bytes_per_token))`` with 656 bytes per token
-  for FP8 and 1152 for BF16, the same on every layout.
+  for FP8 and 1152 for BF16, the same on every layout, at most ``MAX_BATCH`` (4096, every
+  command's ``--batch`` limit: a short context's budget would otherwise size batches of tens of
+  thousands of requests, whose queries alone outgrow the GPU).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from dataclasses import dataclass
 
 from ..errors import SnapmlaError
 from ..numerics.formats import BF16_TOKEN_BYTES, FP8_TOKEN_BYTES, PAGE_SIZE
-from ..sizes import MAX_QUERY_HEADS, format_size, refuse_long_number, require_batch, unique_values
+from ..sizes import (
+    MAX_BATCH,
+    MAX_QUERY_HEADS,
+    format_size,
+    refuse_long_number,
+    require_batch,
+    unique_values,
+)
 
 FP8, BF16 = "fp8", "bf16"
 IMPLS = (FP8, BF16)
@@ -193,8 +202,9 @@ def kv_bytes_per_request(context: int, layers: int, impl: str) -> int:
 
 
 def budget_batch(kv_mem: int, context: int, layers: int, impl: str) -> int:
-    """Requests the per-GPU KV budget holds at ``context`` (0 when not even one fits)."""
-    return kv_mem // kv_bytes_per_request(context, layers, impl)
+    """Requests the per-GPU KV budget holds at ``context`` (0 when not even one fits), at most
+    :data:`MAX_BATCH`."""
+    return min(MAX_BATCH, kv_mem // kv_bytes_per_request(context, layers, impl))
 
 
 L2_FLUSH_BYTES = 256 * 2**20  # several times any Hopper L2 (H100/H200: 50 MB)

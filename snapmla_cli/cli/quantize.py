@@ -14,6 +14,7 @@ from ..analysis.fidelity import (
     PROBE_HEADS,
     PROBE_QUERIES,
     FidelityReport,
+    LayerFidelity,
     analyze_layer,
     layer_queries,
 )
@@ -162,6 +163,14 @@ def _load(dump: Path | None, layers: int | None, tokens: str | None, seed: int, 
     return synth_dump(spec)
 
 
+
+def _probe_summary(rows: list[LayerFidelity]) -> str:
+    """The probes the means are over: "32 probe rows/layer, dump queries", or, where layers
+    differ (a dump with queries in some layers only), each kind once: the title once named
+    layer 0's alone."""
+    kinds = list(dict.fromkeys(f"{r.query_rows} probe rows/layer, {r.probes} queries" for r in rows))
+    return kinds[0] if len(kinds) == 1 else "layers differ: " + "; ".join(kinds)
+
 def _render(out: Console, report: FidelityReport) -> None:
     rows = report.layers
     per_layer = figure_table("attention output rel L2 vs float64 on the original cache, per layer",
@@ -170,9 +179,7 @@ def _render(out: Console, report: FidelityReport) -> None:
         per_layer.add_row(str(layer.layer), str(layer.tokens),
                           *(fmt(layer.metrics["output"][c].rel_l2) for c in report.configs))
     out.print(per_layer)
-    mean = figure_table(
-        f"mean over {counted(len(rows), 'layer')} ({rows[0].query_rows} probe rows/layer, "
-        f"{rows[0].probes} queries)",
+    mean = figure_table(f"mean over {counted(len(rows), 'layer')} ({_probe_summary(rows)})",
         ("config", "out rmse", "out cos_diff", "out rel_l2", "kv rel_l2", "content rel_l2", "RoPE rel_l2"))
     best = min(report.configs, key=lambda c: report.mean("output", c, "rel_l2"))
     for config in report.configs:
