@@ -622,6 +622,23 @@ def test_unknown_gpu_and_cpu_device_give_none(isolated_db, monkeypatch):
         assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is None
 
 
+def test_a_bare_cuda_device_follows_the_current_device(isolated_db, monkeypatch):
+    """"cuda" names whichever GPU is current: its state is not cached under the string (a
+    string's `index` attribute, str.index, once made it look like a fixed device 0)."""
+    user, _ = isolated_db
+    other = GpuKey("Test GPU X100", 108, (8, 0), 13)
+    save_entries(user, GPU, [entry(cfg=alt_config())])
+    monkeypatch.setattr(lookup, "_device_key_hook", lambda index: GPU if index == 0 else other)
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device="cuda") == alt_config()
+    current[0] = 1  # another GPU, no database entry for it
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device="cuda") is None
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device="cuda:0") == alt_config()
+    assert lookup._names_fixed_gpu("cuda:1") and lookup._names_fixed_gpu(torch.device("cuda", 0))
+    assert not lookup._names_fixed_gpu("cuda") and not lookup._names_fixed_gpu(torch.device("cuda"))
+
+
 def test_lookup_never_raises(isolated_db, monkeypatch):
     def boom(index):
         raise RuntimeError("driver exploded")

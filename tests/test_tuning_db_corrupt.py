@@ -464,7 +464,7 @@ def test_a_fifo_in_the_database_folder_is_refused_not_read(isolated_db):
     os.mkfifo(user / DB_NAME)
     with pytest.raises(DbError, match="not a regular file"):
         load_file(user / DB_NAME)
-    with pytest.raises(SnapmlaError, match="not a regular file; not overwriting"):
+    with pytest.raises(SnapmlaError, match="not a regular file; move it away"):
         save_entries(user, GPU, [make_entry(GOOD)])
     save_entries(shipped, GPU, [make_entry(GOOD)])
     with pytest.warns(RuntimeWarning, match="not a regular file"):
@@ -495,3 +495,61 @@ def test_a_merge_does_not_drop_fields_it_does_not_know(isolated_db, where):
     assert path.read_text() == before
     save_entries(user, GPU, [make_entry(GOOD)], force=True)
     assert "note" not in path.read_text()
+
+
+def test_a_symlink_loop_as_the_file_warns_and_a_survey_names_it_once(isolated_db, loop):
+    """A database file that is a symlink loop: Path.exists() said no (Python 3.11) and the
+    lookup skipped it without a word, while `info` called it unreadable. With a GPU present the
+    survey also printed the loader's raw RuntimeWarning beside its own line for a bad file."""
+    user, shipped = isolated_db
+    save_entries(shipped, GPU, [make_entry(BAD)])
+    (user / DB_NAME).symlink_to(loop)
+    with pytest.warns(RuntimeWarning, match="tuning database ignored") as record:
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == heuristic_config(128)
+    assert str(user / DB_NAME) in str(record[0].message)
+    lookup.clear_cache(reset_warnings=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the survey's lines say it; no warning beside them
+        lines = describe_database([GPU])
+    assert sum(str(user / DB_NAME) in line for line in lines) == 1, lines
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_in_place_of_the_database_is_refused_before_any_run(isolated_db, force):
+    """A folder of the database file's name: the up-front check suggested --force, which passed
+    it, and the write failed after the first bucket had been measured."""
+    user, _ = isolated_db
+    (user / DB_NAME).mkdir()
+    with pytest.raises(SnapmlaError, match="not a regular file; move it away \\(--force does not replace it\\)"):
+        tdb.sections_to_merge(user / DB_NAME, force=force)
+
+
+def test_a_database_folder_that_cannot_be_written_is_refused_up_front(tmp_path, monkeypatch):
+    """A read-only file system (root's `access` says yes) failed only at the first candidate's
+    progress file, after the precompile: the folder is now written to before anything runs."""
+    import errno
+    import tempfile
+
+    from snapmla_cli.cli.tune import _make_folder
+
+    folder = tmp_path / "db"
+    _make_folder(folder, "--db-dir")  # made, and writable
+    assert folder.is_dir() and list(folder.iterdir()) == []  # the probe leaves nothing behind
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(SnapmlaError, match=rf"^--db-dir: cannot write in the database folder {folder} "
+                                           r"\(Read-only file system\)"):
+        _make_folder(folder, "--db-dir")
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1", 2])
+def test_only_the_integer_version_is_read(isolated_db, version):
+    """`version: true` and `version: 1.0` compare equal to 1 in Python and were read as it."""
+    user, _ = isolated_db
+    path = user / DB_NAME
+    path.write_text(yaml.safe_dump({"format": "snapmla-tuning", "version": version, "devices": []}))
+    with pytest.raises(DbError, match="database version .*, this snapmla reads version 1"):
+        load_file(path)

@@ -178,12 +178,22 @@ def _database_folder(db_dir: Path | None) -> tuple[Path, str]:
 
 
 def _make_folder(folder: Path, origin: str) -> None:
-    """Create the database folder before any measurement, so that a folder that cannot be made
-    (a dangling symlink, a read-only parent) fails in one line, not after the first bucket."""
+    """Create the database folder before any measurement, and write a file in it, so that a
+    folder that cannot be made (a dangling symlink, a read-only parent) or written (a read-only
+    file system, which `access` does not tell root) fails in one line, not at the first
+    candidate's progress file after the precompile."""
+    import tempfile
+
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SnapmlaError(f"{origin}: cannot create the database folder {folder} "
+                           f"({exc.strerror or type(exc).__name__})") from None
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise SnapmlaError(f"{origin}: cannot write in the database folder {folder} "
                            f"({exc.strerror or type(exc).__name__})") from None
 
 

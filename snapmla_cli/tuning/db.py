@@ -440,8 +440,9 @@ def parse_text(text: str, path: Path) -> LoadedFile:
         raise EmptyDbFile(f"{path}: empty, expected a snapmla tuning database ('format: {FORMAT_TAG}')")
     if not isinstance(data, dict) or data.get("format") != FORMAT_TAG:
         raise DbError(f"{path}: not a snapmla tuning database (expected 'format: {FORMAT_TAG}')")
-    if data.get("version") != VERSION:
-        raise DbError(f"{path}: database version {show(data.get('version'))}, this snapmla reads "
+    version = data.get("version")
+    if type(version) is not int or version != VERSION:  # (True and 1.0 compare equal to 1)
+        raise DbError(f"{path}: database version {show(version)}, this snapmla reads "
                       f"version {VERSION}")
     devices = data.get("devices") or []
     if not isinstance(devices, list):
@@ -594,6 +595,8 @@ def sections_to_merge(path: Path, force: bool = False) -> list[DeviceSection]:
     ``force``; ``snapmla tune`` asks before it measures anything."""
     if not path.exists():
         return []
+    if not path.is_file():  # a folder or a fifo of the file's name: --force cannot write over it
+        raise SnapmlaError(f"{path}: not a regular file; move it away (--force does not replace it)")
     try:
         loaded = load_file(path)
     except EmptyDbFile:

@@ -40,6 +40,7 @@ from typing import Any
 
 from ..errors import SnapmlaError
 from ..ops.decode_config import WG_ALT_PAGES, WG_ROWS_M_MODES, DecodeConfig, pads_row_tile
+from ..sizes import counted
 from .db import (
     TUNING_DIR_ENV,
     DbError,
@@ -128,10 +129,11 @@ def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Loc
             continue
         path = folder / db_filename(gpu_name)
         try:  # (a fifo or a folder of the file's name is there: load_file refuses it, with a warning)
-            exists = path.exists()
-        except OSError:
-            exists = False
-        if not exists:
+            path.lstat()  # lstat: a symlink loop is there too (exists() said no, and nothing warned)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:  # a folder that may not be entered: ignored, but not in silence
+            _warn_once(str(path), f"snapmla tuning database ignored: {path}: {type(exc).__name__}: {exc}")
             continue
         try:
             loaded = load_file(path)
@@ -144,8 +146,7 @@ def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Loc
             continue
         if loaded.problems:
             _warn_once(str(path), f"snapmla tuning database {path}: skipped "
-                                  f"{len(loaded.problems)} bad entr"
-                                  f"{'y' if len(loaded.problems) == 1 else 'ies'} "
+                                  f"{counted(len(loaded.problems), 'bad entry', 'bad entries')} "
                                   f"({loaded.problems[0]})")
         for section in loaded.sections:
             match = (section.gpu.same_gpu(gpu) if gpu is not None
@@ -204,9 +205,24 @@ def _state_for(device: Any) -> _DeviceState | None:
         gpu = _device_key_hook(index)
         state = _DeviceState(gpu, load_located(gpu) if gpu is not None else [], {})
         _STATE[index] = state
-    if getattr(device, "index", None) is not None:
+    if _names_fixed_gpu(device):
         _FAST[device] = state
     return state
+
+
+def _names_fixed_gpu(device: Any) -> bool:
+    """Whether ``device`` names one GPU whatever the current device is (``cuda:1``,
+    ``torch.device("cuda", 1)``, an int), so that its state may be cached under it: a bare
+    "cuda" follows ``torch.cuda.current_device()`` (a string's ``index`` attribute is str.index,
+    which once cached "cuda" as device 0 for good)."""
+    import torch
+
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    try:
+        return torch.device(device).index is not None
+    except (TypeError, RuntimeError, ValueError):
+        return False
 
 
 # Tests replace this to pretend to be a given GPU.
@@ -428,7 +444,7 @@ def file_problem(path: Path) -> str | None:
     except Exception as exc:  # noqa: BLE001 - reported, as the decode path would skip it
         return " ".join(str(exc).removeprefix(f"{path}: ").split()) or type(exc).__name__
     if loaded.problems:
-        return f"{len(loaded.problems)} bad entries skipped ({loaded.problems[0]})"
+        return f"{counted(len(loaded.problems), 'bad entry', 'bad entries')} skipped ({loaded.problems[0]})"
     return None
 
 
@@ -491,7 +507,9 @@ def survey_database(gpus: list[Any], kernels: str | None) -> DatabaseSurvey:
                 skipped.append((path, problem))
     per_gpu = []
     for g in gpus:
-        found = matching_entries(g)
+        with warnings.catch_warnings():  # the skipped files are lines of the survey already: a
+            warnings.simplefilter("ignore", RuntimeWarning)  # raw warning beside them said it twice
+            found = matching_entries(g)
         per_gpu.append(GpuEntries(g, found, stale_reasons(found, g.sm_count, kernels)))
     return DatabaseSurvey(folders, skipped, per_gpu, sorted(names))
 
