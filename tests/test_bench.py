@@ -286,6 +286,9 @@ def test_aggregate_sums_dp_groups_at_the_pace_of_the_slowest_tp_rank() -> None:
     assert math.isclose(case.aggregate_tokens_per_s, 8 * 2 / 0.020 + 8 * 2 / 0.005)
     assert math.isclose(case.per_gpu_tokens_per_s, case.aggregate_tokens_per_s / 4)
     assert math.isclose(case.tflops, sum(m.tflops for m in rows))
+    # the JSON names its per-GPU figures (the table's columns) apart from the sums
+    d = case.to_dict()
+    assert math.isclose(d["tflops_per_gpu"], case.tflops / 4) and math.isclose(d["gbs_per_gpu"], case.gbs / 4)
     # pure DP: the aggregate is the sum of the ranks
     dp = Layout(3, 1)
     rows = [_m(r, dp, 0.01 * (r + 1)) for r in range(3)]

@@ -140,9 +140,13 @@ class CaseResult:
         return self.aggregate_tokens_per_s / self.layout.world
 
     def to_dict(self) -> dict:
+        """The fields, the layout by name, and the per-GPU figures the table shows beside the
+        sums over ranks (``tflops`` and ``gbs`` are sums; the table's columns are per GPU)."""
         d = asdict(self)
         d["layout"] = self.layout.name
         d["per_gpu_tokens_per_s"] = self.per_gpu_tokens_per_s
+        d["tflops_per_gpu"] = self.tflops / self.layout.world
+        d["gbs_per_gpu"] = self.gbs / self.layout.world
         return d
 
 
