@@ -57,6 +57,7 @@ def test_quantize_writes_cache_json_and_plot(small_dump: Path, tmp_path: Path) -
         assert layer.seqlen == 1024
         assert torch.equal(layer.cache, quantize_layer_cache(original.kv))
     data = json.loads(report.read_text())
+    assert (data["format"], data["version"]) == ("snapmla-quantize", "1")  # named, as bench's report
     assert data["configs"] == ["snap", "A", "B", "C", "D", "G"]
     assert len(data["layers"]) == 3 and data["layers"][0]["probes"] == "dump"
     assert data["mean"]["output"]["A"]["rel_l2"] > data["mean"]["output"]["snap"]["rel_l2"]
@@ -230,6 +231,7 @@ def test_verify_passes_on_cpu(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "2/2 cases pass" in result.stdout
     data = json.loads(report.read_text())
+    assert (data["format"], data["version"]) == ("snapmla-verify", "1")
     assert data["passed"] and [c["mtp"] for c in data["cases"]] == [1, 2]
     assert data["cases"][0]["implementations"][0]["name"] == "emul"
     assert data["kernels_not_run"] == "the run is on the CPU, which checks the emulation"

@@ -647,6 +647,18 @@ def test_lookup_never_raises(isolated_db, monkeypatch):
     with pytest.warns(RuntimeWarning, match="driver exploded"):
         assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is None
 
+    def other(index):  # a failure of another kind is said too (one key for all once hid it)
+        raise KeyError("no such GPU")
+
+    monkeypatch.setattr(lookup, "_device_key_hook", other)
+    lookup.clear_cache()
+    with pytest.warns(RuntimeWarning, match="no such GPU"):
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and said once
+        lookup.clear_cache()
+        assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) is None
+
 
 def test_nearest_bucket(isolated_db):
     user, _ = isolated_db

@@ -489,6 +489,9 @@ def test_a_merge_does_not_drop_fields_it_does_not_know(isolated_db, where):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the lookup reads the entry as it is
         assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == heuristic_config(128)
+    # `snapmla info` says so before `tune` refuses the file
+    assert any(line.startswith(f"tuning file {path}: 1 field this snapmla does not know")
+               and "will not rewrite the file without --force" in line for line in describe_database([]))
     before = path.read_text()
     with pytest.raises(SnapmlaError, match=r"1 field this snapmla does not know \(.*note: .*not overwriting"):
         save_entries(user, GPU, [make_entry(GOOD)])

@@ -30,6 +30,7 @@ from ..numerics.formats import D_QK
 from ..sizes import counted, parse_size
 from ..tables import figure_table
 from .common import (
+    JSON_VERSION,
     STDOUT,
     Device,
     console,
@@ -91,7 +92,8 @@ def quantize_command(
             report.layers.append(analyze_layer(layer, chosen, probes, kind, dev))
             bar.advance(task)
     meta = {"source": str(dump) if dump is not None else "synthetic default"}
-    payload = {"source": meta["source"], "model": source.model, **report.as_dict()}
+    payload = {"format": QUANTIZE_JSON_FORMAT, "version": JSON_VERSION,  # as bench's report
+               "source": meta["source"], "model": source.model, **report.as_dict()}
     with committed_together():  # all of the outputs, or none of them
         with naming("--output"):
             write_fp8_cache(FP8CacheFile(pages, source.model, meta), output, force=force)
@@ -115,6 +117,7 @@ def quantize_command(
 # what building it takes (cache.synth); per (query row, token), the float64 logits and
 # probabilities of the float64 attention (four arrays, as in synth and verify); per token, the
 # fake-quantized float32 copy and the float64 keys of the reference attention.
+QUANTIZE_JSON_FORMAT = "snapmla-quantize"
 BYTES_PER_LOGIT = 4 * 8
 ANALYSIS_BYTES_PER_TOKEN = D_QK * (4 + 2 * 8)
 

@@ -46,6 +46,7 @@ from ..sizes import (
 )
 from ..tables import figure_table
 from .common import (
+    JSON_VERSION,
     Device,
     console,
     file_path,
@@ -64,6 +65,7 @@ GPU_BATCH = 4
 # Below two 64-token blocks the FP8 pipeline's own P rounding can exceed the ref64 gate (measured
 # on the synthetic layer: 20-50 tokens miss it in some cases; 64-1k passed in every seed tried).
 SHORT_CONTEXT = 2 * PAGE_SIZE
+VERIFY_JSON_FORMAT = "snapmla-verify"
 # why a CPU run checks no kernel (the JSON report's "kernels_not_run"; by design, so no note)
 CPU_NO_KERNELS = "the run is on the CPU, which checks the emulation"
 
@@ -264,6 +266,8 @@ def _emulation_miss_note(results: list[CaseResult], gates: Gates) -> str | None:
 def _as_dict(results: list[CaseResult], source: ProblemSource, device: str, gates: Gates,
              no_kernels: str | None) -> dict:
     return {
+        "format": VERIFY_JSON_FORMAT,  # named and versioned as bench's report is
+        "version": JSON_VERSION,
         "source": source.label,
         "device": device,
         "kernels_not_run": no_kernels or (None if device == "cuda" else CPU_NO_KERNELS),

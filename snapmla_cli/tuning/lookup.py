@@ -338,7 +338,9 @@ def lookup_decode_config(rows: int, fp8: bool, device: Any, batch: int | None = 
         state.memo[key] = cfg
         return cfg
     except Exception as exc:  # noqa: BLE001 - the heuristic is always a valid answer
-        _warn_once("lookup", f"snapmla tuning lookup failed ({type(exc).__name__}: {exc}); "
+        # keyed by the failure's type: one key for all once hid a different failure for good (the
+        # message would key a new warning per bad value on the hot path)
+        _warn_once(f"lookup: {type(exc).__name__}", f"snapmla tuning lookup failed ({type(exc).__name__}: {exc}); "
                              "using the built-in heuristic")
         return None
 
@@ -360,7 +362,7 @@ def matching_entries(gpu: Any) -> list[Located]:
                     if tuple(loc.gpu.compute_capability) == tuple(key.compute_capability)]
         return load_located(key)
     except Exception as exc:  # noqa: BLE001
-        _warn_once("matching", f"snapmla tuning database: {type(exc).__name__}: {exc}")
+        _warn_once(f"matching: {type(exc).__name__}", f"snapmla tuning database: {type(exc).__name__}: {exc}")
         return []
 
 
@@ -445,6 +447,9 @@ def file_problem(path: Path) -> str | None:
         return " ".join(str(exc).removeprefix(f"{path}: ").split()) or type(exc).__name__
     if loaded.problems:
         return f"{counted(len(loaded.problems), 'bad entry', 'bad entries')} skipped ({loaded.problems[0]})"
+    if loaded.unknown:  # read past by the lookup, but `snapmla tune` would refuse to rewrite it
+        return (f"{counted(len(loaded.unknown), 'field')} this snapmla does not know ({loaded.unknown[0]}): "
+                "read past; `snapmla tune` will not rewrite the file without --force")
     return None
 
 
