@@ -422,6 +422,12 @@ def test_flashmla_later_metadata_arguments_are_taken(monkeypatch):
     ]:
         with pytest.raises(SnapmlaError, match=needle):
             get_mla_metadata(lens, 32, **{"num_heads_k": 1, **kwargs})
+    # FlashMLA's later name for the rows (num_q_tokens_per_head_k): the same plan; one name only
+    by_new_name, _ = get_mla_metadata(lens, num_q_tokens_per_head_k=32, num_heads_k=1)
+    assert torch.equal(by_new_name, get_mla_metadata(lens, 32, 1)[0])
+    for args, kwargs in [((lens, 32), {"num_q_tokens_per_head_k": 32}), ((lens,), {})]:
+        with pytest.raises(SnapmlaError, match="^num_heads_per_head_k: expected the rows s_q \\* h_q, given once"):
+            get_mla_metadata(*args, **kwargs)
 
 
 def test_flashmla_later_decode_forms_are_named():
@@ -452,6 +458,12 @@ def test_flashmla_later_decode_forms_are_named():
         call(q, fp8_cache, table, lens, 512, object(), None)
     with pytest.raises(SnapmlaError, match="^tile_scheduler_metadata: expected the"):
         call(q, fp8_cache, table, lens, 512, meta, None)
+    with pytest.raises(SnapmlaError, match="^tile_scheduler_metadata: expected the"):  # num_splits left out
+        call(q, fp8_cache, table, lens, 512, meta)
+    # FlashMLA's FP8 variant's per-tensor scales: a one-line refusal, not a TypeError
+    for name in ("descale_q", "descale_k"):
+        with pytest.raises(SnapmlaError, match=f"^{name}: per-tensor FP8 scales are not supported"):
+            call(q, fp8_cache, table, lens, 512, meta, splits, **{name: torch.ones(1)})
     # the flag agreeing and the sparse keywords None: on to the next check (a host q)
     with pytest.raises(NoGpuError, match="^q: expected a CUDA tensor"):
         call(q, fp8_cache, table, lens, 512, meta, splits, is_fp8_kvcache=True, indices=None, topk_length=None)
@@ -466,6 +478,24 @@ def test_a_gpu_index_past_the_machines_gpus_is_named(monkeypatch):
         get_mla_metadata(torch.tensor([100, 10], dtype=torch.int32), 16, 1, device="cuda:7")
     with pytest.raises(SnapmlaError, match="^device: cuda:7 requested"):
         GraphWorkList(2, 16, "cuda:7")
+
+
+def test_a_warm_up_call_does_not_use_up_the_fp8_layout_check(monkeypatch):
+    """An engine's warm-up (all lengths 0) or a call on a freshly zeroed cache reads nothing to
+    judge by: it once marked the cache checked, and V3.2 tokens written later went unseen."""
+    from snapmla_cli.ops import encoding_check
+
+    monkeypatch.setattr(encoding_check, "_checkable", lambda *args: True)  # (a CPU cache stands in)
+    monkeypatch.setattr(encoding_check, "_checked", set())
+    cache = torch.zeros(2, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8)
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    encoding_check.check_snapmla_encoding_once(cache, table, torch.tensor([0, 0], dtype=torch.int32))
+    encoding_check.check_snapmla_encoding_once(cache, table, torch.tensor([3, 1], dtype=torch.int32))
+    assert not encoding_check._checked
+    cache[1, 0, 520] = 1  # a V3.2 token written after the warm-up
+    cache[1, 0, 0] = 0x38
+    with pytest.raises(SnapmlaError, match="^k_cache: request 1 reads token 0 with nonzero pad bytes"):
+        encoding_check.check_snapmla_encoding_once(cache, table, torch.tensor([3, 1], dtype=torch.int32))
 
 
 def test_graph_work_list_batch_beyond_int32_is_refused():

@@ -104,19 +104,22 @@ def _runtime() -> ModuleType:
 
 def get_mla_metadata(
     cache_seqlens: torch.Tensor,
-    num_heads_per_head_k: int,
+    num_heads_per_head_k: int | None = None,
     num_heads_k: int = 1,
     num_heads_q: int | None = None,
     is_fp8_kvcache: bool | None = None,
     topk: int | None = None,
     *,
+    num_q_tokens_per_head_k: int | None = None,
     fp8: bool | None = None,
     config: DecodeConfig | None = None,
     device: torch.device | str | None = None,
     s_q: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV work list and cumulative split counts (see :mod:`snapmla_cli.ops.schedule`).
-    ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA; ``num_heads_k`` must be 1.
+    ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA (whose later versions call it
+    ``num_q_tokens_per_head_k``: either keyword is taken, one of them given); ``num_heads_k``
+    must be 1.
     ``s_q`` (optional, not in FlashMLA's signature): the query tokens per request, so that the
     configuration choice takes the tuning entry of this very shape where two shapes have the
     same rows (h_q 32 s_q 1 and h_q 16 s_q 2); without it the rows alone decide.
@@ -139,6 +142,7 @@ def get_mla_metadata(
     keeps its lengths on the host (a CPU tensor) passes them with ``device``, the GPU the decode
     runs on: the call then never waits for the GPU, and the tensors go to ``device`` by
     asynchronous copies. Without ``device`` the tensors go where ``cache_seqlens`` is."""
+    num_heads_per_head_k = _rows_argument(num_heads_per_head_k, num_q_tokens_per_head_k)
     if not is_integer(num_heads_k) or num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k!r}")
     if topk is not None:
@@ -160,6 +164,15 @@ def get_mla_metadata(
     record_plan(work.metadata, MetadataPlan(num_heads_per_head_k, fp8, context, cfg, requested, fold,
                                             ContentStamp.of(work.metadata, work.num_splits), len(seqlens)))
     return work.metadata, work.num_splits
+
+
+def _rows_argument(num_heads_per_head_k: int | None, num_q_tokens_per_head_k: int | None) -> int:
+    """The rows (``s_q * h_q``) under either of FlashMLA's names for them: exactly one given."""
+    given = [v for v in (num_heads_per_head_k, num_q_tokens_per_head_k) if v is not None]
+    if len(given) != 1:
+        raise SnapmlaError("num_heads_per_head_k: expected the rows s_q * h_q, given once (or as "
+                           f"num_q_tokens_per_head_k, FlashMLA's later name), got {len(given)} values")
+    return given[0]
 
 
 def _s_q_of(s_q: int | None, num_heads_q: int | None, num_heads_per_head_k: int) -> int | None:
@@ -706,7 +719,7 @@ def flash_mla_with_kvcache(
     cache_seqlens: torch.Tensor,
     head_dim_v: int,
     tile_scheduler_metadata: torch.Tensor,
-    num_splits: torch.Tensor | None,
+    num_splits: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     causal: bool = False,
     is_fp8_kvcache: bool | None = None,
@@ -716,6 +729,9 @@ def flash_mla_with_kvcache(
     extra_indices_in_kvcache: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
     extra_topk_length: torch.Tensor | None = None,
+    *,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's signature. A 656-byte FP8 cache (uint8 / float8_e4m3fn) takes the SnapMLA path
     (fused Q-quant, then FP8 decode); a bf16 cache takes the BF16 kernel.
@@ -725,7 +741,13 @@ def flash_mla_with_kvcache(
     layout of the same 656 bytes has four: with the flag given, each cache's first call checks
     its requests' first tokens for it, :mod:`.encoding_check`; the checks switch checks every
     token); its sparse-attention arguments (``indices``, ``attn_sink``, ...) and its lazily
-    planned ``FlashMLASchedMeta`` (``num_splits=None``) are not supported."""
+    planned ``FlashMLASchedMeta`` (``num_splits=None``) are not supported, nor are the per-tensor
+    ``descale_q`` / ``descale_k`` of FlashMLA's FP8 variant (keyword only here: SnapMLA quantizes
+    Q itself, a scale per row, and its cache holds a scale per token)."""
+    for name, value in (("descale_q", descale_q), ("descale_k", descale_k)):
+        if value is not None:
+            raise SnapmlaError(f"{name}: per-tensor FP8 scales are not supported (SnapMLA quantizes Q with a "
+                               "scale per row and its cache holds a scale per token); pass None")
     if not is_integer(head_dim_v) or head_dim_v != D_V:
         raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v!r}")
     sparse = {"indices": indices, "attn_sink": attn_sink, "extra_k_cache": extra_k_cache,

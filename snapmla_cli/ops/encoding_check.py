@@ -48,6 +48,8 @@ def check_snapmla_encoding_once(k_cache: torch.Tensor, block_table: torch.Tensor
     readable = (cache_seqlens > 0) & (first_page >= 0) & (first_page < pages.shape[0])
     requests = readable.nonzero().flatten()
     first_tokens = pages[first_page[requests], 0]  # [requests read, 656]
+    if not bool(first_tokens.ne(0).any()):  # nothing written to judge by: an engine's warm-up
+        return  # (all lengths 0) or a zeroed cache; a later call checks it (once marked, never)
     nonzero_pads = first_tokens[:, PAD_OFFSET:ROPE_OFFSET].ne(0).any(dim=1)
     if bool(nonzero_pads.any()):
         j = int(nonzero_pads.nonzero()[0, 0])
