@@ -58,8 +58,8 @@ class LinePeak:
     instructions: int
 
 
-def nvdisasm() -> str:
-    """The nvdisasm of the pip CUDA toolkit (next to NVRTC), else one on PATH."""
+def find_nvdisasm() -> str | None:
+    """The nvdisasm of the pip CUDA toolkit (next to NVRTC), else one on PATH, else None."""
     try:
         from cuda import pathfinder
 
@@ -70,9 +70,15 @@ def nvdisasm() -> str:
         import shutil
 
         found = shutil.which("nvdisasm")
+    return None if found is None else str(found)
+
+
+def nvdisasm() -> str:
+    """:func:`find_nvdisasm`, or exit naming the package."""
+    found = find_nvdisasm()
     if found is None:
         sys.exit("nvdisasm not found: pip install nvidia-cuda-nvdisasm (or put CUDA's bin on PATH)")
-    return str(found)
+    return found
 
 
 def live_gprs(lrm_text: str) -> dict[int, int]:

@@ -5,7 +5,6 @@ build the PV promotion's line holds at least O and the fresh accumulator (no GPU
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,12 +60,7 @@ def _has_toolchain() -> bool:
         import cupy  # noqa: F401
     except ImportError:
         return False
-    try:
-        from cuda import pathfinder
-
-        return pathfinder.find_nvidia_binary_utility("nvdisasm") is not None
-    except Exception:  # noqa: BLE001
-        return shutil.which("nvdisasm") is not None
+    return load_script().find_nvdisasm() is not None
 
 
 @pytest.mark.skipif(not _has_toolchain(), reason="NVRTC (cupy) or nvdisasm missing: pip install 'snapmla[cuda]'")

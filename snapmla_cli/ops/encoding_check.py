@@ -48,12 +48,13 @@ def check_snapmla_encoding_once(k_cache: torch.Tensor, block_table: torch.Tensor
     readable = (cache_seqlens > 0) & (first_page >= 0) & (first_page < pages.shape[0])
     requests = readable.nonzero().flatten()
     first_tokens = pages[first_page[requests], 0]  # [requests read, 656]
-    if not bool(first_tokens.ne(0).any()):  # nothing written to judge by: an engine's warm-up
-        return  # (all lengths 0) or a zeroed cache; a later call checks it (once marked, never)
     nonzero_pads = first_tokens[:, PAD_OFFSET:ROPE_OFFSET].ne(0).any(dim=1)
-    if bool(nonzero_pads.any()):
+    written, padded = torch.stack((first_tokens.ne(0).any(), nonzero_pads.any())).tolist()  # one read
+    if padded:
         j = int(nonzero_pads.nonzero()[0, 0])
         check_key_pads("k_cache", int(requests[j]), first_tokens[j : j + 1])
+    if not written:  # nothing written to judge by: an engine's warm-up (all lengths 0) or a
+        return  # zeroed cache; a later call checks it (once marked, never)
     if len(_checked) >= MAX_CHECKED_CACHES:
         _checked.clear()
     _checked.add(key)

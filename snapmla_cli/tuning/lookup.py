@@ -156,11 +156,17 @@ def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Loc
     return out
 
 
+def _as_device(device: Any) -> Any:
+    """``device`` as a torch.device (a string or an int parsed once)."""
+    import torch
+
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
 def _device_index(device: Any) -> int | None:
     import torch
 
-    if not isinstance(device, torch.device):
-        device = torch.device(device)
+    device = _as_device(device)
     if device.type != "cuda":
         return None
     return device.index if device.index is not None else torch.cuda.current_device()
@@ -197,7 +203,8 @@ def _state_for(device: Any) -> _DeviceState | None:
     state = _FAST.get(device)  # hot path: one dict lookup
     if state is not None:
         return state
-    index = _device_index(device)
+    parsed = _as_device(device)
+    index = _device_index(parsed)
     if index is None:
         return None
     state = _STATE.get(index)
@@ -205,7 +212,7 @@ def _state_for(device: Any) -> _DeviceState | None:
         gpu = _device_key_hook(index)
         state = _DeviceState(gpu, load_located(gpu) if gpu is not None else [], {})
         _STATE[index] = state
-    if _names_fixed_gpu(device):
+    if _names_fixed_gpu(parsed):
         _FAST[device] = state
     return state
 
@@ -215,14 +222,7 @@ def _names_fixed_gpu(device: Any) -> bool:
     ``torch.device("cuda", 1)``, an int), so that its state may be cached under it: a bare
     "cuda" follows ``torch.cuda.current_device()`` (a string's ``index`` attribute is str.index,
     which once cached "cuda" as device 0 for good)."""
-    import torch
-
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True
-    try:
-        return torch.device(device).index is not None
-    except (TypeError, RuntimeError, ValueError):
-        return False
+    return _as_device(device).index is not None
 
 
 # Tests replace this to pretend to be a given GPU.
