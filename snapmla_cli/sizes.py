@@ -83,25 +83,39 @@ def unique_values(what: str, items: Iterable[tuple[T, str]], show: Callable[[T],
     return list(seen)
 
 
+def split_list(text: str, what: str, example: str) -> list[str]:
+    """The items of the comma list ``text`` (an option's value, ``"16, 64,128"``) as typed, the
+    whitespace around each kept for the messages that quote an item; every list option parses
+    through here, so all of them refuse the same lists. A blank ``text`` and an empty item (an
+    empty or all-blank text between commas: ``16,,64``, ``1,``, ``,2``, ``8, ,16``) are one-line
+    errors naming ``what`` and showing ``example``. An empty item is not skipped: a doubled or
+    trailing comma is most often a value left out (``16,,64`` for ``16,32,64``), and running
+    fewer cases than were typed would hide it."""
+    text = str(text)
+    if not text.strip():
+        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. {example})")
+    items = text.split(",")
+    for position, item in enumerate(items, start=1):
+        if not item.strip():
+            raise SnapmlaError(f"{what}: {shorten(text)!r} has an empty item (item {position} of {len(items)};"
+                               f" expected e.g. {example})")
+    return items
+
+
 def parse_size_list(text: str, what: str = "list", example: str = "16k,64k") -> list[int]:
     """``"16k,64k"`` -> ``[16384, 65536]``; each item may carry a k/m suffix; a size given twice
-    is an error (:func:`unique_values`)."""
-    items = [part for part in str(text).split(",") if part.strip()]
-    if not items:
-        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. {example})")
-    return unique_values(what, ((parse_size(part, what), part) for part in items))
+    is an error (:func:`unique_values`), as are a blank list and an empty item (:func:`split_list`)."""
+    return unique_values(what, ((parse_size(part, what), part) for part in split_list(text, what, example)))
 
 
 def parse_int_list(text: str, what: str, most: int, example: str = "16,64") -> list[int]:
     """``"64"`` or ``"16,64,128"`` -> ints in 1..``most`` without size suffixes (head counts,
     query tokens), order kept, a count given twice an error (:func:`unique_values`); ``example``
     is the option's own sample value that an error message shows (``--mtp``'s is ``1,2``, not a
-    head list)."""
+    head list). A blank list and an empty item are errors too (:func:`split_list`)."""
     out: list[tuple[int, str]] = []
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for typed in split_list(text, what, example):
+        part = typed.strip()
         if part.isascii() and part.isdigit():
             refuse_long_number(part, what, part, f" (expected at most {most})")
         if not (part.isascii() and part.isdigit()) or int(part) < 1:
@@ -109,8 +123,6 @@ def parse_int_list(text: str, what: str, most: int, example: str = "16,64") -> l
         if int(part) > most:
             raise SnapmlaError(f"{what}: {part} is too large (expected at most {most})")
         out.append((int(part), part))
-    if not out:
-        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. {example})")
     return unique_values(what, out)
 
 

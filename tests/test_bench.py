@@ -79,6 +79,7 @@ def test_layout_presets_are_the_papers_figure_1() -> None:
     ("dp0tp1", "at least 1"),
     ("dp1tp0", "'dp1tp0': dp and tp must be at least 1"),
     (",", "empty"),
+    ("dp1tp8,,dp8tp1", r"^--layout: 'dp1tp8,,dp8tp1' has an empty item \(item 2 of 3; expected e.g. dp4tp2 or"),
 ])
 def test_bad_layouts(text: str, needle: str) -> None:
     with pytest.raises(SnapmlaError, match=needle):
@@ -927,6 +928,30 @@ def test_a_case_spread_is_its_noisiest_rank_and_a_noisy_one_gets_a_note() -> Non
     assert "1 of 4 measurements" in note and "7.2%" in note and f"bf16 batch 3 on rank {noisy_rank}" in note
     cells = {c.header: list(c.cells) for c in kernel_table(calm).columns}
     assert cells["spread"] == ["7.2%", "1.0%"]
+
+
+def test_noisy_rounds_of_the_cpu_stand_in_get_no_advice_about_steps() -> None:
+    """The note on noisy rounds suggests more --steps for a GPU's; the CPU stand-in's timings
+    (--cpu-fake, which caps its steps) are no GPU figures at all, so their note says that instead,
+    and a report read back from JSON (which keeps each measurement's kernel) says the same."""
+    from snapmla_cli.bench.fake_step import CpuFakeRunner
+    from snapmla_cli.bench.results import CPU_FAKE_KERNEL, NOISY_SPREAD, BenchReport
+
+    plan = make_plan(heads=8, layers=2, contexts=[1024], layouts=(Layout(2, 1),), batch=3, kv_mem=None)
+    gpu = _fake_report(plan)
+    gpu.measurements[0] = replace(gpu.measurements[0], spread=NOISY_SPREAD + 0.042)
+    (gpu_note,) = [n for n in gpu.notes if "timed rounds" in n]
+    assert "more --steps" in gpu_note and "CPU stand-in" not in gpu_note
+    fake = BenchReport(plan, [replace(m, kernel=CPU_FAKE_KERNEL) for m in gpu.measurements])
+    for report in (fake, BenchReport(plan, [Measurement.from_dict(m) for m in fake.to_dict()["measurements"]])):
+        (note,) = [n for n in report.notes if "timed rounds" in n]
+        assert "1 of 4 measurements" in note and "7.2%" in note
+        assert "CPU stand-in's wall-clock timings (--cpu-fake), not GPU timings" in note
+        assert "--steps" not in note and "rerun" not in note
+    from snapmla_cli.bench.worker import StepSpec
+
+    spec = StepSpec(FP8, batch=1, s_q=1, heads=2, context=16, layers=1, seed=0)
+    assert CpuFakeRunner(steps=2).run(spec, lambda: None).kernel == CPU_FAKE_KERNEL  # what marks its timings
 
 
 def test_the_cpu_runner_spec_records_what_the_cpu_runner_runs() -> None:

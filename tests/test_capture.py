@@ -257,6 +257,9 @@ def test_prompt_files(tmp_path):
     assert parse_layers(" ALL ") is None
     with pytest.raises(SnapmlaError, match="--layers"):
         parse_layers("0,x")
+    with pytest.raises(SnapmlaError, match=r"^--layers: '0,,5' has an empty item \(item 2 of 3; expected e.g. all or 0,5,10\)$"):
+        parse_layers("0,,5")
+    assert parse_layers(" 5 , 0 ") == (0, 5)
     with pytest.raises(SnapmlaError, match="indices >= 0"):
         parse_layers("3,-1")
 

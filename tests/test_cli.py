@@ -28,6 +28,7 @@ from snapmla_cli.sizes import (
     parse_size,
     parse_size_list,
     shorten,
+    split_list,
 )
 
 
@@ -160,7 +161,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert not (tmp_path / "out.st").exists()
     assert_one_line_error(invoke("verify", "--ctx", "12q"), "--ctx")
     assert_one_line_error(invoke("verify", "--fp8-kernel", "v4"), "--fp8-kernel")
-    assert_one_line_error(invoke("verify", "--fp8-kernel", " ,"), "--fp8-kernel", "at least one")
+    assert_one_line_error(invoke("verify", "--fp8-kernel", " "), "--fp8-kernel", "is empty (expected e.g. default,v3)")
     # named kernels on the CPU would silently not run (the JSON said kernels_not_run null)
     assert_one_line_error(invoke("verify", "--device", "cpu", "--fp8-kernel", "v3"), "--fp8-kernel v3", "CUDA GPU")
     assert_one_line_error(invoke("verify", "--heads", "16,x"), "--heads")
@@ -169,7 +170,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path: Path) -> None:
     assert_one_line_error(invoke("verify", "--mtp", "1,two"), "--mtp", "expected e.g. 1,2")  # its own example
     assert_one_line_error(invoke("tune", "--dry-run", "--mtp", "0"), "--mtp", "expected e.g. 1,2")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", "snap,Q"), "--configs", "'Q'")
-    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", " , "), "--configs", "got none")
+    assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--configs", " "), "--configs", "is empty")
     assert_one_line_error(invoke("quantize", "-o", tmp_path / "o.st", "--layers", "0"), "--layers")
     assert_one_line_error(invoke("verify", "--ctx", "0"), "--ctx")
     for option, value in (("--layers", "0"), ("--heads", "0"), ("--queries", "-1")):
@@ -340,7 +341,7 @@ def test_top_level_help_lists_the_commands() -> None:
 def test_sizes() -> None:
     assert parse_size("32k") == 32768 and parse_size("32768") == 32768 and parse_size("1m") == 1 << 20
     assert parse_size(" 2K ") == 2048 and parse_size_list("16,64,128") == [16, 64, 128]
-    assert parse_size_list("16k,,64k, ") == [16384, 65536]  # empty items are skipped
+    assert parse_size_list(" 16k , 64k") == [16384, 65536]  # whitespace around an item is allowed
     with pytest.raises(SnapmlaError, match="^--heads: '0' is not a positive integer"):
         parse_int_list("16,0", "--heads", 128)
     assert format_size(32768) == "32k" and format_size(1000) == "1000"
@@ -350,6 +351,50 @@ def test_sizes() -> None:
     for bad in ("", "k", "1.5k", "-3", "0", "4g"):
         with pytest.raises(SnapmlaError):
             parse_size(bad, "--ctx")
+
+
+def test_a_comma_list_with_an_empty_item_is_refused() -> None:
+    """An empty item (``16,,64``, ``1,``, ``,2``, ``8, ,16``) is an error naming the option, the
+    item's place and an example, not skipped: it is most often a value left out, and running
+    fewer cases than were typed would hide it. Whitespace around an item stays allowed."""
+    assert split_list(" 16, 64 ", "--heads", "16,64") == [" 16", " 64 "]
+    with pytest.raises(SnapmlaError, match=r"^--heads: '16,,64' has an empty item \(item 2 of 3; expected e\.g\. 16,64\)$"):
+        parse_int_list("16,,64", "--heads", 128)
+    for text, position in ((",2", "1 of 2"), ("1,", "2 of 2"), ("8, ,16", "2 of 3"), (" , ", "1 of 2")):
+        with pytest.raises(SnapmlaError, match=f"^--mtp: .* has an empty item \\(item {position};"):
+            parse_int_list(text, "--mtp", 16, example="1,2")
+    with pytest.raises(SnapmlaError, match=r"^--ctx: '16k,,32k' has an empty item"):
+        parse_size_list("16k,,32k", "--ctx")
+    with pytest.raises(SnapmlaError, match=r"^--ctx: '' is empty \(expected e\.g\. 16k,64k\)$"):
+        parse_size_list("", "--ctx")
+
+
+@pytest.mark.parametrize("args", [
+    ("verify", "--heads", "16,,64"),
+    ("verify", "--mtp", "1,"),
+    ("verify", "--fp8-kernel", "default,,v3"),
+    ("tune", "--dry-run", "--heads", "16,,64"),
+    ("tune", "--dry-run", "--mtp", ",1"),
+    ("tune", "--dry-run", "--batch", "1, ,8"),
+    ("tune", "--dry-run", "--ctx", "16k,,32k"),
+    ("bench", "--cpu-fake", "--ctx", "16k,,32k"),
+    ("bench", "--cpu-fake", "--layout", "dp1tp1,"),
+    ("quantize", "--configs", "snap,,A"),
+    ("dump", "--layers", "0,,5"),
+])
+def test_list_options_refuse_an_empty_item_in_one_line(args: tuple[str, ...], tmp_path: Path) -> None:
+    """Through the CLI: every comma-list option (sizes.split_list) stops at an empty item with one
+    `error:` line naming the option, exit code 2 and no traceback, before any work."""
+    command, option, value = args[0], args[-2], args[-1]
+    extra: tuple[object, ...] = ()
+    if command == "quantize":
+        extra = ("-o", tmp_path / "o.st")
+    elif command == "dump":
+        prompts = tmp_path / "p.txt"
+        prompts.write_text("hello\n")
+        extra = ("--model", tmp_path, "--prompts", prompts, "-o", tmp_path / "d.st")
+    assert_one_line_error(invoke(*args, *extra), f"{option}: {value!r} has an empty item")
+    assert not any(tmp_path.glob("*.st"))
 
 
 def test_host_memory_reads_kib_and_allows_exactly_what_is_available(tmp_path: Path, monkeypatch) -> None:

@@ -120,7 +120,10 @@ def test_range_and_list_parsing():
     assert parse_ranges("1,8,64", "--batch") == [(1, 1), (8, 8), (64, 64)]
     assert parse_ranges("16-128", "--batch") == [(16, 128)]
     assert parse_ranges("16k,32k-64k", "--ctx") == [(16384, 16384), (32768, 65536)]
-    assert parse_ranges("64,", "--batch") == [(64, 64)] and parse_ranges("8, ,16", "--batch") == [(8, 8), (16, 16)]
+    assert parse_ranges(" 8 , 16 - 32 ", "--batch") == [(8, 8), (16, 32)]  # whitespace around an item is allowed
+    for bad, position in (("64,", "2 of 2"), ("8, ,16", "2 of 3"), (",64", "1 of 2")):  # an empty item is no range
+        with pytest.raises(SnapmlaError, match=f"^--batch: .* has an empty item \\(item {position}; expected e.g. 64,"):
+            parse_ranges(bad, "--batch")
     with pytest.raises(SnapmlaError, match="^--heads: 16 given twice$"):
         parse_int_list("16,64,16", "--heads", 1024)
     assert parse_formats("both") == ["fp8", "bf16"] and parse_formats("BF16") == ["bf16"]

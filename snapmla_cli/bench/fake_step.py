@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from ..numerics.formats import D_QK, D_V, default_softmax_scale
-from .results import StepTiming
+from .results import CPU_FAKE_KERNEL, StepTiming
 from .timing import round_spread
 from .worker import StepSpec
 
@@ -55,7 +55,7 @@ class CpuFakeRunner:
             start = time.perf_counter()
             step()
             times.append(time.perf_counter() - start)
-        return StepTiming(statistics.median(times), "cpu-fake", graphed=False, note=FAKE_NOTE,
+        return StepTiming(statistics.median(times), CPU_FAKE_KERNEL, graphed=False, note=FAKE_NOTE,
                           spread=round_spread(times))
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from ..sizes import (
     format_size,
     refuse_long_number,
     require_batch,
+    split_list,
     unique_values,
 )
 
@@ -98,12 +99,9 @@ _LAYOUT = re.compile(r"^dp(\d+)tp(\d+)$")
 def parse_layouts(text: str) -> tuple[Layout, ...]:
     """``"dp1tp8,dp4tp2,dp8tp1"`` (any ``dpNtpM``) -> layouts; all must use the same rank count,
     because one launch runs them all on the same processes. A layout given twice (``dp4tp2,DP4/TP2``)
-    is an error (``sizes.unique_values``)."""
-    typed = [part for part in str(text).split(",") if part.strip()]
-    if not typed:
-        raise SnapmlaError(f"--layout: {text!r} is empty (expected e.g. dp4tp2 or dp1tp8,dp8tp1)")
+    is an error (``sizes.unique_values``), as are a blank list and an empty item (``sizes.split_list``)."""
     found: list[tuple[Layout, str]] = []
-    for part in typed:
+    for part in split_list(text, "--layout", "dp4tp2 or dp1tp8,dp8tp1"):
         name = part.strip().lower().replace("/", "")
         match = _LAYOUT.match(name)
         if match is None:

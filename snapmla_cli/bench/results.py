@@ -23,6 +23,17 @@ from .plan import BF16, FP8, BenchPlan, Layout
 from .roofline import DecodeWork
 
 NOISY_SPREAD = 0.03  # rounds of one timing that differ by more make its median suspect (a note says so)
+# StepTiming.kernel of the CPU stand-in runner (bench --cpu-fake, CI): how a measurement, also one
+# read back from a report's JSON, says its timings are the CPU's wall clock and not a GPU's
+CPU_FAKE_KERNEL = "cpu-fake"
+# Why the timed rounds of a measurement may differ by more than NOISY_SPREAD, and what to do:
+# on a GPU, too-short rounds or a device that changed state; the CPU stand-in's rounds are
+# wall-clock times of tiny matmuls on a shared CPU, which no --steps would make GPU figures
+# (the stand-in caps its steps anyway), so its note says only that.
+GPU_NOISE_CAUSE = ("rounds too short to time steadily (more --steps make them longer), or the device was not "
+                   "in one state while they ran (another process, a clock change); rerun before comparing them")
+CPU_FAKE_NOISE_CAUSE = ("these are the CPU stand-in's wall-clock timings (--cpu-fake), not GPU timings; "
+                        "they mean nothing as GPU figures, noisy or not")
 
 
 def format_spread(spread: float | None) -> str:
@@ -275,16 +286,20 @@ class BenchReport:
     @property
     def notes(self) -> list[str]:
         notes = list(dict.fromkeys(m.note for m in self.measurements if m.note))
-        noisy = [(m.spread, m) for m in self.measurements if m.spread is not None and m.spread > NOISY_SPREAD]
-        if noisy:
-            spread, worst = max(noisy, key=lambda pair: pair[0])
-            notes.append(
-                f"the timed rounds of {len(noisy)} of {len(self.measurements)} measurements differ by more "
-                f"than {NOISY_SPREAD:.0%} (most: {format_spread(spread)}, {worst.layout} ctx "
-                f"{format_size(worst.context)} {worst.impl} batch {worst.batch} on rank {worst.rank}): rounds too short to time "
-                "steadily (more --steps make them longer), or the device was not in one state while they ran "
-                "(another process, a clock change); rerun before comparing them")
+        noisy = [m for m in self.measurements if m.spread is not None and m.spread > NOISY_SPREAD]
+        for fake, cause in ((False, GPU_NOISE_CAUSE), (True, CPU_FAKE_NOISE_CAUSE)):
+            group = [m for m in noisy if (m.kernel == CPU_FAKE_KERNEL) == fake]
+            if group:
+                notes.append(self._noisy_note(group, cause))
         return notes
+
+    def _noisy_note(self, noisy: list[Measurement], cause: str) -> str:
+        """The note on the ``noisy`` measurements (rounds apart by more than NOISY_SPREAD): how
+        many, the worst, and ``cause``, which differs for the CPU stand-in's (see GPU_NOISE_CAUSE)."""
+        worst = max(noisy, key=lambda m: m.spread or 0.0)
+        return (f"the timed rounds of {len(noisy)} of {len(self.measurements)} measurements differ by more "
+                f"than {NOISY_SPREAD:.0%} (most: {format_spread(worst.spread)}, {worst.layout} ctx "
+                f"{format_size(worst.context)} {worst.impl} batch {worst.batch} on rank {worst.rank}): {cause}")
 
     def to_dict(self) -> dict:
         plan = asdict(self.plan)

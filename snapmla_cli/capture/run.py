@@ -25,7 +25,7 @@ from ..cache.atomic import check_writable, file_kind
 from ..cache.dump_file import VALUE_LIMIT, KVDump, LayerDump, first_bad_row, write_dump
 from ..errors import NoGpuError, SnapmlaError
 from ..numerics.formats import default_softmax_scale
-from ..sizes import MAX_SIZE, unique_values
+from ..sizes import MAX_SIZE, split_list, unique_values
 from .check import CheckResult, recompute_check
 from .checkpoint import DTYPES, load_model
 from .mla import MlaAttention, find_mla_attention
@@ -65,12 +65,14 @@ class Capture:
 
 def parse_layers(text: str) -> tuple[int, ...] | None:
     """``"all"`` -> None, ``"0,5,10"`` -> (0, 5, 10) (sorted); anything else, a layer given
-    twice included (``sizes.unique_values``), is a one-line error."""
+    twice (``sizes.unique_values``) and a blank list or an empty item (``sizes.split_list``)
+    included, is a one-line error."""
     text = text.strip()
     if text.lower() == "all":
         return None
+    items = split_list(text, "--layers", "all or 0,5,10")
     try:
-        typed = [(int(part), part) for part in text.split(",") if part.strip()]
+        typed = [(int(part), part) for part in items]
     except ValueError:
         raise SnapmlaError(
             f"--layers {text!r}: expected 'all' or comma-separated layer indices"

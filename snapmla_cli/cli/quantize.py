@@ -27,7 +27,7 @@ from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.configs import CONFIGS, get_configs
 from ..numerics.formats import D_QK
-from ..sizes import counted, parse_size
+from ..sizes import counted, parse_size, split_list
 from ..tables import figure_table
 from .common import (
     JSON_VERSION,
@@ -73,7 +73,7 @@ def quantize_command(
         from ..plot_files import check_plot_output
 
         check_plot_output(plot)
-    chosen = get_configs([c.strip() for c in configs.split(",") if c.strip()], "--configs")
+    chosen = get_configs([c.strip() for c in split_list(configs, "--configs", "snap,A")], "--configs")
     require_at_least("--layers", layers)
     require_at_least("--queries", queries)
     dev = resolve_device(device.value)

@@ -42,6 +42,7 @@ from ..sizes import (
     parse_int_list,
     parse_size,
     require_batch,
+    split_list,
     unique_values,
 )
 from ..tables import figure_table
@@ -117,9 +118,9 @@ def verify_command(
     require_host_memory(f"--batch {batch} x --ctx {keys} with up to {max(head_list) * max(mtp_list)} query rows",
                         _case_bytes(batch, keys, max(head_list) * max(mtp_list)))
     gates = _checked_gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos, gate_lse)
-    fp8_kernels = tuple(unique_values("--fp8-kernel", ((s.strip(), s) for s in fp8_kernel.split(",") if s.strip())))
-    if not fp8_kernels:  # on a GPU the run would pass without checking any FP8 kernel
-        raise SnapmlaError("--fp8-kernel: expected at least one kernel name (e.g. default)")
+    # split_list refuses a blank list: on a GPU the run would pass without checking any FP8 kernel
+    kernel_names = split_list(fp8_kernel, "--fp8-kernel", "default,v3")
+    fp8_kernels = tuple(unique_values("--fp8-kernel", ((s.strip(), s) for s in kernel_names)))
     no_kernels = kernels_problem(dev)
     if no_kernels is not None and fp8_kernels != ("default",):  # asked for kernels by name
         raise UnsupportedGpuError(f"--fp8-kernel {fp8_kernel}: {no_kernels}")

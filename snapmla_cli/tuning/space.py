@@ -31,6 +31,7 @@ from ..sizes import (
     parse_size,
     refuse_long_number,
     shorten,
+    split_list,
     unique_values,
 )
 from .fields import DbError, read_int, read_pair, show
@@ -160,25 +161,23 @@ def bucket_command(bucket: Bucket, budget: str) -> str:
 # (the same bound as every command's --batch: sizes.MAX_BATCH).
 MAX_TUNE_BATCH = MAX_BATCH
 _RANGE = re.compile(r"^\s*([^-\s]+)\s*-\s*([^-\s]+)\s*$")
+RANGES_EXAMPLE = "64, 1,8,64 or 16-128"  # what a --batch or --ctx error shows as valid ranges
 
 
 def parse_ranges(text: str, what: str, most: int = MAX_SIZE, most_text: str | None = None) -> list[tuple[int, int]]:
     """``"64"``, ``"1,8,64"``, ``"16-128"``, ``"16k,32k-64k"``: each comma item is one bucket
     range, a single value ``N`` meaning ``N-N``, its ends in 1..``most``. Sizes take k/m
     suffixes (``32k`` = 32768). The same range given twice (``64,64-64``, ``16k-32k,16384-32768``)
-    is an error (``sizes.unique_values``); ``most_text`` names the limit (``parse_size``)."""
+    is an error (``sizes.unique_values``), as are a blank list and an empty item
+    (``sizes.split_list``); ``most_text`` names the limit (``parse_size``)."""
     out: list[tuple[tuple[int, int], str]] = []
-    for part in str(text).split(","):
-        if not part.strip():
-            continue
+    for part in split_list(text, what, RANGES_EXAMPLE):
         m = _RANGE.match(part)
         lo, hi = (parse_size(m.group(1), what, most, most_text), parse_size(m.group(2), what, most, most_text)) if m \
             else (parse_size(part, what, most, most_text),) * 2
         if lo > hi:
             raise SnapmlaError(f"{what}: range {part.strip()!r} runs backwards")
         out.append(((lo, hi), part))
-    if not out:
-        raise SnapmlaError(f"{what}: {text!r} is empty (expected e.g. 64, 1,8,64 or 16-128)")
     return unique_values(what, out, show=lambda r: str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}")
 
 
