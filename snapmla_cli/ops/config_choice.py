@@ -153,10 +153,11 @@ def decode_config_for(config: DecodeConfig | None, tile_scheduler_metadata: obje
                       fp8: bool, device: torch.device, batch: int, s_q: int | None = None) -> DecodeConfig:
     """The decode call's configuration: an explicit ``config`` wins; else the one the metadata
     was built for (same row tile and split policy, context-aware); else, for metadata built for
-    other rows or the other format (e.g. FlashMLA-style ``get_mla_metadata`` defaulting to FP8
-    before a BF16 decode), a fresh choice at the recorded context; else, for metadata snapmla
-    did not build, today's context-blind choice. Any of these is correct with any work list
-    (the work items do not depend on the row tile), only possibly slower."""
+    the other format (e.g. FlashMLA-style ``get_mla_metadata`` defaulting to FP8 before a BF16
+    decode) or other rows (which the decode calls refuse before they ask: FlashMLA's metadata
+    must match q), a fresh choice at the recorded context; else, for metadata snapmla did not
+    build, today's context-blind choice. Any of these is correct with any work list (the work
+    items do not depend on the row tile), only possibly slower."""
     if config is not None:
         if not config.split.auto_balance:
             return config

@@ -5,9 +5,11 @@ already-quantized Q so that an engine quantizes once per step.
 Every argument is checked (shape, dtype, device, contiguity) with a one-line
 :class:`SnapmlaError`: fully on the first call of an argument signature, which stores the
 call's prepared launches (:mod:`.decode_launch`), and on later calls what the signature does
-not fix (contiguity, a caller's ``out`` / ``lse``). The launch path does no host
-synchronisation (the output and split buffers are sized from shapes only), so a decode step can
-be captured in a CUDA graph.
+not fix (contiguity, a caller's ``out`` / ``lse``). The devices are checked after every
+layout and the work list's planned batch and rows (:func:`_checked_call`), so that a call on a
+machine without a GPU names a bad argument before it reports the missing GPU. The launch path
+does no host synchronisation (the output and split buffers are sized from shapes only), so a
+decode step can be captured in a CUDA graph.
 The configuration is chosen once per step, in ``get_mla_metadata`` (which reads the lengths
 anyway, so it knows the context), and travels with the metadata tensor to the decode calls.
 """
@@ -262,8 +264,9 @@ def _require_cuda(t: torch.Tensor, name: str, device: torch.device | None) -> No
         raise SnapmlaError(f"{name}: on {t.device}, expected {device} like q")
 
 
-def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int | None, ...], device: torch.device | None) -> None:
-    _require_cuda(t, name, device)
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int | None, ...]) -> None:
+    """Dtype, shape and contiguity; not the device (:func:`_checked_call` checks it after every
+    argument's layout, so that a bad argument is named on a machine without a GPU too)."""
     if t.dtype != dtype:
         raise SnapmlaError(f"{name}: expected {dtype}, got {t.dtype}")
     if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
@@ -273,29 +276,45 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int | No
         raise SnapmlaError(f"{name}: must be contiguous")
 
 
-def _check_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b: int, device: torch.device) -> None:
-    _require_cuda(block_table, "block_table", device)
+def _check_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b: int) -> None:
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
         raise SnapmlaError(f"block_table: expected int32 [{b}, max_blocks], got {block_table.dtype} {list(block_table.shape)}")
     if block_table.stride(1) != 1:
         raise SnapmlaError("block_table: rows must be contiguous (stride 1 along blocks)")
-    _check(cache_seqlens, "cache_seqlens", torch.int32, (b,), device)
+    _check(cache_seqlens, "cache_seqlens", torch.int32, (b,))
 
 
-def _check_metadata(metadata: torch.Tensor, num_splits: torch.Tensor, b: int, device: torch.device) -> None:
+def _check_metadata(metadata: torch.Tensor, num_splits: torch.Tensor, b: int) -> None:
     """Shapes, and the batch the work list was planned for where snapmla planned it: its items
     name requests 0..batch-1, which the kernels index q, the table and out with unchecked (a
     larger list with ``num_splits[:b + 1]`` passes every shape check). A copy's batch is not known
     without reading it; the checks switch's work-list check reads it."""
-    _check(metadata, "tile_scheduler_metadata", torch.int32, (None, None, WORK_FIELDS), device)
-    _check(num_splits, "num_splits", torch.int32, (b + 1,), device)
+    _check(metadata, "tile_scheduler_metadata", torch.int32, (None, None, WORK_FIELDS))
+    _check(num_splits, "num_splits", torch.int32, (b + 1,))
     plan = metadata_plan(metadata)
     if plan is not None and plan.batch is not None and plan.batch != b:
         raise SnapmlaError(f"tile_scheduler_metadata: planned for {plan.batch} requests, the call has {b} "
                            "(a work list of a larger batch with num_splits[:b + 1]? plan one for this batch)")
 
 
+def _check_planned_rows(metadata: torch.Tensor, s_q: int, h_q: int) -> None:
+    """The query rows (``s_q * h_q``) the work list was planned for where snapmla planned it are
+    the call's, as FlashMLA requires of its metadata. Why an error although any work list decodes
+    right with any rows: its split count and the configuration it carries were sized for the
+    planned rows, and a mismatch is a caller's slip (rows ``h_q`` for an MTP step of ``s_q`` 2,
+    one step's list reused for another head count) that would otherwise only run slower. A copy's
+    rows are not known and are not checked."""
+    plan = metadata_plan(metadata)
+    rows = s_q * h_q
+    if plan is not None and plan.rows != rows:
+        raise SnapmlaError(f"tile_scheduler_metadata: planned for {plan.rows} query rows (num_heads_per_head_k "
+                           f"= s_q * h_q), the call has {rows} (s_q {s_q} x h_q {h_q}); plan it with "
+                           f"get_mla_metadata(cache_seqlens, {rows}, 1)")
+
+
 def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """The FP8 cache as uint8 rows, checked: dtype, shape, contiguity and the start the kernels'
+    16-byte loads need."""
     given = k_cache.dtype  # (named in the error as the caller passed it, not as viewed)
     if k_cache.dtype == FP8_DTYPE:
         k_cache = k_cache.view(torch.uint8)
@@ -307,18 +326,65 @@ def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
             f"[blocks, 64, 1, {FP8_TOKEN_BYTES}], got {given} {list(k_cache.shape)}")
     if not k_cache.is_contiguous():
         raise SnapmlaError("k_cache: must be contiguous")
+    require_aligned("k_cache", k_cache)
     return k_cache
 
 
-def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple[int, ...],
-                   device: torch.device) -> None:
-    """``shape``: the call's (b, s_q, h_q)."""
+def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple[int, ...]) -> None:
+    """``shape``: the call's (b, s_q, h_q). Layouts only: their device is checked with the
+    other tensors' (:func:`_one_device`, a replay's :func:`_require_on`)."""
     b, s_q, h_q = shape
     if out is not None:
-        _check(out, "out", torch.bfloat16, (b, s_q, h_q, D_V), device)
+        _check(out, "out", torch.bfloat16, (b, s_q, h_q, D_V))
         require_aligned("out", out)
     if lse is not None:
-        _check(lse, "lse", torch.float32, (b, h_q, s_q), device)
+        _check(lse, "lse", torch.float32, (b, h_q, s_q))
+
+
+def _checked_call(shape: tuple[int, int, int], q_parts: tuple[tuple[str, torch.Tensor], ...], cache: torch.Tensor,
+                  block_table: torch.Tensor, cache_seqlens: torch.Tensor, metadata: torch.Tensor,
+                  num_splits: torch.Tensor, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                  *, table_reads: bool = False) -> torch.device:
+    """A first call's checks after its own q and cache layouts, in an order that names a bad
+    argument before a missing GPU: the table, lengths, work list (its batch and rows) and outputs
+    against the call's ``shape`` (b, s_q, h_q); every tensor on q's device; with ``table_reads``
+    the checks switch's reads of the table and work list (after the shapes: the table's batch is
+    q's; on one device: they index one tensor with another); then q's device a CUDA one. Why this
+    order: on a machine without a GPU every decode call ends at the last step, and a caller whose
+    shape is wrong should hear about the shape, not only about the GPU. Returns the device."""
+    b, s_q, h_q = shape
+    _check_table(block_table, cache_seqlens, b)
+    _check_metadata(metadata, num_splits, b)
+    _check_planned_rows(metadata, s_q, h_q)
+    _check_outputs(out, lse, shape)
+    device = _one_device((*q_parts, ("k_cache", cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens),
+                          ("tile_scheduler_metadata", metadata), ("num_splits", num_splits), ("out", out),
+                          ("lse", lse)))
+    if table_reads and GPU_CHECKS.on:
+        _check_table_reads(block_table, cache_seqlens, b, cache, metadata, num_splits)
+    q_name, q = q_parts[0]
+    _require_cuda(q, q_name, None)
+    return device
+
+
+def _one_device(named: Iterable[tuple[str, torch.Tensor | None]]) -> torch.device:
+    """The first tensor's device (q's), after checking that every other given one is on it; a
+    mismatch is named as it was when each tensor was checked for CUDA: a host q among CUDA
+    tensors as q (the one to move), else the odd one out (a host tensor, or another GPU's)."""
+    tensors = [(name, t) for name, t in named if t is not None]
+    first_name, first = tensors[0]
+    for name, t in tensors[1:]:
+        if t.device != first.device:
+            _require_cuda(first, first_name, None)
+            _require_cuda(t, name, first.device)
+    return first.device
+
+
+def _require_on(device: torch.device, named: Iterable[tuple[str, torch.Tensor | None]]) -> None:
+    """Each given tensor a CUDA one on ``device`` (a replayed call's outputs on its plan's GPU)."""
+    for name, t in named:
+        if t is not None:
+            _require_cuda(t, name, device)
 
 
 def _split_fold(tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor, rows: int
@@ -348,15 +414,11 @@ def _split_kv_decode(
     requested: DecodeConfig | None = None,
     plan_key: tuple[object, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What both decode kernels share, on a call's first run: block-table and metadata checks,
-    the plan of the launches (:func:`_decode_plan`), stored under ``plan_key`` for the calls
-    after it (:mod:`.decode_launch`), then run. ``operands`` are the kernel's leading pointer
-    arguments (Q parts, then the checked cache); ``requested`` is the caller's configuration
-    object."""
-    b = shape[0]
-    _check_table(block_table, cache_seqlens, b, device)
-    _check_metadata(tile_scheduler_metadata, num_splits, b, device)
-    _check_outputs(out, lse, shape, device)
+    """What both decode kernels share, on a call's first run with every argument checked
+    (:func:`_checked_call`): the plan of the launches (:func:`_decode_plan`), stored under
+    ``plan_key`` for the calls after it (:mod:`.decode_launch`), then run. ``operands`` are the
+    kernel's leading pointer arguments (Q parts, then the checked cache); ``requested`` is the
+    caller's configuration object."""
     plan = _decode_plan(fp8, operands[-1], shape, device, block_table.stride(0), tile_scheduler_metadata,
                         num_splits, softmax_scale, causal, cfg, requested, plan_key)
     if plan_key is not None:
@@ -492,7 +554,8 @@ def _replay_checks(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ..
     if k_cache.data_ptr() % VEC_ALIGN:  # (another layer's cache each call: not in the key)
         require_aligned("k_cache", k_cache)
     if out is not None or lse is not None:
-        _check_outputs(out, lse, shape, plan.device)
+        _check_outputs(out, lse, shape)
+        _require_on(plan.device, (("out", out), ("lse", lse)))
     q_ptrs = tuple(t.data_ptr() for _, t in q_parts)
     for (name, _), ptr in zip(q_parts, q_ptrs):  # (a new q each step: its address is not in the key)
         if ptr % Q_ALIGN.get(name, VEC_ALIGN):
@@ -584,7 +647,7 @@ def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b
     if capturing(block_table):  # (CPU tensors are checked, then refused as not CUDA right after)
         return  # the finite checks refuse capture with the switch on, naming it
     lengths = checked_lengths(block_table, cache_seqlens, batch, k_cache.shape[0])
-    _check_metadata(metadata, num_splits, batch, metadata.device)
+    _check_metadata(metadata, num_splits, batch)
     check_work_list(metadata, num_splits, lengths)
     if k_cache.element_size() == 1:  # an FP8 cache: the tokens read are SnapMLA's encoding
         rows = k_cache.view(torch.uint8).reshape(k_cache.shape[0], PAGE_SIZE, FP8_TOKEN_BYTES)
@@ -642,17 +705,14 @@ def decode_fp8(
         raise SnapmlaError(f"q.scale: expected [b, s_q, h_q], got {list(q.scale.shape)}")
     b, s_q, h_q = q.scale.shape
     content = q.content.view(torch.uint8) if q.content.dtype == FP8_DTYPE else q.content
-    _check(content, "q.content", torch.uint8, (b, s_q, h_q, 512), None)
-    device = content.device
-    _check(q.scale, "q.scale", torch.float32, (b, s_q, h_q), device)
-    _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64), device)
-    _require_q_aligned((name, part.data_ptr()) for name, part in
-                       (("q.content", content), ("q.scale", q.scale), ("q.rope", q.rope)) if part.numel())
+    _check(content, "q.content", torch.uint8, (b, s_q, h_q, 512))
+    _check(q.scale, "q.scale", torch.float32, (b, s_q, h_q))
+    _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64))
+    q_parts = (("q.content", content), ("q.scale", q.scale), ("q.rope", q.rope))
+    _require_q_aligned((name, part.data_ptr()) for name, part in q_parts if part.numel())
     cache = _fp8_cache_rows(k_cache)
-    require_aligned("k_cache", cache)
-    if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
-        _check_table_reads(block_table, cache_seqlens, b, cache, tile_scheduler_metadata, num_splits)
-    _require_cuda(cache, "k_cache", device)
+    device = _checked_call((b, s_q, h_q), q_parts, cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                           num_splits, out, lse, table_reads=True)
     cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
     require_arch(fp8_kernel(cfg)[0], device.index)  # before the tensor maps, which are Hopper's too
     return _split_kv_decode(True, (content, q.scale, q.rope, cache), (b, s_q, h_q), device,
@@ -694,16 +754,15 @@ def decode_bf16(
     if q.dim() != 4:
         raise SnapmlaError(f"q: expected [b, s_q, h_q, {D_QK}], got {list(q.shape)}")
     b, s_q, h_q, _ = q.shape
-    _check(q, "q", torch.bfloat16, (b, s_q, h_q, D_QK), None)
-    device = q.device
-    check_finite("q", q)
+    _check(q, "q", torch.bfloat16, (b, s_q, h_q, D_QK))
+    check_finite("q", q)  # (host tensors always, CUDA ones under the checks switch)
     if k_cache.dim() == 3:
         k_cache = k_cache.unsqueeze(2)
-    _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK), device)
+    _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK))
     require_aligned("q", q)
     require_aligned("k_cache", k_cache)
-    if GPU_CHECKS.on:  # after the shapes: the table's batch is q's
-        _check_table_reads(block_table, cache_seqlens, b, k_cache, tile_scheduler_metadata, num_splits)
+    device = _checked_call((b, s_q, h_q), (("q", q),), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                           num_splits, out, lse, table_reads=True)
     cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,
                             s_q)
     require_arch(bf16_kernel(cfg)[0], device.index)
@@ -804,9 +863,12 @@ def _quantize_and_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
         return plan.run_fused(q_ptr, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     from .prep import quantize_q, quantize_q_launch
 
-    _require_cuda(q, "q", None)
     if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
         raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
+    # the decode's arguments before Q is quantized (a host q ends the call: it is named last, after
+    # any bad argument; on a GPU no Q-quant runs for a call its decode refuses)
+    _checked_call((q.shape[0], q.shape[1], q.shape[2]), (("q", q),), _fp8_cache_rows(k_cache), block_table,
+                  cache_seqlens, tile_scheduler_metadata, num_splits)
     if check_encoding:
         _check_encoding(k_cache, block_table, cache_seqlens)
     q8 = quantize_q(q)

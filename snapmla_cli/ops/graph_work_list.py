@@ -64,10 +64,10 @@ class GraphWorkList:
         if max_context is not None and (not is_integer(max_context) or not 0 <= max_context <= MAX_SEQLEN):
             raise SnapmlaError(f"max_context: expected the most tokens a request holds (0..{MAX_SEQLEN}, "
                                f"int32 lengths), got {max_context}")
-        self.max_context = max_context
-        self.device = requested_device(device)
         fp8 = checked_flag("fp8", fp8)
         config = checked_config(config, fp8)
+        self.max_context = max_context
+        self.device = requested_device(device)  # (last: a bad argument is named before a missing GPU)
         self.batch, self.rows, self.fp8 = batch, num_heads_per_head_k, fp8
         context = None if max_context is None else float(max_context)
         requested = config or choose_config(num_heads_per_head_k, fp8, self.device, batch, context, s_q)
