@@ -13,13 +13,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from ..errors import SnapmlaError
+from ..numerics.formats import FP8_TOKEN_BYTES, PAGE_SIZE
 from .schedule import SplitPolicy, prefer_balanced
 
 ROWS_PER_GROUP = 16
 WARPS_PER_GROUP = 2
 MAX_SMEM_PER_CTA = 232448  # 227 KB opt-in on sm_90
-FP8_TOKEN_BYTES = 656
-PAGE_TOKENS = 64
+PAGE_TOKENS = PAGE_SIZE
 FP8_Q_CONTENT_STRIDE = 512 + 16
 FP8_Q_ROPE_STRIDE = 128 + 16
 EXCHANGE_BYTES_PER_LANE_TILE = 16  # one float4 per lane per logit column tile

@@ -33,7 +33,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import NoGpuError, SnapmlaError
-from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
+from ..numerics.formats import BF16_TOKEN_BYTES, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..ops.finite import capturing as _capturing
 from . import pdl
 
@@ -41,7 +41,6 @@ TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap)
 TENSOR_MAP_ALIGN = 64
 TILE_BOX_BYTES = 128  # content / RoPE box width: one 128-byte swizzle span
 SCALE_BOX_BYTES = 16  # scale + pad
-BF16_TOKEN_BYTES = 2 * D_QK
 MAX_CACHED_MAPS = 1024  # 256 B of device memory each (a 512 B block of the caching allocator)
 
 # CUDA driver enums (cuda.h)

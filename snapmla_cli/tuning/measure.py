@@ -33,6 +33,18 @@ import torch
 
 from ..bench.timing import Clocks, capture_graph, time_cuda
 from ..errors import SnapmlaError
+from ..numerics.formats import (
+    BF16_TOKEN_BYTES,
+    D_CONTENT,
+    D_QK,
+    D_ROPE,
+    D_V,
+    FP8_TOKEN_BYTES,
+    PAD_OFFSET,
+    PAGE_SIZE,
+    ROPE_OFFSET,
+    SCALE_OFFSET,
+)
 from ..numerics.metrics import compare
 from ..ops.decode_config import DecodeConfig
 from .compile import Job, compile_jobs
@@ -51,9 +63,6 @@ MAX_COPIES = 256
 # idle before each candidate's timing, then at most 20 ms of work: the clock stays at boost
 TUNE_CLOCKS = Clocks("tune", cooldown_s=0.1, warmup_s=0.005, measure_s=0.02)
 MAX_REPLAYS = 1000  # replays per timing at most (the 20 ms window binds first)
-FP8_TOKEN_BYTES = 656
-BF16_TOKEN_BYTES = 576 * 2
-PAGE = 64
 CHUNK_BLOCKS = 4096  # cache filled in chunks to bound temporaries
 
 
@@ -242,10 +251,10 @@ class GpuMeasurer:
 
         dev = self.device
         batch, ctx = bucket.timed_batch, bucket.timed_context
-        pages = -(-ctx // PAGE)
+        pages = -(-ctx // PAGE_SIZE)
         set_blocks = batch * pages
         token_bytes = FP8_TOKEN_BYTES if bucket.fp8 else BF16_TOKEN_BYTES
-        set_bytes = set_blocks * PAGE * token_bytes
+        set_bytes = set_blocks * PAGE_SIZE * token_bytes
         copies = min(MAX_COPIES, max(1, math.ceil(L2_FACTOR * self.l2_bytes / set_bytes)))
         free, _ = torch.cuda.mem_get_info(dev)
         budget = int(free * 0.85) - (1 << 30)  # room for the split buffers and temporaries
@@ -257,33 +266,33 @@ class GpuMeasurer:
         gen = torch.Generator(device=dev).manual_seed(self.seed + 1)
         total = copies * set_blocks
         if bucket.fp8:
-            cache = torch.empty(total, PAGE, FP8_TOKEN_BYTES, dtype=torch.uint8, device=dev)
+            cache = torch.empty(total, PAGE_SIZE, FP8_TOKEN_BYTES, dtype=torch.uint8, device=dev)
             for a in range(0, total, CHUNK_BLOCKS):
                 z = min(total, a + CHUNK_BLOCKS)
                 view = cache[a:z]
                 # E4M3 bytes 0x00..0x7E (0x7F is NaN), sane scales, small pre-scaled RoPE
-                view[..., :512] = torch.randint(0, 0x7F, (z - a, PAGE, 512), generator=gen,
+                view[..., :SCALE_OFFSET] = torch.randint(0, 0x7F, (z - a, PAGE_SIZE, D_CONTENT), generator=gen,
                                                 device=dev, dtype=torch.uint8)
-                scale = torch.rand(z - a, PAGE, 1, generator=gen, device=dev) * 1e-3 + 1e-3
-                view[..., 512:516] = scale.view(torch.uint8)
-                view[..., 516:528] = 0
-                rope = (torch.randn(z - a, PAGE, 64, generator=gen, device=dev) * 0.1).to(
+                scale = torch.rand(z - a, PAGE_SIZE, 1, generator=gen, device=dev) * 1e-3 + 1e-3
+                view[..., SCALE_OFFSET:PAD_OFFSET] = scale.view(torch.uint8)
+                view[..., PAD_OFFSET:ROPE_OFFSET] = 0
+                rope = (torch.randn(z - a, PAGE_SIZE, D_ROPE, generator=gen, device=dev) * 0.1).to(
                     torch.bfloat16)
-                view[..., 528:] = rope.view(torch.uint8)
+                view[..., ROPE_OFFSET:] = rope.view(torch.uint8)
         else:
-            cache = torch.empty(total, PAGE, 1, 576, dtype=torch.bfloat16, device=dev)
+            cache = torch.empty(total, PAGE_SIZE, 1, D_QK, dtype=torch.bfloat16, device=dev)
             for a in range(0, total, CHUNK_BLOCKS):
                 z = min(total, a + CHUNK_BLOCKS)
-                cache[a:z] = (torch.randn(z - a, PAGE, 1, 576, generator=gen, device=dev)
+                cache[a:z] = (torch.randn(z - a, PAGE_SIZE, 1, D_QK, generator=gen, device=dev)
                               * 0.5).to(torch.bfloat16)
         tables = []
         for j in range(copies):
             perm = torch.randperm(set_blocks, generator=gen, device=dev) + j * set_blocks
             tables.append(perm.to(torch.int32).view(batch, pages).contiguous())
-        q = (torch.randn(batch, bucket.s_q, bucket.h_q, 576, generator=gen, device=dev) * 0.5).to(
+        q = (torch.randn(batch, bucket.s_q, bucket.h_q, D_QK, generator=gen, device=dev) * 0.5).to(
             torch.bfloat16)
         seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-        out = torch.empty(batch, bucket.s_q, bucket.h_q, 512, dtype=torch.bfloat16, device=dev)
+        out = torch.empty(batch, bucket.s_q, bucket.h_q, D_V, dtype=torch.bfloat16, device=dev)
         lse = torch.empty(batch, bucket.h_q, bucket.s_q, dtype=torch.float32, device=dev)
         torch.cuda.synchronize(dev)
         return _TimingInputs(bucket, quantize_rows(q) if bucket.fp8 else q, cache, tables,
