@@ -10,7 +10,23 @@ imported on first use so that ``import snapmla_cli`` works on a machine without 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    # The same names for a caller's type checker (the package ships py.typed): mypy reads a
+    # module-level ``__getattr__`` as "every name is Any", so without these an engine's
+    # ``snapmla.quantize_q("text")`` type-checked. Never run: the lazy table below imports.
+    from .errors import SnapmlaError
+    from .ops.decode import decode_bf16, decode_fp8, flash_mla_with_kvcache, get_mla_metadata
+    from .ops.finite import set_gpu_checks
+    from .ops.graph_work_list import GraphWorkList
+    from .ops.prep import (
+        append_kv,
+        fetch_dequant,
+        fetch_dequant_slots,
+        fetch_dequant_soa,
+        quantize_q,
+    )
 
 __version__ = "0.1.0"
 

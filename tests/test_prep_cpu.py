@@ -5,9 +5,11 @@ The CUDA paths are compared byte for byte with these same references in tests/gp
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -568,6 +570,22 @@ def test_public_api_names_resolve() -> None:
             set_gpu_checks(not_a_bool)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         snapmla_cli.nope  # noqa: B018
+
+
+def test_type_checkers_see_the_lazy_table() -> None:
+    """The ``TYPE_CHECKING`` imports of ``snapmla_cli/__init__.py`` (what a caller's type checker
+    reads; the lazy table is what runs) import every exported name from the module the table
+    names: a name added to one and not the other would be Any to mypy or missing at run time."""
+    import snapmla_cli
+
+    tree = ast.parse(Path(snapmla_cli.__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body
+                 if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    typed = {alias.name: f"snapmla_cli.{node.module}"  # (relative imports: level 1)
+             for node in block.body if isinstance(node, ast.ImportFrom) and node.level == 1
+             for alias in node.names}
+    assert typed == snapmla_cli._LAZY
+    assert sorted(snapmla_cli._LAZY) == sorted(snapmla_cli.__all__)
 
 
 def test_layout_helpers_refuse_other_widths_and_heads_and_read_scales_as_float32() -> None:

@@ -59,3 +59,25 @@ def test_a_type_error_is_reported(tmp_path: Path, cache_dir: Path) -> None:
     bad.write_text("from snapmla_cli.sizes import counted\n\nprint(counted('dump', 'query'))\n")
     report, status = _mypy(cache_dir, str(bad))
     assert status == 1 and 'incompatible type "str"; expected "int"' in report, report
+
+
+def test_a_caller_sees_the_public_api_typed(tmp_path: Path, cache_dir: Path) -> None:
+    """An engine's ``import snapmla_cli as snapmla`` gets the real signatures (the package ships
+    py.typed): the names resolve lazily through a module ``__getattr__``, which mypy alone reads
+    as Any, so a wrong argument to any public function once type-checked."""
+    user = tmp_path / "engine_step.py"
+    user.write_text(
+        "import torch\n"
+        "import snapmla_cli as snapmla\n\n"
+        "def step(q: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:\n"
+        "    meta, splits = snapmla.get_mla_metadata(lens, 16, 1)\n"
+        "    work = snapmla.GraphWorkList(4, 16, 'cuda', max_context=4096)\n"
+        "    work.update(lens)\n"
+        "    return snapmla.quantize_q(q).scale\n\n"
+        "wrong: int = snapmla.quantize_q('text')\n"
+    )
+    report, status = _mypy(cache_dir, str(user))
+    assert status == 1, report
+    assert 'Argument 1 to "quantize_q" has incompatible type "str"; expected "Tensor"' in report, report
+    assert 'expression has type "QuantizedRows", variable has type "int"' in report, report
+    assert report.count("error:") == 2, report  # the correct lines pass
