@@ -91,6 +91,9 @@ COMMON = [  # (change, the message's start): every call names these on the host
     (_with(cache_seqlens=lambda t: _t(t).long()), "cache_seqlens: expected torch.int32, got torch.int64"),
     (_with(tile_scheduler_metadata=lambda t: _t(t)[0]), r"tile_scheduler_metadata: expected shape \[\*, \*, 4\]"),
     (_with(num_splits=lambda t: _t(t)[:2]), r"num_splits: expected shape \[3\], got \[2\]"),
+    # the scalars too (the launch plan, after the device check, was the first to read them)
+    (lambda args: {**args, "softmax_scale": float("nan")}, "softmax_scale: expected a finite number, got nan"),
+    (lambda args: {**args, "causal": "false"}, "causal: expected True or False, got 'false'"),
 ]
 CASES = [
     *[(api, change, msg) for api in ("decode_fp8", "decode_bf16", "flash-fp8", "flash-bf16") for change, msg in COMMON],
@@ -104,6 +107,13 @@ CASES = [
     ("decode_bf16", _with(k_cache=lambda t: _t(t)[:, :32]), r"k_cache: expected shape \[\*, 64, 1, 576\]"),
     ("flash-fp8", _with(q=lambda t: _t(t).float()), r"q: expected bf16 \[b, s_q, h_q, 576\], got torch.float32"),
     ("flash-fp8", _with(k_cache=lambda t: _t(t)[:, :32]), "k_cache: expected FP8 cache"),
+    # the fused path checks q's layout itself (its quantize_q, which did, runs after the devices)
+    ("flash-fp8", _with(q=lambda t: torch.cat([_t(t), _t(t)], -1)[..., :D_QK]), "q: must be contiguous$"),
+    *[("flash-fp8", _with(**{name: lambda t: _t(t).to_sparse()}),
+       f"{name}: expected a regular \\(strided\\) tensor, got layout sparse_coo$")
+      for name in ("q", "k_cache", "block_table", "cache_seqlens", "tile_scheduler_metadata")],
+    ("decode_fp8", lambda args: {**args, "config": "fast"}, "config: expected a DecodeConfig or None, got str"),
+    ("decode_bf16", lambda args: {**args, "config": "fast"}, "config: expected a DecodeConfig or None, got str"),
     ("flash-bf16", _with(q=_nan), "q: 18432 of 18432 values are NaN or inf"),
     ("flash-bf16", _with(k_cache=lambda t: _t(t)[..., :500]), r"k_cache: expected shape \[\*, 64, 1, 576\]"),
 ]

@@ -6,8 +6,9 @@ Every argument is checked (shape, dtype, device, contiguity) with a one-line
 :class:`SnapmlaError`: fully on the first call of an argument signature, which stores the
 call's prepared launches (:mod:`.decode_launch`), and on later calls what the signature does
 not fix (contiguity, a caller's ``out`` / ``lse``). The devices are checked after every
-layout and the work list's planned batch and rows (:func:`_checked_call`), so that a call on a
-machine without a GPU names a bad argument before it reports the missing GPU. The launch path
+layout, the work list's planned batch and rows, the scale, ``causal`` and ``config``
+(:func:`_checked_call`), so that a call on a machine without a GPU names a bad argument before it
+reports the missing GPU. The launch path
 does no host synchronisation (the output and split buffers are sized from shapes only), so a
 decode step can be captured in a CUDA graph.
 The configuration is chosen once per step, in ``get_mla_metadata`` (which reads the lengths
@@ -344,10 +345,12 @@ def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tu
 def _checked_call(shape: tuple[int, int, int], q_parts: tuple[tuple[str, torch.Tensor], ...], cache: torch.Tensor,
                   block_table: torch.Tensor, cache_seqlens: torch.Tensor, metadata: torch.Tensor,
                   num_splits: torch.Tensor, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                  *, table_reads: bool = False) -> torch.device:
+                  *, softmax_scale: float | None, causal: bool, table_reads: bool = False) -> torch.device:
     """A first call's checks after its own q and cache layouts, in an order that names a bad
     argument before a missing GPU: the table, lengths, work list (its batch and rows) and outputs
-    against the call's ``shape`` (b, s_q, h_q); every tensor on q's device; with ``table_reads``
+    against the call's ``shape`` (b, s_q, h_q); ``softmax_scale`` and ``causal`` (the launch plan
+    reads them again; a NaN scale or ``causal="false"`` is a caller's slip to name on any machine);
+    every tensor on q's device; with ``table_reads``
     the checks switch's reads of the table and work list (after the shapes: the table's batch is
     q's; on one device: they index one tensor with another); then q's device a CUDA one. Why this
     order: on a machine without a GPU every decode call ends at the last step, and a caller whose
@@ -357,6 +360,8 @@ def _checked_call(shape: tuple[int, int, int], q_parts: tuple[tuple[str, torch.T
     _check_metadata(metadata, num_splits, b)
     _check_planned_rows(metadata, s_q, h_q)
     _check_outputs(out, lse, shape)
+    checked_softmax_scale(softmax_scale)
+    checked_flag("causal", causal)
     device = _one_device((*q_parts, ("k_cache", cache), ("block_table", block_table), ("cache_seqlens", cache_seqlens),
                           ("tile_scheduler_metadata", metadata), ("num_splits", num_splits), ("out", out),
                           ("lse", lse)))
@@ -711,9 +716,10 @@ def decode_fp8(
     q_parts = (("q.content", content), ("q.scale", q.scale), ("q.rope", q.rope))
     _require_q_aligned((name, part.data_ptr()) for name, part in q_parts if part.numel())
     cache = _fp8_cache_rows(k_cache)
+    requested = checked_config(config, True)  # (before the devices: named on a host as well)
     device = _checked_call((b, s_q, h_q), q_parts, cache, block_table, cache_seqlens, tile_scheduler_metadata,
-                           num_splits, out, lse, table_reads=True)
-    cfg = decode_config_for(checked_config(config, True), tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
+                           num_splits, out, lse, softmax_scale=softmax_scale, causal=causal, table_reads=True)
+    cfg = decode_config_for(requested, tile_scheduler_metadata, s_q * h_q, True, device, b, s_q)
     require_arch(fp8_kernel(cfg)[0], device.index)  # before the tensor maps, which are Hopper's too
     return _split_kv_decode(True, (content, q.scale, q.rope, cache), (b, s_q, h_q), device,
                             block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
@@ -761,10 +767,10 @@ def decode_bf16(
     _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK))
     require_aligned("q", q)
     require_aligned("k_cache", k_cache)
+    requested = checked_config(config, False)  # (before the devices: named on a host as well)
     device = _checked_call((b, s_q, h_q), (("q", q),), k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
-                           num_splits, out, lse, table_reads=True)
-    cfg = decode_config_for(checked_config(config, False), tile_scheduler_metadata, s_q * h_q, False, device, b,
-                            s_q)
+                           num_splits, out, lse, softmax_scale=softmax_scale, causal=causal, table_reads=True)
+    cfg = decode_config_for(requested, tile_scheduler_metadata, s_q * h_q, False, device, b, s_q)
     require_arch(bf16_kernel(cfg)[0], device.index)
     return _split_kv_decode(False, (q, k_cache), (b, s_q, h_q), device, block_table,
                             cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale,
@@ -863,12 +869,17 @@ def _quantize_and_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
         return plan.run_fused(q_ptr, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     from .prep import quantize_q, quantize_q_launch
 
+    _require_strided_call(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, None, None)
     if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
         raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
+    # q's own layout as quantize_q checks it on a GPU, here so that a host q hears it too
+    if not q.is_contiguous():
+        raise SnapmlaError("q: must be contiguous")
+    require_aligned("q", q)
     # the decode's arguments before Q is quantized (a host q ends the call: it is named last, after
     # any bad argument; on a GPU no Q-quant runs for a call its decode refuses)
     _checked_call((q.shape[0], q.shape[1], q.shape[2]), (("q", q),), _fp8_cache_rows(k_cache), block_table,
-                  cache_seqlens, tile_scheduler_metadata, num_splits)
+                  cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale=softmax_scale, causal=causal)
     if check_encoding:
         _check_encoding(k_cache, block_table, cache_seqlens)
     q8 = quantize_q(q)
