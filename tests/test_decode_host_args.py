@@ -10,6 +10,7 @@ the launches are never reached."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -214,3 +215,15 @@ def test_a_graph_work_list_planned_for_other_rows_is_refused() -> None:
     with pytest.raises(SnapmlaError, match=_planned_for(32) + r".*the call has 16 \(s_q 1 x h_q 16\)"):
         _call("decode_fp8", _with(tile_scheduler_metadata=lambda _: work.metadata,
                                   num_splits=lambda _: work.num_splits))
+
+
+def test_the_decode_calls_say_what_they_return() -> None:
+    """An engine reads the results' shapes off the docstrings (FlashMLA's ``lse`` is ``[b, h_q,
+    s_q]``, not ``out``'s order); they once said only what the calls do."""
+    for api in (decode_fp8, decode_bf16, flash_mla_with_kvcache):
+        assert "``(out, lse)``" in (inspect.getdoc(api) or ""), api.__name__
+    for api in (decode_fp8, flash_mla_with_kvcache):
+        doc = " ".join((inspect.getdoc(api) or "").split())
+        assert "bf16 ``[b, s_q, h_q, 512]``" in doc and "float32 ``[b, h_q, s_q]``" in doc, api.__name__
+    doc = " ".join((inspect.getdoc(get_mla_metadata) or "").split())
+    assert "``(tile_scheduler_metadata, num_splits)``, int32 ``[ctas, items, 4]`` and int32 ``[b + 1]``" in doc

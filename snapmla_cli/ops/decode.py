@@ -119,7 +119,9 @@ def get_mla_metadata(
     device: torch.device | str | None = None,
     s_q: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV work list and cumulative split counts (see :mod:`snapmla_cli.ops.schedule`).
+    """Split-KV work list and cumulative split counts (see :mod:`snapmla_cli.ops.schedule`):
+    ``(tile_scheduler_metadata, num_splits)``, int32 ``[ctas, items, 4]`` and int32 ``[b + 1]``
+    on ``device`` (or ``cache_seqlens``'s), to pass on to the decode calls.
     ``num_heads_per_head_k`` is ``s_q * h_q`` as in FlashMLA (whose later versions call it
     ``num_q_tokens_per_head_k``: either keyword is taken, one of them given); ``num_heads_k``
     must be 1.
@@ -685,7 +687,13 @@ def decode_fp8(
     """FP8 decode on an already-quantized Q (``quantize_q`` output, ``[b, s_q, h_q]`` rows).
     Without ``config``, the configuration ``get_mla_metadata`` built the metadata for
     (:func:`decode_config_for`). After the first call of a signature the launch is replayed
-    from its plan (:mod:`.decode_launch`)."""
+    from its plan (:mod:`.decode_launch`).
+
+    Returns ``(out, lse)`` as FlashMLA does: ``out`` bf16 ``[b, s_q, h_q, 512]`` and ``lse``
+    float32 ``[b, h_q, s_q]``, the natural log-sum-exp of the scaled logits (a row that sees no
+    key: ``out`` 0, ``lse`` +inf); written into ``out`` / ``lse`` when they are given.
+    ``softmax_scale``: the logits' scale, ``576 ** -0.5`` when None; ``causal``: query token
+    ``i`` of ``s_q`` sees the keys up to ``n - s_q + i``."""
     if not isinstance(q, QuantizedRows):
         raise SnapmlaError(f"q: expected QuantizedRows (the output of quantize_q), got {type(q).__name__}")
     _tensor_args(**{"q.content": q.content, "q.scale": q.scale, "q.rope": q.rope}, k_cache=k_cache,
@@ -742,7 +750,9 @@ def decode_bf16(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """BF16 decode on the bf16 cache ``[blocks, 64, 1, 576]`` (the baseline). Without ``config``,
     the configuration ``get_mla_metadata`` built the metadata for (:func:`decode_config_for`);
-    after the first call of a signature the launch is replayed from its plan."""
+    after the first call of a signature the launch is replayed from its plan. ``q`` bf16
+    ``[b, s_q, h_q, 576]``; the other arguments and the ``(out, lse)`` returned are
+    :func:`decode_fp8`'s."""
     _tensor_args(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                  tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     if out is not None or lse is not None:
@@ -808,7 +818,10 @@ def flash_mla_with_kvcache(
     token); its sparse-attention arguments (``indices``, ``attn_sink``, ...) and its lazily
     planned ``FlashMLASchedMeta`` (``num_splits=None``) are not supported, nor are the per-tensor
     ``descale_q`` / ``descale_k`` of FlashMLA's FP8 variant (keyword only here: SnapMLA quantizes
-    Q itself, a scale per row, and its cache holds a scale per token)."""
+    Q itself, a scale per row, and its cache holds a scale per token).
+
+    ``q`` bf16 ``[b, s_q, h_q, 576]``, ``head_dim_v`` 512; returns :func:`decode_fp8`'s
+    ``(out, lse)``: bf16 ``[b, s_q, h_q, 512]`` and float32 ``[b, h_q, s_q]``."""
     for name, value in (("descale_q", descale_q), ("descale_k", descale_k)):
         if value is not None:
             raise SnapmlaError(f"{name}: per-tensor FP8 scales are not supported (SnapMLA quantizes Q with a "
