@@ -6,6 +6,7 @@ The CUDA paths are compared byte for byte with these same references in tests/gp
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 import subprocess
 import sys
@@ -570,6 +571,26 @@ def test_public_api_names_resolve() -> None:
             set_gpu_checks(not_a_bool)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         snapmla_cli.nope  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["append_kv", "fetch_dequant_slots", "fetch_dequant_soa"])
+def test_the_slot_functions_document_both_slot_dtypes(name: str) -> None:
+    """Each takes int32 and int64 slots (``_SLOT_DTYPES``: the kernels read both natively); the
+    docstrings of the fetches once said int32 only, or named no dtype."""
+    from snapmla_cli.ops import prep
+
+    assert prep._SLOT_DTYPES == (torch.int32, torch.int64)
+    assert "int32 or int64" in " ".join((inspect.getdoc(getattr(prep, name)) or "").split())
+
+
+def test_quantize_q_documents_that_a_host_q_is_contiguous_too() -> None:
+    """The CPU path refuses a strided q as the CUDA one does; the docstring named contiguity for
+    CUDA only."""
+    strided = torch.zeros(2, 2 * D_QK)[:, ::2]
+    with pytest.raises(SnapmlaError, match="^q: expected a contiguous tensor"):
+        quantize_q(strided)
+    doc = " ".join((inspect.getdoc(quantize_q) or "").split())
+    assert "CPU: bf16, fp16 or fp32, contiguous too" in doc
 
 
 def test_type_checkers_see_the_lazy_table() -> None:

@@ -172,7 +172,7 @@ def quantize_q(q: torch.Tensor, out: QuantizedRows | None = None) -> QuantizedRo
 
     Returns :class:`QuantizedRows` with ``content`` float8_e4m3fn ``[..., 512]``, ``scale``
     float32 ``[...]`` and pre-scaled ``rope`` bf16 ``[..., 64]``; bytes identical to
-    ``quantize_rows``. CUDA: bf16, contiguous. CPU: bf16, fp16 or fp32.
+    ``quantize_rows``. CUDA: bf16, contiguous. CPU: bf16, fp16 or fp32, contiguous too.
 
     ``out``: preallocated result (the same dtypes and shapes, contiguous, on ``q``'s device)
     written in place and returned; skips the three allocations, which are most of the host
@@ -623,8 +623,8 @@ def _fetch_paged_cpu(
 
 
 def fetch_dequant_slots(k_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Dequantize the tokens at ``slots`` (int32 ``[n]``) of a paged FP8 cache to bf16
-    ``[n, 576]``; an out-of-range slot gives a row of zeros."""
+    """Dequantize the tokens at ``slots`` (int32 or int64 ``[n]``, ``page * 64 + row``) of a
+    paged FP8 cache to bf16 ``[n, 576]``; an out-of-range slot gives a row of zeros."""
     cache = _paged_cache(k_cache)
     slots = _slots("slots", slots)
     device = _same_device([("k_cache", cache), ("slots", slots)])
@@ -675,9 +675,9 @@ def _checked_soa(content: object, scale: object, rope: object) -> tuple[torch.Te
 def fetch_dequant_soa(
     content: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
-    """Dequantize the tokens at ``slots`` of a structure-of-arrays cache (SGLang-FluentLLM:
-    content uint8/float8_e4m3fn ``[S, 512]``, scale float32 ``[S]``, rope bf16 ``[S, 64]``) to
-    bf16 ``[n, 576]``; an out-of-range slot gives a row of zeros."""
+    """Dequantize the tokens at ``slots`` (int32 or int64 ``[n]``) of a structure-of-arrays cache
+    (SGLang-FluentLLM: content uint8/float8_e4m3fn ``[S, 512]``, scale float32 ``[S]``, rope bf16
+    ``[S, 64]``) to bf16 ``[n, 576]``; an out-of-range slot gives a row of zeros."""
     content, scale, rope = _checked_soa(content, scale, rope)
     slots = _slots("slots", slots)
     device = _same_device(
