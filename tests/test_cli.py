@@ -204,6 +204,24 @@ def test_empty_and_special_dump_paths_are_named_as_typed(small_dump: Path, tmp_p
     assert not out.exists()
 
 
+def test_a_file_that_is_no_dump_names_the_argument(small_dump: Path, tmp_path: Path) -> None:
+    """Giving the FP8 cache (quantize's own output) or a foreign safetensors file as the dump is
+    the likeliest mistake; its error names the argument (``DUMP``, ``--dump``) as the errors
+    about a missing or unreadable file do, not only the path."""
+    cache = tmp_path / "c.safetensors"
+    assert invoke("quantize", small_dump, "-o", cache, "--configs", "snap").exit_code == 0
+    foreign = tmp_path / "weights.safetensors"
+    save_file({"w": torch.zeros(2)}, str(foreign))
+    out = tmp_path / "out.st"
+    for path, needle in ((cache, "not a snapmla-kv-dump file (metadata format='snapmla-fp8-cache')"),
+                         (foreign, "not a snapmla-kv-dump file (metadata format=None)")):
+        assert_one_line_error(invoke("quantize", path, "-o", out), f"DUMP {path}: {needle}")
+        assert_one_line_error(invoke("verify", "--dump", path), f"--dump {path}: {needle}")
+    layerless = _bad_dump(tmp_path, "l.st", {"layers.0.kv": torch.zeros(4, 512)})
+    assert_one_line_error(invoke("verify", "--dump", layerless), f"--dump {layerless}: layer 0")
+    assert not out.exists()
+
+
 def test_quantize_refuses_more_probe_queries_than_the_host_holds(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A dump without queries gets --queries synthetic probes; 10^5 of them (1.6 M rows of 16

@@ -13,6 +13,8 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +111,21 @@ def _read_metadata(path: Path, what: str = "dump", expected: str = "a KV dump fi
             return dict(handle.metadata() or {})
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise SnapmlaError(f"{what} {path}: not a safetensors file ({_first_line(exc)})") from None
+
+
+@contextmanager
+def named_input(what: str, path: Path) -> Iterator[None]:
+    """Prefix the errors about the file's contents (``{path}: ...``) with the argument that gave
+    it, as the errors about the file itself already are (``DUMP {path}: no such file``): the
+    likeliest mistake, an FP8 cache or another safetensors file given as a dump, must name the
+    argument too, not only the path."""
+    try:
+        yield
+    except SnapmlaError as exc:
+        message = str(exc)
+        if message.startswith(f"{path}:"):
+            exc.args = (f"{what} {message}",)
+        raise
 
 
 def _first_line(exc: BaseException) -> str:
@@ -276,20 +293,21 @@ def _validate_queries(where: str, q: torch.Tensor) -> None:
 
 def read_dump(path: Path, what: str = "dump") -> KVDump:
     """Load and validate a KV dump; every problem is a one-line :class:`SnapmlaError`. ``what``
-    names the input where the file itself is missing or no safetensors file: the CLI passes the
-    argument that gave the path (``DUMP``, ``--dump``)."""
+    names the input in every error about the file or its contents: the CLI passes the argument
+    that gave the path (``DUMP``, ``--dump``)."""
     path = Path(path)
     meta = _read_metadata(path, what)
-    _check_format(path, meta, DUMP_FORMAT)
-    by_layer = load_layers(path, _KEY, "a KV dump")
-    layers = []
-    for index in sorted(by_layer):
-        parts = by_layer[index]
-        if "kv" not in parts:
-            raise SnapmlaError(f"{path}: layer {index} has no 'layers.{index}.kv' tensor")
-        layer = LayerDump(index, parts["kv"], parts.get("positions"), parts.get("queries"))
-        _validate_layer(path, layer)
-        layers.append(layer)
+    with named_input(what, path):
+        _check_format(path, meta, DUMP_FORMAT)
+        by_layer = load_layers(path, _KEY, "a KV dump")
+        layers = []
+        for index in sorted(by_layer):
+            parts = by_layer[index]
+            if "kv" not in parts:
+                raise SnapmlaError(f"{path}: layer {index} has no 'layers.{index}.kv' tensor")
+            layer = LayerDump(index, parts["kv"], parts.get("positions"), parts.get("queries"))
+            _validate_layer(path, layer)
+            layers.append(layer)
     extra = {k: v for k, v in meta.items() if k not in REQUIRED_METADATA}
     return KVDump(layers=layers, model=meta["model"], extra_metadata=extra)
 
