@@ -512,15 +512,18 @@ def test_json_dash_holds_what_the_file_would(dump: Path, tmp_path: Path) -> None
 
 
 def test_json_dot_slash_dash_is_a_file_named_dash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only `-` as typed means standard output: `./-` is the file, refused without --force."""
+    """Only `-` as typed means standard output: `./-` is the file, refused without --force. The
+    messages name it by its full path: pathlib shortens `./-` to `-`, and "wrote -" or "--json -
+    exists" would read as standard output."""
     import json
 
     monkeypatch.chdir(tmp_path)
     result = invoke("info", "--json", "./-")
     assert result.exit_code == 0, result.output
     assert json.loads(Path("-").read_text())["format"] == "snapmla-info/1"
-    assert "wrote -" in result.stdout
-    assert_one_line_error(invoke("info", "--json", "./-"), "exists", "--force")
+    assert f"wrote {tmp_path / '-'}" in result.stdout
+    assert_one_line_error(invoke("info", "--json", "./-"), f"--json {tmp_path / '-'} exists", "--force")
+    assert_one_line_error(invoke("synth", "-o", "./-", *SYNTH), f"--output {tmp_path / '-'} exists")
 
 
 @pytest.mark.parametrize("args", [

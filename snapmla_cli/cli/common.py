@@ -192,7 +192,10 @@ def _path_parser(kind: str, reads: bool = False, stdout: bool = False) -> Any:
             if not reads:
                 raise _PathError("expected a file path, not a folder", value)
             _refuse_file_as_folder(value)
-        return Path(value)
+        path = Path(value)
+        if str(path) == "-":  # ./- (or - for an input): a file named -, whose bare name every
+            return Path(os.path.abspath(path))  # later message ("wrote -") would show as stdout's
+        return path
 
     return parse
 
