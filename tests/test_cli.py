@@ -308,6 +308,27 @@ def test_a_reader_that_left_ends_the_command_quietly(lines: int) -> None:
     assert status in (0, 1) and errors == "", (status, errors)
 
 
+@pytest.mark.parametrize("args", [
+    ("info",),
+    ("verify", "--ctx", "256", "--heads", "2", "--mtp", "1"),
+    ("bench", "--cpu-fake", "--ctx", "1k", "--batch", "1", "--layers", "1", "--quiet"),
+], ids=lambda args: args[0])
+def test_a_reader_that_left_does_not_cost_the_json_file(args: tuple[str, ...], tmp_path: Path) -> None:
+    """``snapmla verify --json r.json | head -1``: the command ends quietly at its first print
+    once stdout's reader has left, so the --json file must have been written before the report
+    (verify, info and bench wrote it after the tables, and a run of minutes left no file)."""
+    report = tmp_path / "r.json"
+    command = [sys.executable, "-c", "from snapmla_cli.cli.app import main; main()", *args, "--json", str(report)]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has left before the first line
+    try:
+        done = subprocess.run(command, check=False, stdout=write_end, stderr=subprocess.PIPE, timeout=300)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1 and b"error" not in done.stderr, done  # rich's exit for a stdout gone
+    assert json.loads(report.read_text())["format"].startswith(f"snapmla-{args[0]}")
+
+
 def test_version_names_the_package_and_the_kernel_sources(monkeypatch: pytest.MonkeyPatch,
                                                            tmp_path: Path) -> None:
     from snapmla_cli import __version__

@@ -31,15 +31,14 @@ from ..cache.atomic import check_outputs, committed_together, naming
 from ..errors import SnapmlaError
 from ..sizes import MAX_BATCH, parse_size_list
 from .common import (
-    STDOUT,
     file_path,
-    is_stdout,
     one_line,
     output_option,
     report_console,
     require_at_least,
     seed_option,
-    write_json,
+    write_json_file,
+    write_json_stdout,
     wrote_lines,
 )
 
@@ -149,16 +148,16 @@ def _bench(plan: BenchPlan, spec: RunnerSpec, json_path: Path | None, plot: Path
     if report is None:  # a torchrun rank other than 0: rank 0 prints
         return
     report.meta["argv"] = ["snapmla", *sys.argv[1:]]
-    out = report_console(json_path)
-    render_report(out, report)
+    # the files before the tables, as quantize: a reader of stdout that leaves early (| head)
+    # ends the command at its next print, which must not cost the files of a long run
     with committed_together():  # both files, or neither
-        if json_path is not None and not is_stdout(json_path):
-            with naming("--json"):
-                write_json(json_path, report.to_dict(), force=force)
+        with naming("--json"):
+            write_json_file(json_path, report.to_dict(), force)
         if plot is not None:
             with naming("--plot"):
                 plot_report(report, plot, force=force)
-    if is_stdout(json_path):  # after the plot landed: no JSON for a run whose outputs failed
-        write_json(STDOUT, report.to_dict())
+    out = report_console(json_path)
+    render_report(out, report)
+    write_json_stdout(json_path, report.to_dict())  # after the plot landed: none for failed outputs
     for line in wrote_lines(json_path, plot):
         out.print(line)

@@ -129,6 +129,21 @@ def write_json(path: Path, payload: dict, force: bool = False) -> None:
     write_text_atomic(path, text, replace=force)
 
 
+def write_json_file(path: Path | None, payload: dict, force: bool = False) -> None:
+    """``--json FILE``, written before the command prints its report, as quantize writes its
+    files: a reader of stdout that leaves early (``snapmla verify --json r.json | head``) ends
+    the command quietly at its next print, which must not cost the file asked for. Nothing for
+    ``--json -`` (:func:`write_json_stdout`, after the report) or no ``--json``."""
+    if path is not None and not is_stdout(path):
+        write_json(path, payload, force=force)
+
+
+def write_json_stdout(path: Path | None, payload: dict) -> None:
+    """``--json -``: the document on standard output, after the files landed."""
+    if is_stdout(path):
+        write_json(STDOUT, payload)
+
+
 def wrote_lines(*paths: Path | None) -> list[str]:
     """``wrote PATH`` for each output file given (standard output is not a file written)."""
     return [f"wrote {path}" for path in paths if path is not None and not is_stdout(path)]

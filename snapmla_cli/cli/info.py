@@ -17,7 +17,15 @@ from ..runtime.gpu_facts import GpuListing, ToolchainFacts, list_gpus, toolchain
 from ..runtime.nvrtc import kernel_sources_stamp
 from ..tables import figure_table
 from ..tuning import describe_survey, survey_database
-from .common import file_path, output_option, report_console, version_line, write_json, wrote_lines
+from .common import (
+    file_path,
+    output_option,
+    report_console,
+    version_line,
+    write_json_file,
+    write_json_stdout,
+    wrote_lines,
+)
 
 if TYPE_CHECKING:  # (the lookup module is imported when info runs, not when the CLI starts)
     from ..tuning.lookup import DatabaseSurvey
@@ -52,12 +60,16 @@ def info_command(
     GPU facts come from NVML (SM count from torch). Without a GPU or driver it says so and
     still exits 0."""
     check_outputs([("--json", file_path(json_path))], force)
-    out = report_console(json_path)
     stamp = kernel_sources_stamp()  # read once: the version line, the stale marks, the JSON
-    out.print(version_line(stamp))
     listing = list_gpus()
     archs = common_archs()
     runs_kernels = [device_arch(g.compute_capability) in archs for g in listing.gpus]
+    tc = toolchain_facts()
+    database = survey_database(listing.gpus, stamp[0])  # one survey for the lines and the JSON
+    payload = info_as_dict(listing, archs, runs_kernels, tc, stamp[0], database)
+    write_json_file(json_path, payload, force)  # before the report (see write_json_file)
+    out = report_console(json_path)
+    out.print(version_line(stamp))
     if listing.gpus:
         table = figure_table("GPUs", ("#", "name", "SMs", "cc", "memory GiB", "max SM MHz", "max mem MHz", "driver",
                                       "CUDA driver", "kernels"))
@@ -73,15 +85,12 @@ def info_command(
                       "on the other GPUs only the reference and the emulation run")
     else:
         out.print(f"GPU: none ({listing.reason}); decode kernels cannot run here, the CPU reference and emulation can")
-    tc = toolchain_facts()
     out.print(f"torch: {tc.torch_version} (CUDA build: {tc.torch_cuda or 'none, CPU-only'}; "
               f"CUDA usable: {'yes' if tc.cuda_available else 'no'})")
     out.print(f"CuPy: {tc.cupy_version or 'not usable (' + str(tc.cupy_error) + ')'}")
     out.print(f"NVRTC: {tc.nvrtc_version or 'not usable (' + str(tc.nvrtc_error) + ')'}")
-    database = survey_database(listing.gpus, stamp[0])  # one survey for the lines and the JSON
     for line in describe_survey(database):
         out.print(line)
-    if json_path is not None:
-        write_json(json_path, info_as_dict(listing, archs, runs_kernels, tc, stamp[0], database), force=force)
+    write_json_stdout(json_path, payload)
     for line in wrote_lines(json_path):
         out.print(line)

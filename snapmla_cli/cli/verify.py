@@ -57,7 +57,8 @@ from .common import (
     progress,
     report_console,
     seed_option,
-    write_json,
+    write_json_file,
+    write_json_stdout,
     wrote_lines,
 )
 
@@ -136,6 +137,8 @@ def verify_command(
                 problem = make_problem(source, tokens, h, s, causal, seed).to(dev)
                 results.append(run_case(problem, impls, gates))
                 bar.advance(task)
+    payload = _as_dict(results, source, dev.type, gates, no_kernels)
+    write_json_file(json_path, payload, force)
     out = report_console(json_path)
     _render(out, results, source, dev.type, gates)
     kernels_note = None if no_kernels is None else (
@@ -144,8 +147,7 @@ def verify_command(
                  _large_floor_note(results)):
         if note:
             out.print(note)
-    if json_path is not None:
-        write_json(json_path, _as_dict(results, source, dev.type, gates, no_kernels), force=force)
+    write_json_stdout(json_path, payload)
     for line in wrote_lines(json_path):
         out.print(line)
     if not all(r.passed for r in results):
