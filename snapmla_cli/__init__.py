@@ -3,8 +3,9 @@
 Public API, FlashMLA-shaped: ``get_mla_metadata`` (``GraphWorkList`` for a decode step replayed
 from a CUDA graph), ``flash_mla_with_kvcache``, plus the fused
 token-preparation ops (``quantize_q``, ``append_kv``, ``fetch_dequant``) and ``decode_fp8`` for an
-already-quantized Q; ``set_gpu_checks`` turns on the NaN / inf checks of CUDA inputs
-(``SNAPMLA_CHECK_FINITE=1``); every refused argument raises ``SnapmlaError``. GPU modules are
+already-quantized Q (``QuantizedRows``, what ``quantize_q`` returns and what its ``out=`` takes;
+``DecodeConfig``, the kernel parameters a caller may pass as ``config=``); ``set_gpu_checks``
+turns on the NaN / inf checks of CUDA inputs (``SNAPMLA_CHECK_FINITE=1``); every refused argument raises ``SnapmlaError``. GPU modules are
 imported on first use so that ``import snapmla_cli`` works on a machine without CuPy or a GPU.
 """
 
@@ -17,7 +18,9 @@ if TYPE_CHECKING:
     # module-level ``__getattr__`` as "every name is Any", so without these an engine's
     # ``snapmla.quantize_q("text")`` type-checked. Never run: the lazy table below imports.
     from .errors import SnapmlaError
+    from .numerics.quant import QuantizedRows
     from .ops.decode import decode_bf16, decode_fp8, flash_mla_with_kvcache, get_mla_metadata
+    from .ops.decode_config import DecodeConfig
     from .ops.finite import set_gpu_checks
     from .ops.graph_work_list import GraphWorkList
     from .ops.prep import (
@@ -43,10 +46,14 @@ _LAZY = {
     "fetch_dequant_soa": "snapmla_cli.ops.prep",
     "set_gpu_checks": "snapmla_cli.ops.finite",
     "SnapmlaError": "snapmla_cli.errors",
+    "QuantizedRows": "snapmla_cli.numerics.quant",
+    "DecodeConfig": "snapmla_cli.ops.decode_config",
 }
 
 __all__ = [
+    "DecodeConfig",
     "GraphWorkList",
+    "QuantizedRows",
     "SnapmlaError",
     "append_kv",
     "decode_bf16",

@@ -566,6 +566,12 @@ def test_public_api_names_resolve() -> None:
     assert snapmla_cli.set_gpu_checks is set_gpu_checks
     # a caller catches the library's refusals by the top-level name
     assert snapmla_cli.SnapmlaError is SnapmlaError
+    # the types in the public signatures: quantize_q's result and out=, the decode calls' config=
+    from snapmla_cli.numerics.quant import QuantizedRows
+    from snapmla_cli.ops.decode_config import DecodeConfig
+
+    assert snapmla_cli.QuantizedRows is QuantizedRows
+    assert snapmla_cli.DecodeConfig is DecodeConfig
     for not_a_bool in ("false", 0, None):  # bool("false") is True: the switch would do the opposite
         with pytest.raises(SnapmlaError, match="enabled: expected True or False"):
             set_gpu_checks(not_a_bool)
