@@ -492,6 +492,33 @@ def test_json_dash_prints_the_document_alone_on_stdout(args: tuple[str, ...], du
     assert "wrote -" not in result.stderr and result.stderr.strip(), "the report goes to stderr"
 
 
+@pytest.mark.parametrize("args", JSON_TO_STDOUT, ids=lambda args: args[0])
+def test_every_json_report_names_its_layout_and_what_produced_it(args: tuple[str, ...], dump: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every report opens alike: its own format name, the layout's version, the package's version
+    and the kernel sources' hash (the tuning database's stamp), so an archived report says which
+    kernels it judged; unreadable kernel sources give a null hash, not a failed command."""
+    import json
+
+    from snapmla_cli import __version__
+    from snapmla_cli.runtime import nvrtc
+
+    command = args[0]
+    result = invoke(*(a.format(dump=dump, tmp=tmp_path) for a in args))
+    assert result.exit_code == 0, result.output
+    header = {k: json.loads(result.stdout)[k] for k in ("format", "version", "snapmla_version", "kernel_sources")}
+    assert header == {"format": f"snapmla-{command}", "version": "1", "snapmla_version": __version__,
+                      "kernel_sources": nvrtc.kernel_sources_stamp()[0]}
+    assert header["kernel_sources"] is not None and len(header["kernel_sources"]) == 16
+    from snapmla_cli.cli import info
+
+    for module in (nvrtc, info):  # info reads the stamp once for its lines and its JSON
+        monkeypatch.setattr(module, "kernel_sources_stamp", lambda: (None, "kernel sources: no folder"))
+    again = invoke(*(a.format(dump=dump, tmp=tmp_path) for a in args), "--force")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["kernel_sources"] is None
+
+
 def test_json_dash_holds_what_the_file_would(dump: Path, tmp_path: Path) -> None:
     import json
 
@@ -520,7 +547,7 @@ def test_json_dot_slash_dash_is_a_file_named_dash(tmp_path: Path, monkeypatch: p
     monkeypatch.chdir(tmp_path)
     result = invoke("info", "--json", "./-")
     assert result.exit_code == 0, result.output
-    assert json.loads(Path("-").read_text())["format"] == "snapmla-info/1"
+    assert json.loads(Path("-").read_text())["format"] == "snapmla-info"
     assert f"wrote {tmp_path / '-'}" in result.stdout
     assert_one_line_error(invoke("info", "--json", "./-"), f"--json {tmp_path / '-'} exists", "--force")
     assert_one_line_error(invoke("synth", "-o", "./-", *SYNTH), f"--output {tmp_path / '-'} exists")

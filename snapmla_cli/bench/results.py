@@ -18,9 +18,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from ..errors import SnapmlaError
+from ..report_header import report_header
 from ..sizes import format_size
 from .plan import BF16, FP8, BenchPlan, Layout
 from .roofline import DecodeWork
+
+BENCH_JSON_FORMAT = "snapmla-bench"
 
 NOISY_SPREAD = 0.03  # rounds of one timing that differ by more make its median suspect (a note says so)
 # StepTiming.kernel of the CPU stand-in runner (bench --cpu-fake, CI): how a measurement, also one
@@ -305,8 +308,7 @@ class BenchReport:
         plan = asdict(self.plan)
         plan["layouts"] = [layout.name for layout in self.plan.layouts]
         return {
-            "format": "snapmla-bench",
-            "version": "1",
+            **report_header(BENCH_JSON_FORMAT),
             "plan": plan,
             "meta": self.meta,
             "comparisons": [c.to_dict() for c in self.comparisons],

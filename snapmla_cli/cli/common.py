@@ -251,10 +251,6 @@ def one_line(message: BaseException | str) -> str:
     return text if text or isinstance(message, str) else type(message).__name__
 
 
-# the version of the JSON reports' layout (each also names its `format`: snapmla-verify,
-# snapmla-quantize; bench's report, snapmla-bench, keeps its own)
-JSON_VERSION = "1"
-
 # torch.Generator.manual_seed takes at most 64 bits; a seed beyond was a traceback
 MAX_SEED = 2**63 - 1
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from .. import __version__
 from ..cache.atomic import check_outputs
+from ..report_header import report_header
 from ..runtime.gpu_arch import common_archs, describe_archs, device_arch
 from ..runtime.gpu_facts import GpuListing, ToolchainFacts, list_gpus, toolchain_facts
 from ..runtime.nvrtc import kernel_sources_stamp
@@ -30,7 +30,7 @@ from .common import (
 if TYPE_CHECKING:  # (the lookup module is imported when info runs, not when the CLI starts)
     from ..tuning.lookup import DatabaseSurvey
 
-INFO_JSON_FORMAT = "snapmla-info/1"  # bumped when a field changes meaning or goes away
+INFO_JSON_FORMAT = "snapmla-info"
 
 
 def info_as_dict(listing: GpuListing, archs: tuple[str, ...], runs_kernels: list[bool], tc: ToolchainFacts,
@@ -39,9 +39,7 @@ def info_as_dict(listing: GpuListing, archs: tuple[str, ...], runs_kernels: list
     snapmla's kernels run on each, the toolchain, the kernel sources' hash and the database
     (folders, skipped files, every entry that applies per GPU with why it is stale)."""
     return {
-        "format": INFO_JSON_FORMAT,
-        "snapmla_version": __version__,
-        "kernel_sources": kernels,
+        **report_header(INFO_JSON_FORMAT, (kernels, "")),  # the stamp info read and printed
         "kernel_archs": sorted(archs),
         "gpus": [{**dataclasses.asdict(g), "compute_capability": list(g.compute_capability),
                   "runs_kernels": runs} for g, runs in zip(listing.gpus, runs_kernels)],
@@ -52,7 +50,7 @@ def info_as_dict(listing: GpuListing, archs: tuple[str, ...], runs_kernels: list
 
 
 def info_command(
-    json_path: Annotated[Path | None, output_option("--json", help="Write the facts as JSON (format snapmla-info/1).")] = None,
+    json_path: Annotated[Path | None, output_option("--json", help="Write the facts as JSON (format snapmla-info, version 1).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
 ) -> None:
     """Show the GPUs, the CUDA toolchain (NVRTC, CuPy, torch) and the tuning database.

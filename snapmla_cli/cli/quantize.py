@@ -27,10 +27,10 @@ from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.configs import CONFIGS, get_configs
 from ..numerics.formats import D_QK
+from ..report_header import report_header
 from ..sizes import counted, parse_size, split_list
 from ..tables import figure_table
 from .common import (
-    JSON_VERSION,
     STDOUT,
     Device,
     console,
@@ -92,7 +92,7 @@ def quantize_command(
             report.layers.append(analyze_layer(layer, chosen, probes, kind, dev))
             bar.advance(task)
     meta = {"source": str(dump) if dump is not None else "synthetic default"}
-    payload = {"format": QUANTIZE_JSON_FORMAT, "version": JSON_VERSION,  # as bench's report
+    payload = {**report_header(QUANTIZE_JSON_FORMAT),
                "source": meta["source"], "model": source.model, **report.as_dict()}
     with committed_together():  # all of the outputs, or none of them
         with naming("--output"):

@@ -32,6 +32,7 @@ from ..cache.dump_file import read_dump
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
+from ..report_header import report_header
 from ..runtime.gpu_arch import UnsupportedGpuError
 from ..sizes import (
     MAX_BATCH,
@@ -47,7 +48,6 @@ from ..sizes import (
 )
 from ..tables import figure_table
 from .common import (
-    JSON_VERSION,
     Device,
     console,
     file_path,
@@ -269,8 +269,7 @@ def _emulation_miss_note(results: list[CaseResult], gates: Gates) -> str | None:
 def _as_dict(results: list[CaseResult], source: ProblemSource, device: str, gates: Gates,
              no_kernels: str | None) -> dict:
     return {
-        "format": VERIFY_JSON_FORMAT,  # named and versioned as bench's report is
-        "version": JSON_VERSION,
+        **report_header(VERIFY_JSON_FORMAT),
         "source": source.label,
         "device": device,
         "kernels_not_run": no_kernels or (None if device == "cuda" else CPU_NO_KERNELS),
