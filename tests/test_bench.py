@@ -51,7 +51,7 @@ from snapmla_cli.bench.roofline import Ceilings, DecodeWork
 from snapmla_cli.cli.bench import bench_command
 from snapmla_cli.errors import NoGpuError, SnapmlaError
 from snapmla_cli.runtime.gpu_arch import UnsupportedGpuError
-from snapmla_cli.sizes import MAX_BATCH
+from snapmla_cli.sizes import MAX_BATCH, MAX_QUERY_TOKENS
 
 GiB = 2**30
 
@@ -161,7 +161,7 @@ def test_batch_does_not_depend_on_tp() -> None:
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"model": "gpt"}, "--model"),
-    ({"mtp": 5}, "--mtp"),
+    ({"mtp": 17}, "--mtp"),
     ({"mtp": 0}, "--mtp"),
     ({"heads": 0}, "--heads"),
     ({"layers": 0}, "--layers"),
@@ -202,10 +202,14 @@ def test_a_context_as_long_as_the_queries_is_a_plan() -> None:
     assert plan.contexts == (2,) and plan.s_q == 2
 
 
-def test_four_query_tokens_is_the_largest_mtp() -> None:
-    """SPEC section 1: s_q in 1..4, both ends included."""
-    assert make_plan(mtp=4, contexts=[4096]).s_q == 4
+def test_mtp_range_is_the_one_verify_and_tune_accept() -> None:
+    """1..MAX_QUERY_TOKENS (16), both ends included, as verify and tune: SPEC section 1's 1..4
+    are the MTP depths in use, the kernels take any s_q, and a deeper speculative decoder is
+    measured with the same flag it was verified and tuned with."""
+    assert make_plan(mtp=MAX_QUERY_TOKENS, contexts=[4096]).s_q == MAX_QUERY_TOKENS
     assert make_plan(mtp=1, contexts=[4096]).s_q == 1
+    with pytest.raises(SnapmlaError, match=f"--mtp: expected 1..{MAX_QUERY_TOKENS} query tokens per request, got 17"):
+        make_plan(mtp=MAX_QUERY_TOKENS + 1, contexts=[4096])
 
 
 def test_format_bytes_uses_the_largest_unit_reached() -> None:
@@ -672,7 +676,8 @@ def invoke(*args: object):
     (["--ctx", "32q"], "--ctx"),
     (["--kv-mem", "1MiB"], "holds no BF16 request"),
     (["--kv-mem", "lots"], "--kv-mem"),
-    (["--mtp", "5"], "--mtp"),
+    (["--mtp", "17"], "--mtp: expected 1..16"),
+    (["--mtp", "0"], "--mtp: expected 1..16"),
     (["--steps", "0"], "--steps"),
     (["--heads", "2000"], "--heads: expected 1..1024, got 2000"),
     (["--layers", "5000"], "--layers: expected 1..1024, got 5000"),

@@ -24,6 +24,7 @@ from ..numerics.formats import BF16_TOKEN_BYTES, FP8_TOKEN_BYTES, PAGE_SIZE
 from ..sizes import (
     MAX_BATCH,
     MAX_QUERY_HEADS,
+    MAX_QUERY_TOKENS,
     format_size,
     refuse_long_number,
     require_batch,
@@ -34,7 +35,6 @@ from ..sizes import (
 FP8, BF16 = "fp8", "bf16"
 IMPLS = (FP8, BF16)
 TOKEN_BYTES = {FP8: FP8_TOKEN_BYTES, BF16: BF16_TOKEN_BYTES}
-MAX_MTP = 4  # SPEC section 1: s_q in 1..4
 # attention calls per decoded token a bench step may make: 16x the deepest preset (DeepSeek-V3's
 # 61); a larger count is a typo, whose step would allocate a cache per layer before failing
 MAX_LAYERS = 1024
@@ -308,8 +308,8 @@ def make_plan(
         raise SnapmlaError(f"--heads: expected 1..{MAX_QUERY_HEADS}, got {heads}")
     if not 1 <= layers <= MAX_LAYERS:
         raise SnapmlaError(f"--layers: expected 1..{MAX_LAYERS}, got {layers}")
-    if not 1 <= mtp <= MAX_MTP:
-        raise SnapmlaError(f"--mtp: expected 1..{MAX_MTP} query tokens per request, got {mtp}")
+    if not 1 <= mtp <= MAX_QUERY_TOKENS:
+        raise SnapmlaError(f"--mtp: expected 1..{MAX_QUERY_TOKENS} query tokens per request, got {mtp}")
     if batch is not None and batch < 1:
         raise SnapmlaError(f"--batch: expected at least 1, got {batch}")
     require_batch("--batch", batch)

@@ -1,5 +1,5 @@
 """The default decode paths on shapes drawn at random (a fixed seed, so a failure reproduces):
-batch 1-9, 1-4 query tokens, any head count up to 128 (rarely a power of two), request lengths
+batch 1-9, 1-4 query tokens (and three fixed draws of 5-16), any head count up to 128 (rarely a power of two), request lengths
 mixing empty, shorter than a page, page-aligned and long, causal or not. The fixed CASES of
 test_decode.py were chosen by hand; these shake out combinations nobody picked (a row count
 between the tile sizes, an odd tail next to an empty request, a split count that leaves one CTA
@@ -57,7 +57,11 @@ def _draw(index: int) -> tuple[list[int], int, int, bool]:
     return seqlens, s_q, h_q, rng.random() < 0.5
 
 
-CASES = [_draw(i) for i in range(DRAWS)]
+# deeper speculative decoding than SPEC section 1's s_q 1..4, up to what the commands accept
+# (sizes.MAX_QUERY_TOKENS): a row count that packs few heads per token, and a causal tail shorter
+# than s_q in a request next to a long one
+DEEP_MTP_CASES = [([700, 0, 130], 8, 16, True), ([2000, 9], 16, 5, True), ([65, 129], 5, 13, False)]
+CASES = [_draw(i) for i in range(DRAWS)] + DEEP_MTP_CASES
 
 
 def _case_id(case: tuple[list[int], int, int, bool]) -> str:
