@@ -14,3 +14,9 @@ class SnapmlaError(ValueError):
 
 class NoGpuError(SnapmlaError):
     """A GPU-only feature was asked for on a machine without a usable CUDA GPU."""
+
+
+def dtype_name(dtype: object) -> str:
+    """A dtype as messages spell it, without torch's module prefix (``int32``, ``bfloat16``), so
+    "expected int32, got int64" reads alike wherever a dtype is named."""
+    return str(dtype).removeprefix("torch.")

@@ -359,3 +359,20 @@ def test_the_checks_switch_names_a_misshapen_q_before_the_table(problem: DecodeP
             decode_bf16(**{**args, "q": problem.q[0], "k_cache": problem.bf16_cache()})  # type: ignore[arg-type]
     finally:
         set_gpu_checks(was)
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda: get_mla_metadata(torch.tensor([5, 9]), 64, 1), "cache_seqlens: expected int32 [b], got int64 (2,)"),
+    (lambda: quantize_q(torch.zeros(1, 1, 2, 576, dtype=torch.float64)),
+     "q: expected dtype bfloat16 or float16 or float32, got float64"),
+    (lambda: decode_reference(torch.randn(1, 1, 2, 576), torch.zeros(1, 64, 576, dtype=torch.int16),
+                              torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 0.1, True),
+     "kv_cache: expected dtype bfloat16 or float16 or float32 or float64, got int16"),
+])
+def test_tensor_dtypes_are_named_alike_in_every_message(call: object, message: str) -> None:
+    """A tensor's dtype reads `int32`, never `torch.int32`, wherever it is expected or found
+    (the decode arguments said "expected torch.int32, got torch.int64", the prep "int64")."""
+    assert callable(call)
+    with pytest.raises(SnapmlaError) as raised:
+        call()
+    assert str(raised.value) == message and "torch." not in str(raised.value)

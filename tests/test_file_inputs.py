@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from snapmla_cli.cache.dump_file import DUMP_FORMAT, FP8_CACHE_FORMAT, MAX_ABS_VALUE, read_dump
 from snapmla_cli.cache.fp8_file import quantize_layer_cache, read_fp8_cache
 from snapmla_cli.cache.layout import dequantize_cache
-from snapmla_cli.errors import NoGpuError, SnapmlaError
+from snapmla_cli.errors import NoGpuError, SnapmlaError, dtype_name
 from snapmla_cli.numerics.formats import D_QK, PAD_OFFSET, ROPE_OFFSET, SCALE_OFFSET
 
 DUMP_META = {"format": DUMP_FORMAT, "version": "1", "kv_lora_rank": "512", "rope_dim": "64",
@@ -96,17 +96,17 @@ def test_queries_values(tmp_path: Path) -> None:
 
 def test_integer_queries(tmp_path: Path) -> None:
     queries = {"layers.0.queries": torch.ones(2, 3, D_QK, dtype=torch.int32)}
-    _bad_dump(tmp_path, queries, "queries dtype torch.int32", "bf16, fp16 or fp32")
+    _bad_dump(tmp_path, queries, "queries dtype int32", "bf16, fp16 or fp32")
 
 
 def test_float64_kv(tmp_path: Path) -> None:
     path = _write(tmp_path, {"layers.0.kv": _kv(dtype=torch.float64)}, DUMP_META)
-    _refused(read_dump, path, "kv dtype torch.float64", "bf16, fp16 or fp32")
+    _refused(read_dump, path, "kv dtype float64", "bf16, fp16 or fp32")
 
 
 def test_float_positions(tmp_path: Path) -> None:
     positions = {"layers.0.positions": torch.full((TOKENS,), float("nan"))}
-    _bad_dump(tmp_path, positions, "positions dtype torch.float32", "integer")
+    _bad_dump(tmp_path, positions, "positions dtype float32", "integer")
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
@@ -114,7 +114,7 @@ def test_wide_unsigned_positions_are_refused_naming_the_accepted_dtypes(tmp_path
                                                                         dtype: torch.dtype) -> None:
     """They are integers: the message lists the dtypes read, not "expected an integer dtype"."""
     positions = {"layers.0.positions": torch.arange(TOKENS).to(dtype)}
-    _bad_dump(tmp_path, positions, f"positions dtype {dtype}",
+    _bad_dump(tmp_path, positions, f"positions dtype {dtype_name(dtype)}",
               "expected one of the integer dtypes int64, int32, int16, int8, uint8")
 
 
@@ -198,9 +198,9 @@ def test_good_cache_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("seqlen, needle", [
     (torch.zeros(0, dtype=torch.int64), "shape (0,)"),
-    (torch.tensor(7.7), "dtype torch.float32"),
+    (torch.tensor(7.7), "dtype float32"),
     (torch.tensor([TOKENS, 5000]), "shape (2,)"),
-    (torch.tensor(True), "dtype torch.bool"),
+    (torch.tensor(True), "dtype bool"),
 ])
 def test_bad_seqlen(tmp_path: Path, seqlen: torch.Tensor, needle: str) -> None:
     path = _cache_file(tmp_path, seqlen=seqlen)
@@ -229,8 +229,8 @@ def test_an_empty_cache_of_no_tokens_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("reshape, needle", [
-    (lambda c: c.reshape(1, 32, 2 * 656), "cache is torch.uint8 (1, 32, 1312)"),  # same bytes, other rows
-    (lambda c: c.view(torch.int8), "cache is torch.int8 (1, 64, 656)"),
+    (lambda c: c.reshape(1, 32, 2 * 656), "cache is uint8 (1, 32, 1312)"),  # same bytes, other rows
+    (lambda c: c.view(torch.int8), "cache is int8 (1, 64, 656)"),
 ])
 def test_a_cache_of_another_layout_or_dtype_is_refused(tmp_path: Path, reshape, needle: str) -> None:
     cache = reshape(quantize_layer_cache(_kv(64)))
@@ -390,8 +390,8 @@ def test_quantize_refuses_bad_kv() -> None:
     _quantize_refused(kv, "kv", "NaN/inf", "token 4")
     kv[4, 9] = 1e35
     _quantize_refused(kv, "kv", "token 4", f"{MAX_ABS_VALUE:.3g}")
-    _quantize_refused(torch.ones(3, D_QK, dtype=torch.int32), "kv dtype torch.int32")
-    _quantize_refused(_kv(dtype=torch.float64), "kv dtype torch.float64")
+    _quantize_refused(torch.ones(3, D_QK, dtype=torch.int32), "kv dtype int32")
+    _quantize_refused(_kv(dtype=torch.float64), "kv dtype float64")
     _quantize_refused(torch.zeros(0, D_QK), "tokens >= 1")
     _quantize_refused(_kv(), "device", device="gpu")
 

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE
 from .atomic import check_writable, file_kind, write_atomic
 
@@ -38,7 +38,7 @@ tensor, float64) would be cast silently by later stages, so it is refused instea
 _POSITION_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 """Read losslessly as int64 (SPEC section 8 writes int64); the wider unsigned ones are refused:
 uint64 may not fit int64, and torch supports few operations on uint16 / uint32 / uint64."""
-_POSITION_DTYPE_NAMES = ", ".join(str(dtype).removeprefix("torch.") for dtype in _POSITION_DTYPES)
+_POSITION_DTYPE_NAMES = ", ".join(dtype_name(dtype) for dtype in _POSITION_DTYPES)
 _KEY = re.compile(r"layers\.(\d+)\.(kv|positions|queries)")  # matched whole: see load_layers
 
 # Largest |value| accepted in ``kv`` and ``queries``. Both go through the per-token quantizer
@@ -238,7 +238,7 @@ def check_values(where: str, name: str, x: torch.Tensor, row: str = "token") -> 
 def check_float_dtype(where: str, name: str, x: torch.Tensor) -> None:
     """``x`` must have one of :data:`KV_DTYPES`; other dtypes would be cast silently downstream."""
     if x.dtype not in KV_DTYPES:
-        raise SnapmlaError(f"{where}: {name} dtype {x.dtype}, expected bf16, fp16 or fp32")
+        raise SnapmlaError(f"{where}: {name} dtype {dtype_name(x.dtype)}, expected bf16, fp16 or fp32")
 
 
 def _validate_layer(path: Path, layer: LayerDump) -> None:
@@ -262,7 +262,7 @@ def _validate_positions(where: str, positions: torch.Tensor, tokens: int) -> Non
     is required."""
     if positions.dtype not in _POSITION_DTYPES:
         raise SnapmlaError(
-            f"{where}: positions dtype {positions.dtype}, expected one of the integer dtypes "
+            f"{where}: positions dtype {dtype_name(positions.dtype)}, expected one of the integer dtypes "
             f"{_POSITION_DTYPE_NAMES} (int64 as written)"
         )
     if tuple(positions.shape) != (tokens,):

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from ..numerics.formats import (
     D_CONTENT,
     D_QK,
@@ -106,7 +106,7 @@ def _validate(path: Path, layer: FP8CacheLayer) -> None:
     cache = layer.cache
     if cache.dtype != torch.uint8 or cache.dim() != 3 or tuple(cache.shape[1:]) != (PAGE_SIZE, FP8_TOKEN_BYTES):
         raise SnapmlaError(
-            f"{where}: cache is {cache.dtype} {tuple(cache.shape)}, expected uint8 "
+            f"{where}: cache is {dtype_name(cache.dtype)} {tuple(cache.shape)}, expected uint8 "
             f"[num_blocks, {PAGE_SIZE}, {FP8_TOKEN_BYTES}]"
         )
     if not 0 < layer.seqlen <= cache.shape[0] * PAGE_SIZE or pages_needed(layer.seqlen) != cache.shape[0]:
@@ -162,7 +162,7 @@ def _read_seqlen(path: Path, index: int, seqlen: torch.Tensor) -> int:
     int64 overflow instead of giving the (out of range) number."""
     name = f"{path}: layer {index}: layers.{index}.seqlen"
     if seqlen.dtype.is_floating_point or seqlen.dtype.is_complex or seqlen.dtype == torch.bool:
-        raise SnapmlaError(f"{name} has dtype {seqlen.dtype}, expected an integer (int64)")
+        raise SnapmlaError(f"{name} has dtype {dtype_name(seqlen.dtype)}, expected an integer (int64)")
     if seqlen.numel() != 1:
         raise SnapmlaError(
             f"{name} has shape {tuple(seqlen.shape)}, expected one integer (the token count)"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from ..numerics.formats import (
     CONTENT_OFFSET,
     D_CONTENT,
@@ -58,7 +58,7 @@ def as_token_bytes(cache: torch.Tensor, name: str = "k_cache") -> torch.Tensor:
     if cache.dtype == FP8_DTYPE:
         cache = cache.view(torch.uint8)
     if cache.dtype != torch.uint8:
-        raise SnapmlaError(f"{name}: expected uint8 or float8_e4m3fn, got {cache.dtype}")
+        raise SnapmlaError(f"{name}: expected uint8 or float8_e4m3fn, got {dtype_name(cache.dtype)}")
     if cache.dim() == 0 or cache.shape[-1] != FP8_TOKEN_BYTES:
         raise SnapmlaError(f"{name}: expected last dim {FP8_TOKEN_BYTES}, got {tuple(cache.shape)}")
     if cache.dim() == 4:

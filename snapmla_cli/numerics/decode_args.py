@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from .formats import PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET, default_softmax_scale
 
 
@@ -68,8 +68,8 @@ def paged_cache(name: str, cache: object, width: int, dtypes: tuple[torch.dtype,
         raise SnapmlaError(f"{name}: expected shape [num_blocks, {PAGE_SIZE}, {width}] "
                            f"(or [num_blocks, {PAGE_SIZE}, 1, {width}]), got {tuple(cache.shape)}")
     if cache.dtype not in dtypes:
-        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise SnapmlaError(f"{name}: expected dtype {names}, got {str(cache.dtype).removeprefix('torch.')}")
+        names = " or ".join(dtype_name(d) for d in dtypes)
+        raise SnapmlaError(f"{name}: expected dtype {names}, got {dtype_name(cache.dtype)}")
     return cache
 
 
@@ -86,7 +86,7 @@ def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_
             want = "[batch, max_pages]" if rank == 2 else "[batch]"
             raise SnapmlaError(f"{name}: expected shape {want} with batch {batch}, got {tuple(t.shape)}")
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise SnapmlaError(f"{name}: expected an integer tensor, got {str(t.dtype).removeprefix('torch.')}")
+            raise SnapmlaError(f"{name}: expected an integer tensor, got {dtype_name(t.dtype)}")
     assert isinstance(block_table, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)
     lengths = [int(n) for n in cache_seqlens.tolist()]
     capacity = block_table.shape[1] * PAGE_SIZE
@@ -138,7 +138,7 @@ def require_strided(name: str, t: torch.Tensor) -> None:
         raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got a nested tensor")
     if t.layout is not torch.strided:
         raise SnapmlaError(f"{name}: expected a regular (strided) tensor, got layout "
-                           f"{str(t.layout).removeprefix('torch.')}")
+                           f"{dtype_name(t.layout)}")
 
 
 def require_finite(message: str, *parts: torch.Tensor) -> None:

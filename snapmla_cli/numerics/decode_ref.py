@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..cache.layout import gather_from_pages
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from .decode_args import check_finite_keys, checked_paged_decode, require_finite, require_readable
 from .formats import D_QK, D_V
 from .visibility import visibility_mask
@@ -35,7 +35,7 @@ def decode_reference(
     if isinstance(q, torch.Tensor):
         require_readable("q", q)
     if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[-1] != D_QK or not q.dtype.is_floating_point:
-        got = f"{tuple(q.shape)} {q.dtype}" if isinstance(q, torch.Tensor) else type(q).__name__
+        got = f"{tuple(q.shape)} {dtype_name(q.dtype)}" if isinstance(q, torch.Tensor) else type(q).__name__
         raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
     require_finite("q: expected finite values, found NaN or inf", q)
     if dtype not in REFERENCE_DTYPES:  # float16 / bfloat16 were accepted and went wrong silently

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.layout import gather_from_pages, unpack_tokens
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from .decode_args import (
     check_finite_keys,
     check_key_pads,
@@ -199,8 +199,8 @@ def _checked_queries(q: object) -> tuple[int, int, int]:
     for name, t in (("q.content", q.content), ("q.scale", q.scale), ("q.rope", q.rope)):
         require_readable(name, t)
         if t.dtype not in _QUERY_DTYPES[name]:
-            want = " or ".join(str(d).removeprefix("torch.") for d in _QUERY_DTYPES[name])
-            raise SnapmlaError(f"{name}: expected dtype {want}, got {str(t.dtype).removeprefix('torch.')}")
+            want = " or ".join(dtype_name(d) for d in _QUERY_DTYPES[name])
+            raise SnapmlaError(f"{name}: expected dtype {want}, got {dtype_name(t.dtype)}")
     if q.scale.dim() != 3:
         raise SnapmlaError(f"q.scale: expected shape [batch, s_q, h_q], got {tuple(q.scale.shape)}")
     lead = tuple(q.scale.shape)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..cache.layout import gather_from_pages
-from ..errors import NoGpuError, SnapmlaError
+from ..errors import NoGpuError, SnapmlaError, dtype_name
 from ..numerics.decode_args import (
     check_key_pads,
     checked_flag,
@@ -271,7 +271,7 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int | No
     """Dtype, shape and contiguity; not the device (:func:`_checked_call` checks it after every
     argument's layout, so that a bad argument is named on a machine without a GPU too)."""
     if t.dtype != dtype:
-        raise SnapmlaError(f"{name}: expected {dtype}, got {t.dtype}")
+        raise SnapmlaError(f"{name}: expected {dtype_name(dtype)}, got {dtype_name(t.dtype)}")
     if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise SnapmlaError(f"{name}: expected shape {want}, got {list(t.shape)}")
@@ -281,7 +281,7 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int | No
 
 def _check_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b: int) -> None:
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
-        raise SnapmlaError(f"block_table: expected int32 [{b}, max_blocks], got {block_table.dtype} {list(block_table.shape)}")
+        raise SnapmlaError(f"block_table: expected int32 [{b}, max_blocks], got {dtype_name(block_table.dtype)} {list(block_table.shape)}")
     if block_table.stride(1) != 1:
         raise SnapmlaError("block_table: rows must be contiguous (stride 1 along blocks)")
     _check(cache_seqlens, "cache_seqlens", torch.int32, (b,))
@@ -326,7 +326,7 @@ def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
     if k_cache.dtype != torch.uint8 or not ok_shape:
         raise SnapmlaError(
             f"k_cache: expected FP8 cache uint8/float8_e4m3fn [blocks, 64, {FP8_TOKEN_BYTES}] or "
-            f"[blocks, 64, 1, {FP8_TOKEN_BYTES}], got {given} {list(k_cache.shape)}")
+            f"[blocks, 64, 1, {FP8_TOKEN_BYTES}], got {dtype_name(given)} {list(k_cache.shape)}")
     if not k_cache.is_contiguous():
         raise SnapmlaError("k_cache: must be contiguous")
     require_aligned("k_cache", k_cache)
@@ -836,14 +836,14 @@ def flash_mla_with_kvcache(
     if is_fp8_kvcache is not None:
         fp8_cache = k_cache.dtype in FP8_CACHE_DTYPES
         if checked_flag("is_fp8_kvcache", is_fp8_kvcache) != fp8_cache:
-            raise SnapmlaError(f"is_fp8_kvcache: {is_fp8_kvcache} disagrees with k_cache's dtype {k_cache.dtype}")
+            raise SnapmlaError(f"is_fp8_kvcache: {is_fp8_kvcache} disagrees with k_cache's dtype {dtype_name(k_cache.dtype)}")
     if k_cache.dtype == torch.bfloat16:
         return decode_bf16(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata,
                            num_splits, softmax_scale, causal)
     if k_cache.dtype in FP8_CACHE_DTYPES:
         return _quantize_and_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                                     softmax_scale, causal, is_fp8_kvcache is not None)
-    raise SnapmlaError(f"k_cache: expected bf16 or uint8/float8_e4m3fn, got {k_cache.dtype}")
+    raise SnapmlaError(f"k_cache: expected bf16 or uint8/float8_e4m3fn, got {dtype_name(k_cache.dtype)}")
 
 
 def _check_encoding(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
@@ -884,7 +884,7 @@ def _quantize_and_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
 
     _require_strided_call(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, None, None)
     if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
-        raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {q.dtype} {list(q.shape)}")
+        raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {dtype_name(q.dtype)} {list(q.shape)}")
     # q's own layout as quantize_q checks it on a GPU, here so that a host q hears it too
     if not q.is_contiguous():
         raise SnapmlaError("q: must be contiguous")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_tokens
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from ..host_memory import require_host_memory
 from ..numerics.decode_args import checked_lengths, is_integer, require_strided
 from ..numerics.formats import (
@@ -95,9 +95,9 @@ def _same_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
 
 def _dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
-        names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+        names = " or ".join(dtype_name(d) for d in allowed)
         raise SnapmlaError(
-            f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}"
+            f"{name}: expected dtype {names}, got {dtype_name(t.dtype)}"
         )
 
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, dtype_name
 from ..numerics.decode_args import require_readable
 from ..numerics.formats import D_V, FP8_TOKEN_BYTES, PAGE_SIZE
 from .cluster_fold import uniform_split_count, work_list_cluster
@@ -241,7 +241,7 @@ def host_seqlens(cache_seqlens: torch.Tensor) -> list[int]:
     require_readable("cache_seqlens", cache_seqlens)
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
         raise SnapmlaError(
-            f"cache_seqlens: expected int32 [b], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
+            f"cache_seqlens: expected int32 [b], got {dtype_name(cache_seqlens.dtype)} {tuple(cache_seqlens.shape)}"
         )
     seqlens = cache_seqlens.tolist()
     if any(n < 0 for n in seqlens):
