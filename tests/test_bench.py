@@ -152,6 +152,18 @@ def test_plan_batches_equal_batch_and_equal_memory() -> None:
     assert plan.batches(16384).cases() == [Case(FP8, 32), Case(BF16, 32), Case(FP8, 98), Case(BF16, 55)]
 
 
+def test_no_equal_memory_comparison_where_both_formats_reach_the_batch_cap() -> None:
+    """The README: the equal-memory speed-up is not reported where both formats reach the 4096
+    cap (1 layer at 1k: 60 GiB holds 54,613 BF16 requests). It once showed 4096/4096 as 'same
+    mem', the equal-batch run again under another name."""
+    b = make_plan(layers=1, contexts=[1024]).batches(1024)
+    assert (b.equal, b.fp8_mem, b.bf16_mem) == (MAX_BATCH, MAX_BATCH, MAX_BATCH)
+    assert b.equal_memory is None and b.cases() == [Case(FP8, MAX_BATCH), Case(BF16, MAX_BATCH)]
+    # only FP8 at the cap: each format still runs at what the budget holds (FP8 capped)
+    b = make_plan(layers=8, contexts=[2048]).batches(2048)
+    assert b.fp8_mem == MAX_BATCH > b.bf16_mem and b.equal_memory == (MAX_BATCH, b.bf16_mem)
+
+
 def test_batch_does_not_depend_on_tp() -> None:
     """MLA's one latent KV head is not split by TP: every rank holds its group's whole cache."""
     a = make_plan(layouts=(Layout(8, 1),), contexts=[32768])

@@ -240,8 +240,12 @@ class Batches:
 
     @property
     def equal_memory(self) -> tuple[int, int] | None:
-        """(FP8 batch, BF16 batch) at the same KV memory, or None without a budget."""
+        """(FP8 batch, BF16 batch) at the same KV memory, or None without a budget, and None
+        where both formats reach the :data:`MAX_BATCH` cap: the two batches are then equal, not
+        what the same memory holds, and would only repeat the equal-batch comparison."""
         if self.fp8_mem is None or self.bf16_mem is None:
+            return None
+        if self.fp8_mem == self.bf16_mem == MAX_BATCH:
             return None
         return self.fp8_mem, self.bf16_mem
 
