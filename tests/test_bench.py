@@ -647,6 +647,35 @@ def test_the_plot_draws_bf16_at_the_same_memory_only_where_its_batch_differs(
     assert seen == [labels]
 
 
+def test_the_plot_draws_same_memory_bars_where_a_context_has_them_and_a_whole_legend(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One layer at 1k: both formats reach the batch cap, so that context has no same-memory
+    comparison; 64k still gets its bar (all of them were once dropped when one context had
+    none). The legend of a one-panel figure lies inside it (four entries in a row were cut off
+    at both sides)."""
+    import matplotlib.pyplot as plt
+
+    from snapmla_cli.bench import render
+
+    seen: list[tuple[dict[str, int], bool]] = []
+
+    def keep_bars(path, write, replace=True):
+        fig = plt.gcf()
+        fig.canvas.draw()
+        bars: dict[str, int] = {}
+        for container in fig.axes[0].containers:
+            bars[container.get_label()] = len(container.patches)
+        legend = fig.legends[0].get_window_extent()
+        seen.append((bars, bool(legend.x0 >= 0 and legend.x1 <= fig.bbox.x1)))
+
+    monkeypatch.setattr(render, "write_atomic", keep_bars)
+    plan = make_plan(heads=8, layers=1, contexts=[1024, 65536])
+    assert plan.batches(1024).equal_memory is None and plan.batches(65536).equal_memory is not None
+    plot_report(_fake_report(plan), tmp_path / "f.png")
+    assert seen == [({"BF16 (fake-bf16), same batch": 2, "FP8 SnapMLA, same batch": 2,
+                      "FP8 SnapMLA, same KV memory": 1}, True)]
+
+
 def test_a_narrow_terminal_folds_figures_instead_of_cropping_them() -> None:
     """A cropped figure ("18,305,1…") reads as another number; folded, every digit stays."""
     # a batch past --batch's bound (MAX_BATCH), set behind make_plan's back: the widest figures

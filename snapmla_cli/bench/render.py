@@ -134,27 +134,29 @@ def plot_report(report: BenchReport, path: Path, force: bool = False) -> None:
     colors = {"bf16": "#8c8c8c", "bf16_mem": "#8c8c8c", "fp8": "#1f77b4", "fp8_mem": "#ff7f0e"}
     for ax, layout in zip(axes[0], layouts):
         rows = [c for c in comparisons if c.layout == layout]
-        mem = [pair for c in rows if (pair := c.equal_memory) is not None]
-        if len(mem) < len(rows):
-            mem = []  # same-memory bars only where every context has them
-        series = [(f"BF16 ({rows[0].bf16.kernel}), same batch", "bf16",
-                   [c.bf16.aggregate_tokens_per_s for c in rows], None),
-                  ("FP8 SnapMLA, same batch", "fp8", [c.fp8.aggregate_tokens_per_s for c in rows],
-                   [c.speedup_equal_batch for c in rows])]
-        if mem and any(bf16.batch != c.bf16.batch for c, (_, bf16) in zip(rows, mem)):
+        # same-memory bars where a context has them (none without a budget, none where both
+        # formats reach the batch cap): a gap in the group elsewhere
+        mem = [c.equal_memory for c in rows]
+        series: list[tuple[str, str, list[float | None], list[float | None] | None]] = [
+            (f"BF16 ({rows[0].bf16.kernel}), same batch", "bf16",
+             [c.bf16.aggregate_tokens_per_s for c in rows], None),
+            ("FP8 SnapMLA, same batch", "fp8", [c.fp8.aggregate_tokens_per_s for c in rows],
+             [c.speedup_equal_batch for c in rows])]
+        if any(pair is not None and pair[1].batch != c.bf16.batch for c, pair in zip(rows, mem)):
             series.append(("BF16, same KV memory", "bf16_mem",
-                           [bf16.aggregate_tokens_per_s for _, bf16 in mem], None))
-        if mem:
+                           [None if pair is None else pair[1].aggregate_tokens_per_s for pair in mem], None))
+        if any(pair is not None for pair in mem):
             series.append(("FP8 SnapMLA, same KV memory", "fp8_mem",
-                           [fp8.aggregate_tokens_per_s for fp8, _ in mem],
-                           [speedup(fp8, bf16) for fp8, bf16 in mem]))
+                           [None if pair is None else pair[0].aggregate_tokens_per_s for pair in mem],
+                           [None if pair is None else speedup(*pair) for pair in mem]))
         width = 0.8 / len(series)
         for i, (label, key, values, speedups) in enumerate(series):
-            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
-            bars = ax.bar(xs, values, width, label=label, color=colors[key],
+            drawn = [j for j, v in enumerate(values) if v is not None]
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in drawn]
+            bars = ax.bar(xs, [values[j] for j in drawn], width, label=label, color=colors[key],
                           hatch="//" if key.endswith("_mem") else None, edgecolor="white")
             if speedups is not None:
-                for bar, s in zip(bars, speedups):
+                for bar, s in zip(bars, [speedups[j] for j in drawn]):
                     ax.annotate(f"{s:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=7, xytext=(0, 2),
                                 textcoords="offset points")
@@ -165,7 +167,9 @@ def plot_report(report: BenchReport, path: Path, force: bool = False) -> None:
         ax.set_axisbelow(True)
     axes[0][0].set_ylabel("decode tokens/s, attention stack, all GPUs")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4), fontsize=7)
+    # at most two entries a row per panel: four in one row are wider than one panel's figure
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4, 2 * len(layouts)),
+               fontsize=7)
     fig.suptitle(plot_title(report), fontsize=9)
     suffix = path.suffix.lstrip(".").lower()
     write_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=130, format=suffix), replace=force)
