@@ -114,9 +114,9 @@ def bench_command(
 
     Times one decode step of the model's attention stack (per layer: Q-quant, K-append of the new
     token, decode) on every rank, at the same batch for both formats and, where a KV budget sizes
-    the batches (not both at the 4096 cap), at the same KV memory (FP8 holds 1.76x more tokens). --dp/--tp
-    ranks are spawned one per GPU, or started by
-    torchrun (multi-node); rank 0 prints the tables."""
+    the batches (not both at the 4096 cap), at the same KV memory (FP8 holds 1.76x more tokens).
+    --dp/--tp ranks are spawned one per GPU, or started by torchrun (multi-node); rank 0 prints
+    the tables."""
     try:
         if model.value not in PRESETS:
             raise SnapmlaError(f"--model: {model.value!r} is not one of {', '.join(PRESETS)}")
