@@ -528,8 +528,11 @@ def test_cli_dump(models, prompts, tmp_path):
         app, [*args, "--decode", "2", "--dtype", "fp32", "--check", "--layers", "0,1"]
     )
     assert result.exit_code == 0, result.output
-    assert "wrote" in result.output and "ok" in result.output
+    assert "wrote" in result.output and "ok" in result.output and "queries pre-scaled by" in result.output
     assert len(read_dump(out).layers) == 2
+    none = CliRunner().invoke(app, [*args[:-1], str(tmp_path / "noq.safetensors"), "--queries", "0"])
+    assert none.exit_code == 0, none.output
+    assert "wrote" in none.output and "pre-scaled" not in none.output  # no queries, no scale line
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2
     assert "--force" in again.output and "Traceback" not in again.output

@@ -147,11 +147,12 @@ def _render(capture: Capture, output: Path, console: Console) -> None:
         f"({len(capture.segments)} prompts), {meta.get('dtype')}, model {escape(dump.model)}",
         highlight=False,
     )
-    console.print(
-        f"queries pre-scaled by {float(meta.get('query_prescale', 'nan')):.6g} "
-        f"(model scale {float(meta.get('model_softmax_scale', 'nan')):.6g} / 576**-0.5)",
-        highlight=False,
-    )
+    if first.queries is not None:  # (--queries 0 captures none: no scale to report)
+        console.print(
+            f"queries pre-scaled by {float(meta.get('query_prescale', 'nan')):.6g} "
+            f"(model scale {float(meta.get('model_softmax_scale', 'nan')):.6g} / 576**-0.5)",
+            highlight=False,
+        )
     if not capture.checks:
         return
     table = figure_table("attention recomputed from the dump vs the model",
