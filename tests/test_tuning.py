@@ -752,6 +752,41 @@ def test_the_users_database_beats_a_shipped_entry_of_this_driver(isolated_db: tu
     assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0()) == alt_config(3)
 
 
+def test_the_entry_lists_put_this_drivers_section_first(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """A tune after a CUDA driver upgrade appends the new driver's section after the old one. The
+    lookup answers from the new section; the entry lists (``stored_entries``, ``--stale``'s buckets,
+    ``snapmla info``) take a bucket's first entry as the one the lookup takes, so they must list the
+    same section first: the old section's stale entry was re-timed by every ``--stale`` run and
+    counted stale by ``info`` although nothing used it."""
+    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
+
+    user, _ = isolated_db
+    kernels = product_sources_hash(kernel_dir())
+    b = Bucket(64, 2, (64, 64), (16384, 16384), "fp8")
+    today = tdb.strip_sms(default_config(b, GPU.sm_count))
+    old = replace(entry(cfg=alt_config(3)), kernels="0123456789abcdef", default_config=today)
+    new = replace(entry(cfg=alt_config(2)), kernels=kernels, default_config=today)
+    save_entries(user, replace(GPU, cuda_driver_major=12), [old])
+    save_entries(user, GPU, [new])  # appended: the file lists the driver-12 section first
+    assert [s.gpu.cuda_driver_major for s in load_file(user / tdb.db_filename(GPU.name)).sections] == [12, 13]
+    assert lookup.lookup_decode_config(rows=128, fp8=True, device=cuda0(), batch=64, context=16384) == alt_config(2)
+    assert lookup.stored_entries(GPU)[b] == new
+    assert lookup.stale_buckets(GPU, ["fp8"]) == []
+    assert [loc.gpu.cuda_driver_major for loc in lookup.matching_entries(GPU)] == [13, 12]
+    # a GPU on the old driver sees its own section first
+    assert lookup.stored_entries(replace(GPU, cuda_driver_major=12))[b] == old
+    # info counts the old section's entry as shadowed, and no command run here re-times it
+    from snapmla_cli.runtime.gpu_facts import GpuFacts
+
+    facts = GpuFacts(0, GPU.name, "GPU-1", 132, (9, 0), 80 << 30, 1980, 2619, "580", "13.0")
+    lines = describe_database([facts])
+    assert lines[-3].endswith(f"{config_id(old.config, 'fp8')} {old.time_us:.1f} us, "
+                              f"1.20x vs default (2026-12-01, user) [stale: timed with other kernel sources]")
+    assert lines[-1] == ("  1 of the stale entries are shadowed by an earlier entry of the same bucket: `snapmla tune "
+                         "--stale --db-dir FOLDER` re-times a folder's own; 1 is in a section of another CUDA driver, "
+                         "which only a run on that driver re-times")
+
+
 def test_a_section_of_another_sm_count_does_not_apply(isolated_db: tuple[pathlib.Path, pathlib.Path]) -> None:
     """SPEC section 9 keys on the SM count too: a same-named GPU with fewer SMs (a cut-down part)
     was tuned for other split plans."""

@@ -116,7 +116,8 @@ def _warn_once(key: str, message: str) -> None:
 
 def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Located]:
     """Entries of the sections matching ``gpu`` (same model) or, given only ``name``, any
-    section of that GPU name; user folder first. Bad files warn once and are skipped."""
+    section of that GPU name; user folder first, then (given ``gpu``) the sections of its CUDA
+    driver major before the others. Bad files warn once and are skipped."""
     gpu_name = gpu.name if gpu is not None else name
     if gpu_name is None:
         return []
@@ -153,7 +154,18 @@ def load_located(gpu: GpuKey | None = None, name: str | None = None) -> list[Loc
                      else section.gpu.name.strip() == gpu_name.strip())
             if match:
                 out += [Located(e, path, origin, section.gpu) for e in section.entries]
+    if gpu is not None:  # the lookup's order: within a folder, this CUDA driver's sections first
+        out.sort(key=lambda loc: (loc.origin_rank, _driver_rank(loc, gpu)))  # (stable: file order next)
     return out
+
+
+def _driver_rank(loc: Located, gpu: GpuKey | None) -> int:
+    """0 for an entry of a section with ``gpu``'s CUDA driver major (or no ``gpu``), else 1: the
+    lookup's tie-break after the folder. The lists of entries (``stored_entries``, ``snapmla info``,
+    ``--stale``) come in that order too, so that the first entry of a bucket is the one the lookup
+    takes: a file gets the section of a new driver appended after the old one, whose stale entries
+    ``--stale`` then re-timed on every run while the lookup answered from the new section."""
+    return 0 if gpu is None or loc.gpu.cuda_driver_major == gpu.cuda_driver_major else 1
 
 
 def _as_device(device: Any) -> Any:
@@ -263,7 +275,7 @@ def select_entry(located: list[Located], rows: int, fmt: str, batch: float | Non
         dist = bucket_distance(loc.entry, rows, batch, context)
         if dist is None:
             continue
-        driver_rank = 0 if gpu is None or loc.gpu.cuda_driver_major == gpu.cuda_driver_major else 1
+        driver_rank = _driver_rank(loc, gpu)
         other_s_q = 0 if s_q is None or loc.entry.bucket.s_q == s_q else 1
         scored.append((round(dist[0], 9), round(dist[1], 9), other_s_q, loc.origin_rank, driver_rank, loc))
     if not scored:
@@ -542,9 +554,16 @@ def describe_survey(survey: DatabaseSurvey) -> list[str]:
             lines.append(f"  {stale} of {len(g.found)} entries are stale (timed with other kernel sources or against "
                          "another default): they still apply; `snapmla tune --stale` re-times them")
             shadowed = _shadowed(g.found)
-            if hidden := sum(why is not None and i in shadowed for i, why in enumerate(g.stale)):
-                lines.append(f"  {hidden} of the stale entries are shadowed by an earlier entry of the same bucket: "
-                             "`snapmla tune --stale --db-dir FOLDER` re-times a folder's own")
+            hidden = [i for i, why in enumerate(g.stale) if why is not None and i in shadowed]
+            if hidden:
+                driver = GpuKey.from_facts(g.gpu).cuda_driver_major
+                other = sum(g.found[i].gpu.cuda_driver_major != driver for i in hidden)
+                line = (f"  {len(hidden)} of the stale entries are shadowed by an earlier entry of the same bucket: "
+                        "`snapmla tune --stale --db-dir FOLDER` re-times a folder's own")
+                if other:  # (--stale, --db-dir or not, re-times this driver's section only)
+                    line += (f"; {counted(other, 'is', 'are')} in a section of another CUDA driver, which only a "
+                             "run on that driver re-times")
+                lines.append(line)
     if not survey.gpus:
         lines.append("tuning files: " + (", ".join(survey.files) if survey.files else "none"))
     return lines
