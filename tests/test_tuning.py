@@ -1522,6 +1522,21 @@ def test_tune_dry_run_names_the_database_file_it_would_write(isolated_db, tmp_pa
     assert f"database: {folder / '<GPU name>.yaml'}" in " ".join(result.output.split())
 
 
+def test_tune_says_when_the_decode_calls_do_not_read_its_folder(isolated_db, tmp_path):
+    """A --db-dir that is neither the user's folder nor the shipped one is written, but no decode
+    call reads it: the dry run (and the run's end) says so and names the variable that would."""
+    user, shipped = isolated_db
+    args = ["--heads", "16", "--mtp", "1", "--batch", "4", "--ctx", "1k", "--budget", "4", "--dry-run", "--db-dir"]
+    elsewhere = CliRunner().invoke(tiny_app(), [*args, str(tmp_path / "db")], terminal_width=400)
+    assert elsewhere.exit_code == 0, elsewhere.output
+    assert " ".join(elsewhere.output.split()).endswith(
+        f"note: the decode calls read the tuning database from {user} and {shipped}, not from {tmp_path / 'db'}: "
+        f"set SNAPMLA_TUNING_DIR={tmp_path / 'db'} where they run to use these entries")
+    for read in (user, shipped, user / "." / "x" / ".."):
+        result = CliRunner().invoke(tiny_app(), [*args, str(read)], terminal_width=400)
+        assert result.exit_code == 0 and "note:" not in result.output, result.output
+
+
 def test_tune_interrupted_exits_130_and_says_it_resumes(isolated_db, monkeypatch):
     from snapmla_cli.cli import tune as tune_cli
 

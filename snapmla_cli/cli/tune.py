@@ -66,7 +66,7 @@ def tune_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the search space and exit (no GPU needed).")] = False,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue an interrupted run and skip buckets already tuned with these kernel sources against this default.")] = True,
     db_dir: Annotated[Path | None, output_option("--db-dir", folder=True, help="Database folder (default: $SNAPMLA_TUNING_DIR or ~/.config/snapmla/tuning).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Store the new result even when the stored entry is faster (and overwrite an unreadable file, dropping malformed entries).")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Re-time buckets already tuned, store the new result even when the stored entry is faster, and overwrite an unreadable file (dropping malformed entries).")] = False,
 ) -> None:
     """Tune the decode kernels for this GPU and write the tuning database.
 
@@ -268,6 +268,8 @@ def _dry_run(buckets: list[Bucket], limit: Budget, folder: Path) -> None:
     total = sum(len(s.candidates) for s in spaces)
     out.print(f"{counted(len(spaces), 'bucket')}, {counted(total, 'candidate')}; budget {limit}; GPU: {gpu_text}; "
               f"database: {where}")
+    if unread := unread_folder_note(folder):
+        out.print(unread)
 
 
 def _previous_entries(in_folder: dict[Bucket, Entry], gpu: GpuKey | None) -> dict[Bucket, Entry]:
@@ -473,3 +475,22 @@ def _render(out: Console, results: list[BucketResult], gpu: GpuKey, folder: Path
         totals.update(r.phase_s)
     spent = f"; {_phases(totals, 0)}" if totals else ""
     out.print(f"database: {folder / db_filename(gpu.name)} ({wall:.0f} s{spent})")
+    if unread := unread_folder_note(folder):
+        out.print(unread)
+
+
+def unread_folder_note(folder: Path) -> str | None:
+    """A note when the decode calls do not read ``folder`` (a ``--db-dir`` that is neither the
+    user's folder nor the shipped one): the entries just written would otherwise go unused
+    without a word, where the issue promises that every later decode call on this GPU uses them."""
+    from ..tuning.db import TUNING_DIR_ENV, search_dirs
+
+    dirs = search_dirs()
+    try:
+        if folder.resolve() in {p.resolve() for _, p in dirs}:
+            return None
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python < 3.13)
+        return None
+    read = " and ".join(str(p) for _, p in dirs)
+    return (f"note: the decode calls read the tuning database from {read}, not from {folder}: "
+            f"set {TUNING_DIR_ENV}={shlex.quote(str(folder.absolute()))} where they run to use these entries")
