@@ -1614,6 +1614,40 @@ def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, mo
             in said)
 
 
+def test_a_kept_stored_entry_is_shown_with_its_own_times(isolated_db, monkeypatch, tmp_path, capsys):
+    """When the merge keeps the stored entry (faster than this run's best), the final table shows
+    that entry's configuration with its own times, not this run's best time beside the stored
+    configuration (a pair nothing measured), and the bucket's log line names this run's best."""
+    from snapmla_cli.cli import tune as tune_cli
+    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
+    from snapmla_cli.tuning import measure
+    from snapmla_cli.tuning.tuner import Budget
+
+    space = small_space()
+    bucket = space.bucket
+    runs: list[FakeMeasurer] = []
+    monkeypatch.setattr(measure, "GpuMeasurer", cpu_measurer(search_space(bucket, 132), runs))
+    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
+    folder = tmp_path / "db"
+    default = tdb.strip_sms(space.default)
+    stored_cfg = tdb.strip_sms(space.candidates[-1])
+    save_entries(folder, GPU, [Entry(bucket=bucket, config=stored_cfg, time_us=0.5, default_time_us=0.6,
+                                     date="2026-12-01", snapmla_version="0.1.0", command="snapmla tune",
+                                     default_config=default, kernels=product_sources_hash(kernel_dir()),
+                                     timed_at={"batch": bucket.timed_batch, "context": bucket.timed_context},
+                                     candidates=1)])
+    capsys.readouterr()
+    tune_cli._run([bucket], Budget(count=3), folder, "--db-dir", False, False, "snapmla tune --no-resume")
+    out = capsys.readouterr()
+    (row,) = [line for line in out.out.splitlines() if bucket.label() in line and "│" in line]
+    cells = [c.strip() for c in row.split("│")[1:-1]]
+    assert cells[1:5] == ["0.6", "0.5", "1.200x", config_id(stored_cfg, "fp8")]
+    assert "kept the stored entry (0.5 us), faster than this run's" in " ".join(out.out.split())
+    best = min((t, cid) for cid, t in runs[-1].times.items() if cid in runs[-1].timed)[1]
+    logged = " ".join((out.out + out.err).split())
+    assert f"{bucket.label()}: default" in logged and best in logged
+
+
 def test_tune_stale_retimes_the_stale_buckets_and_records_each_ones_command(isolated_db, monkeypatch, tmp_path):
     """``snapmla tune --stale`` takes its buckets from this GPU's stale entries (the user's entry
     shadows the shipped one of the same bucket), re-times them into the folder, and each new entry

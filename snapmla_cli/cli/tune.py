@@ -367,16 +367,21 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
             result.notes[:0] = notes[space.bucket.id] + _prior_note(space, result, previous_entries.get(space.bucket))
             offset += n
             bar.update(task, completed=offset)
+            line = _line(result)  # (this run's measurements, whatever the merge keeps)
             if result.entry is not None:
                 _, outcomes = save_entries(folder, gpu, [result.entry], force)
                 note = merge_note(outcomes[0], result.entry)
                 if note:
                     result.notes.append(note)
-                if outcomes[0].action == "kept_old":
-                    result.entry = outcomes[0].previous
+                if outcomes[0].action == "kept_old" and outcomes[0].previous is not None:
+                    # the table shows what the database holds, its times beside its configuration
+                    # (this run's best time next to the stored configuration described neither)
+                    kept = outcomes[0].previous
+                    result.entry, result.default_time_s, result.best_time_s = (
+                        kept, kept.default_time_us / 1e6, kept.time_us / 1e6)
             partial.finish(space.bucket.id)
             results.append(result)
-            bar.console.print(_line(result))
+            bar.console.print(line)
     clear_cache()
     torch.cuda.empty_cache()
     order = {b: i for i, b in enumerate(buckets)}
