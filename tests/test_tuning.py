@@ -32,6 +32,7 @@ from snapmla_cli.tuning.space import (
     SMEM_RESERVED_PER_CTA,
     Bucket,
     Budget,
+    SearchSpace,
     config_id,
     config_problem,
     default_config,
@@ -1567,27 +1568,44 @@ def cpu_measurer(space, runs: list[FakeMeasurer]) -> type[FakeMeasurer]:
     return CpuMeasurer
 
 
+def _cpu_tune_run(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> tuple[SearchSpace, list[FakeMeasurer], pathlib.Path]:
+    """``snapmla tune``'s real run path (cli/tune.py ``_run``) on the CPU: the small space, the GPU
+    measurer replaced by FakeMeasurer (each run's appended to the list returned) and this GPU
+    faked; returns (space, runs, database folder)."""
+    from snapmla_cli.tuning import measure
+
+    space = small_space()
+    runs: list[FakeMeasurer] = []
+    monkeypatch.setattr(measure, "GpuMeasurer", cpu_measurer(search_space(space.bucket, 132), runs))
+    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
+    return space, runs, tmp_path / "db"
+
+
+def _store_current(folder: pathlib.Path, space: SearchSpace, config: DecodeConfig, time_us: float,
+                   default_time_us: float) -> None:
+    """A stored entry of ``space``'s bucket that is current: these kernel sources, this default."""
+    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
+
+    bucket = space.bucket
+    default = tdb.strip_sms(space.default)
+    save_entries(folder, GPU, [Entry(bucket=bucket, config=config, time_us=time_us, default_time_us=default_time_us,
+                                     date="2026-12-01", snapmla_version="0.1.0", command="snapmla tune",
+                                     default_config=default, kernels=product_sources_hash(kernel_dir()),
+                                     timed_at={"batch": bucket.timed_batch, "context": bucket.timed_context},
+                                     candidates=1)])
+
+
 def test_force_retunes_a_bucket_already_tuned_with_these_kernels(isolated_db, monkeypatch, tmp_path, capsys):
     """A resumed ``snapmla tune`` skips a bucket whose stored entry is current (these kernel
     sources, this default); with ``--force`` it is timed again. The GPU measurer is replaced by
     FakeMeasurer, so the real run path (cli/tune.py ``_run``) runs on the CPU."""
     from snapmla_cli.cli import tune as tune_cli
-    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
-    from snapmla_cli.tuning import measure
     from snapmla_cli.tuning.tuner import Budget
 
-    space = small_space()
+    space, runs, folder = _cpu_tune_run(monkeypatch, tmp_path)
     bucket = space.bucket
-    runs: list[FakeMeasurer] = []
-    monkeypatch.setattr(measure, "GpuMeasurer", cpu_measurer(search_space(bucket, 132), runs))
-    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
-    folder = tmp_path / "db"
     default = tdb.strip_sms(space.default)
-    save_entries(folder, GPU, [Entry(bucket=bucket, config=default, time_us=50.0, default_time_us=50.0,
-                                     date="2026-12-01", snapmla_version="0.1.0", command="snapmla tune",
-                                     default_config=default, kernels=product_sources_hash(kernel_dir()),
-                                     timed_at={"batch": bucket.timed_batch, "context": bucket.timed_context},
-                                     candidates=1)])
+    _store_current(folder, space, default, 50.0, 50.0)
     tune_cli._run([bucket], Budget(count=2), folder, "--db-dir", True, False, "snapmla tune")
     assert runs[-1].timed == []  # already tuned: skipped
     assert "re-timed" not in capsys.readouterr().out
@@ -1619,23 +1637,12 @@ def test_a_kept_stored_entry_is_shown_with_its_own_times(isolated_db, monkeypatc
     that entry's configuration with its own times, not this run's best time beside the stored
     configuration (a pair nothing measured), and the bucket's log line names this run's best."""
     from snapmla_cli.cli import tune as tune_cli
-    from snapmla_cli.runtime.nvrtc import kernel_dir, product_sources_hash
-    from snapmla_cli.tuning import measure
     from snapmla_cli.tuning.tuner import Budget
 
-    space = small_space()
+    space, runs, folder = _cpu_tune_run(monkeypatch, tmp_path)
     bucket = space.bucket
-    runs: list[FakeMeasurer] = []
-    monkeypatch.setattr(measure, "GpuMeasurer", cpu_measurer(search_space(bucket, 132), runs))
-    monkeypatch.setattr(lookup, "device_gpu_key", lambda index: GPU)
-    folder = tmp_path / "db"
-    default = tdb.strip_sms(space.default)
     stored_cfg = tdb.strip_sms(space.candidates[-1])
-    save_entries(folder, GPU, [Entry(bucket=bucket, config=stored_cfg, time_us=0.5, default_time_us=0.6,
-                                     date="2026-12-01", snapmla_version="0.1.0", command="snapmla tune",
-                                     default_config=default, kernels=product_sources_hash(kernel_dir()),
-                                     timed_at={"batch": bucket.timed_batch, "context": bucket.timed_context},
-                                     candidates=1)])
+    _store_current(folder, space, stored_cfg, 0.5, 0.6)
     capsys.readouterr()
     tune_cli._run([bucket], Budget(count=3), folder, "--db-dir", False, False, "snapmla tune --no-resume")
     out = capsys.readouterr()
