@@ -302,3 +302,15 @@ def test_max_batch_itself_is_accepted_and_shared_with_tune() -> None:
     assert MAX_TUNE_BATCH == MAX_BATCH and parse_ranges(f"1-{MAX_BATCH}", "--batch") == [(1, MAX_BATCH)]
     with pytest.raises(SnapmlaError, match=f"at most {MAX_BATCH} requests"):
         make_plan(contexts=[1024], batch=MAX_BATCH + 1)
+
+
+@pytest.mark.parametrize("command", [["verify", "--ctx", "1k"], ["tune", "--dry-run"], ["bench", "--cpu-fake", "--ctx", "1k"]],
+                         ids=lambda c: c[0])
+def test_every_command_takes_the_same_mtp_range_and_says_it(command: list[str]) -> None:
+    """verify, tune and bench accept --mtp 1..MAX_QUERY_TOKENS (bench stopped at 4 while the others
+    took 16), refuse the next value in one line, and their --help states the range."""
+    from snapmla_cli.sizes import MAX_QUERY_TOKENS
+
+    help_text = " ".join(invoke(command[0], "--help").stdout.split())
+    assert f"1..{MAX_QUERY_TOKENS}" in help_text
+    assert_one_line_error(invoke(*command, "--mtp", str(MAX_QUERY_TOKENS + 1)), "--mtp", str(MAX_QUERY_TOKENS))

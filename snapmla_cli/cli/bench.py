@@ -29,7 +29,7 @@ from ..bench.plan import (
 from ..bench.timing import CLOCKS, STEADY
 from ..cache.atomic import check_outputs, committed_together, naming
 from ..errors import SnapmlaError
-from ..sizes import MAX_BATCH, parse_size_list
+from ..sizes import MAX_BATCH, MAX_QUERY_TOKENS, parse_size_list
 from .common import (
     file_path,
     one_line,
@@ -90,7 +90,7 @@ def bench_command(
     model: Annotated[Model, typer.Option(help=MODEL_HELP)] = DEFAULT_MODEL,
     heads: Annotated[int | None, typer.Option(help="Query heads of the model (overrides the preset); split over --tp.")] = None,
     layers: Annotated[int | None, typer.Option(help="Attention calls per decoded token (overrides the preset).")] = None,
-    mtp: Annotated[int, typer.Option(help="Query tokens per request and step, s_q (MTP: 2).")] = 1,
+    mtp: Annotated[int, typer.Option(help=f"Query tokens per request and step, s_q (MTP: 2), 1..{MAX_QUERY_TOKENS}.")] = 1,
     ctx: Annotated[str, typer.Option(help="Context lengths, comma-separated: 16k,32k,64k,128k.")] = DEFAULT_CONTEXTS,
     batch: Annotated[int | None, typer.Option(help=f"Requests per DP group for both formats, at most {MAX_BATCH} (default: what --kv-mem holds in BF16).")] = None,
     kv_mem: Annotated[str | None, typer.Option(help="KV-cache budget per GPU for all layers, e.g. 60GiB (default 60GiB without --batch); sizes the equal-memory batches.")] = None,

@@ -87,7 +87,7 @@ def verify_command(
     ctx: Annotated[str | None, typer.Option(help="Context per request: 2048, 32k, 1m (default 32k; a dump: all its tokens).")] = None,
     batch: Annotated[int | None, typer.Option(help=f"Requests per case (default {CPU_BATCH} on CPU, {GPU_BATCH} on GPU; at most {MAX_BATCH}).")] = None,
     heads: Annotated[str, typer.Option(help="Query heads h_q, comma-separated.")] = "16,64,128",
-    mtp: Annotated[str, typer.Option(help="Query tokens per request s_q, comma-separated.")] = "1,2",
+    mtp: Annotated[str, typer.Option(help=f"Query tokens per request s_q, 1..{MAX_QUERY_TOKENS}, comma-separated.")] = "1,2",
     dump: Annotated[Path | None, input_option("--dump", help="Take KV (and queries) from this KV dump.")] = None,
     layer: Annotated[int | None, typer.Option(help="Layer to use (default: the last).")] = None,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
