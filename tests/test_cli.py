@@ -387,9 +387,11 @@ def test_sizes() -> None:
     assert parse_size("0" * 30 + "32k") == 32768  # leading zeros do not make a size too large
     assert format_size(0) == "0" and format_size(3 << 20) == "3m" and format_size(1536) == "1536"
     assert shorten("7" * 24) == "7" * 24 and shorten("7" * 25) == "7" * 21 + "..."  # at most 24 characters
-    for bad in ("", "k", "1.5k", "-3", "0", "4g"):
-        with pytest.raises(SnapmlaError):
+    for bad in ("", "k", "1.5k", "-3", "4g"):
+        with pytest.raises(SnapmlaError, match=f"^--ctx: '{bad}' is not a size \\(expected e.g. 2048, 32k or 1m\\)$"):
             parse_size(bad, "--ctx")
+    with pytest.raises(SnapmlaError, match="^--ctx: '0' must be at least 1$"):
+        parse_size("0", "--ctx")
 
 
 def test_a_comma_list_with_an_empty_item_is_refused() -> None:

@@ -402,7 +402,7 @@ def test_scalar_wrappers() -> None:
 
     assert isinstance(i32(5), np.int32) and isinstance(i64(2**40), np.int64)
     assert isinstance(f32(0.5), np.float32)
-    with pytest.raises(SnapmlaError):
+    with pytest.raises(SnapmlaError, match="^kernel argument 2147483648 does not fit a 32-bit int"):
         i32(2**31)
     assert i32(-(2**31)) == -(2**31) and i32(2**31 - 1) == 2**31 - 1  # both ends of a C int
     with pytest.raises(SnapmlaError, match="does not fit a 32-bit int"):

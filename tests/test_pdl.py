@@ -86,7 +86,7 @@ def test_a_prepared_launch_sets_the_stream_and_the_arguments_of_each_call(monkey
     prepared(0x77, [0xBEEF000, 5])
     prepared(0x78, [0xCAFE000, -6])
     assert launched == [(0x77, 0x1234, 0xBEEF000, 5), (0x78, 0x1234, 0xCAFE000, -6)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="shorter"):
         prepared(0x78, [0xCAFE000])  # one argument short: never launched with a stale value
     assert len(launched) == 2
     monkeypatch.setattr(pdl, "_launch_kernel_ex", lambda: (lambda *args: 2))

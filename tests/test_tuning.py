@@ -128,10 +128,13 @@ def test_range_and_list_parsing():
     with pytest.raises(SnapmlaError, match="^--heads: 16 given twice$"):
         parse_int_list("16,64,16", "--heads", 1024)
     assert parse_formats("both") == ["fp8", "bf16"] and parse_formats("BF16") == ["bf16"]
-    for bad in ("128-16", "", "x", "0"):
-        with pytest.raises(SnapmlaError):
+    for bad, why in (("128-16", "range '128-16' runs backwards"),
+                     ("", r"'' is empty \(expected e.g. 64, 1,8,64 or 16-128\)"),
+                     ("x", r"'x' is not a size \(expected e.g. 2048, 32k or 1m\)"),
+                     ("0", "'0' must be at least 1")):
+        with pytest.raises(SnapmlaError, match=f"^--batch: {why}$"):
             parse_ranges(bad, "--batch")
-    with pytest.raises(SnapmlaError):
+    with pytest.raises(SnapmlaError, match="^--format: expected fp8, bf16 or both, got 'fp4'$"):
         parse_formats("fp4")
     b = Bucket(64, 2, (16, 128), (16384, 16384), "fp8")
     assert b.timed_batch == 45 and b.timed_context == 16384 and b.rows == 128
