@@ -6,6 +6,7 @@ without a GPU points at ``--dry-run``. CPU only and fast."""
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -136,10 +137,12 @@ INT_FIELDS = [("candidates",), ("timed_at", "batch"), ("bucket", "s_q"), ("confi
 @pytest.mark.parametrize("keys", INT_FIELDS, ids=[".".join(k) for k in INT_FIELDS])
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), True, 2.0, 10**30, 2**31, "7"])
 def test_int_fields_raise_the_database_error(keys, value):
-    """Every reader raises DbError (the type the loader skips on), never OverflowError."""
+    """Every reader raises DbError (the type the loader skips on), never OverflowError, naming
+    the field and the value read."""
     data = make_entry(BAD).as_dict()
     setter(*keys, value=value)(data)
-    with pytest.raises(DbError):
+    with pytest.raises(DbError, match=f"{keys[-1]}:? (?:must be|expected) an integer in [01]\\.\\.2147483647, "
+                                      f"got {re.escape(repr(value))}$"):
         Entry.from_dict(data)
 
 
