@@ -213,8 +213,17 @@ def test_verify_says_when_fp8_storage_itself_loses_the_output(tmp_path: Path) ->
 
 def test_bench_takes_the_largest_seed_the_option_allows(tmp_path: Path) -> None:
     """The per-rank seed (seed x 1,000,003 + DP index) stays within torch's 64 bits."""
+    import json
+    from types import SimpleNamespace
+
+    from snapmla_cli.bench.worker import rank_seed
+
     result = invoke("bench", "--cpu-fake", "--ctx", "1k", "--seed", str(2**63 - 1), "--json", tmp_path / "b.json")
     assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "b.json").read_text())["plan"]["seed"] == 2**63 - 1
+    # (2^63 - 1) x 1,000,003 + dp wraps modulo 2^63: -1,000,003 + dp, distinct per DP group
+    largest = SimpleNamespace(seed=2**63 - 1)
+    assert [rank_seed(largest, dp) for dp in (0, 1)] == [2**63 - 1_000_003, 2**63 - 1_000_002]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("columns", ["0", "1", "20"])
