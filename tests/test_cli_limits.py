@@ -243,6 +243,13 @@ def test_the_synthetic_default_takes_more_probe_queries_than_its_own(tmp_path: P
                     "--configs", "snap", "--json", tmp_path / "r.json")
     assert result.exit_code == 0, result.output
     assert out.exists() and "dump holds" not in result.output
+    import json
+
+    from snapmla_cli.analysis.fidelity import PROBE_HEADS, PROBE_QUERIES
+
+    assert PROBE_QUERIES != 6  # (else the default, not --queries, could be what the rows show)
+    layer = json.loads((tmp_path / "r.json").read_text())["layers"][0]
+    assert (layer["query_rows"], layer["probes"]) == (6 * PROBE_HEADS, "synthetic")  # 6 queries probed
 
 
 
