@@ -808,7 +808,9 @@ def test_cli_runs_the_fake_workload_and_writes_json_and_plot(tmp_path: Path) -> 
                    "--steps", 1, "--clocks", "burst", "--json", report, "--force")
     assert burst.exit_code == 0, burst.output
     assert json.loads(report.read_text())["meta"]["runner"]["clocks"] == "burst"
-    assert invoke("--cpu-fake", "--clocks", "turbo").exit_code != 0
+    turbo = invoke("--cpu-fake", "--clocks", "turbo")  # refused by the option's choices (a usage error)
+    assert turbo.exit_code == 2 and "'turbo' is not one of 'burst', 'steady'" in " ".join(
+        turbo.stderr.replace("│", " ").split()), turbo.output
 
 
 @pytest.mark.parametrize("model", sorted(PRESETS))
