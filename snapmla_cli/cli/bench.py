@@ -153,12 +153,12 @@ def _bench(plan: BenchPlan, spec: RunnerSpec, json_path: Path | None, plot: Path
     # ends the command at its next print, which must not cost the files of a long run
     with committed_together():  # both files, or neither
         with naming("--json"):
-            write_json_file(json_path, report.to_dict(), force)
+            write_json_file(json_path, report.to_dict, force)
         if plot is not None:
             with naming("--plot"):
                 plot_report(report, plot, force=force)
     out = report_console(json_path)
     render_report(out, report)
-    write_json_stdout(json_path, report.to_dict())  # after the plot landed: none for failed outputs
+    write_json_stdout(json_path, report.to_dict)  # after the plot landed: none for failed outputs
     for line in wrote_lines(json_path, plot):
         out.print(line)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -129,19 +130,21 @@ def write_json(path: Path, payload: dict, force: bool = False) -> None:
     write_text_atomic(path, text, replace=force)
 
 
-def write_json_file(path: Path | None, payload: dict, force: bool = False) -> None:
+def write_json_file(path: Path | None, payload: Callable[[], dict], force: bool = False) -> None:
     """``--json FILE``, written before the command prints its report, as quantize writes its
     files: a reader of stdout that leaves early (``snapmla verify --json r.json | head``) ends
     the command quietly at its next print, which must not cost the file asked for. Nothing for
-    ``--json -`` (:func:`write_json_stdout`, after the report) or no ``--json``."""
+    ``--json -`` (:func:`write_json_stdout`, after the report) or no ``--json``. ``payload``
+    builds the document: it runs only here or in :func:`write_json_stdout` (a path is one or the
+    other), so a report is built once, and not at all without ``--json``."""
     if path is not None and not is_stdout(path):
-        write_json(path, payload, force=force)
+        write_json(path, payload(), force=force)
 
 
-def write_json_stdout(path: Path | None, payload: dict) -> None:
+def write_json_stdout(path: Path | None, payload: Callable[[], dict]) -> None:
     """``--json -``: the document on standard output, after the files landed."""
     if is_stdout(path):
-        write_json(STDOUT, payload)
+        write_json(STDOUT, payload())
 
 
 def wrote_lines(*paths: Path | None) -> list[str]:

@@ -5,6 +5,7 @@ can read without parsing the text."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -64,7 +65,7 @@ def info_command(
     runs_kernels = [device_arch(g.compute_capability) in archs for g in listing.gpus]
     tc = toolchain_facts()
     database = survey_database(listing.gpus, stamp[0])  # one survey for the lines and the JSON
-    payload = info_as_dict(listing, archs, runs_kernels, tc, stamp[0], database)
+    payload = functools.partial(info_as_dict, listing, archs, runs_kernels, tc, stamp[0], database)
     write_json_file(json_path, payload, force)  # before the report (see write_json_file)
     out = report_console(json_path)
     out.print(version_line(stamp))

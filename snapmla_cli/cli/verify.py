@@ -3,6 +3,7 @@ with the pass/fail gates of SPEC section 6. Exit 0 only when every gate passes, 
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Annotated
@@ -137,7 +138,7 @@ def verify_command(
                 problem = make_problem(source, tokens, h, s, causal, seed).to(dev)
                 results.append(run_case(problem, impls, gates))
                 bar.advance(task)
-    payload = _as_dict(results, source, dev.type, gates, no_kernels)
+    payload = functools.partial(_as_dict, results, source, dev.type, gates, no_kernels)
     write_json_file(json_path, payload, force)
     out = report_console(json_path)
     _render(out, results, source, dev.type, gates)

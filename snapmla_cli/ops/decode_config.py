@@ -19,7 +19,6 @@ from .schedule import SplitPolicy, prefer_balanced
 ROWS_PER_GROUP = 16
 WARPS_PER_GROUP = 2
 MAX_SMEM_PER_CTA = 232448  # 227 KB opt-in on sm_90
-PAGE_TOKENS = PAGE_SIZE
 FP8_Q_CONTENT_STRIDE = 512 + 16
 FP8_Q_ROPE_STRIDE = 128 + 16
 EXCHANGE_BYTES_PER_LANE_TILE = 16  # one float4 per lane per logit column tile
@@ -61,11 +60,11 @@ RING_ROW_GROUPS, RING_STAGES, RING_SLOTS = 2, 5, 3
 MAX_ROPE_RING = 8
 ROPE_RING_CHOICES = (0, *range(MIN_STAGES, MAX_ROPE_RING + 1))
 WGMMA_THREADS = 384  # two consumer warpgroups + one producer warpgroup
-WGMMA_STAGE_BYTES = 5 * PAGE_TOKENS * 128 + PAGE_TOKENS * 16  # 4 content + RoPE boxes + scales
-WGMMA_CONTENT_BYTES = 4 * PAGE_TOKENS * 128  # a stage's content boxes alone (with a RoPE ring)
+WGMMA_STAGE_BYTES = 5 * PAGE_SIZE * 128 + PAGE_SIZE * 16  # 4 content + RoPE boxes + scales
+WGMMA_CONTENT_BYTES = 4 * PAGE_SIZE * 128  # a stage's content boxes alone (with a RoPE ring)
 WGMMA_ROPE_SLOT_BYTES = WGMMA_STAGE_BYTES - WGMMA_CONTENT_BYTES  # a RoPE ring slot: RoPE box + scales
 WGMMA_Q_BYTES_PER_ROW = 5 * 128
-WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS
+WGMMA_P_BYTES_PER_ROW = PAGE_SIZE
 WGMMA_SMEM_ALIGN = 1024
 WGMMA_ROW_INFO_BYTES = 32  # per row: sigma, 1/sigma, gamma, pad, one rescale factor per warp
 WGMMA_ROW_CONST_BYTES = 8  # per row: logit scale, visible keys
@@ -82,7 +81,7 @@ BF16_KERNEL_VERSIONS = (BF16_MMA_SYNC, BF16_WGMMA)
 DEFAULT_BF16_KERNEL = BF16_WGMMA
 BF16_WGMMA_ROW_GROUPS = 4  # the rows are wgmma's M = 64 (fewer rows are padded)
 BF16_WGMMA_ROW_BYTES = 576 * 2
-BF16_WGMMA_P_BYTES_PER_ROW = PAGE_TOKENS * 2  # P[row][64 tokens] bf16, one 128-byte tile row
+BF16_WGMMA_P_BYTES_PER_ROW = PAGE_SIZE * 2  # P[row][64 tokens] bf16, one 128-byte tile row
 BF16_WGMMA_ROW_STATE_BYTES = 8  # per row: m, gamma of the last block
 BF16_WGMMA_PAGE_PARTS = 3  # RoPE tile, each warpgroup's V dims: a full and an empty barrier each
 SMEM_PER_SM = 233472  # 228 KB of shared memory per SM on sm_90
@@ -192,7 +191,7 @@ def cluster_rows_fit(cfg: DecodeConfig, fp8: bool = True) -> bool:
     if fp8:
         stage_bytes = WGMMA_CONTENT_BYTES if cfg.rope_ring else WGMMA_STAGE_BYTES
     else:
-        stage_bytes = PAGE_TOKENS * BF16_WGMMA_ROW_BYTES
+        stage_bytes = PAGE_SIZE * BF16_WGMMA_ROW_BYTES
     return cfg.block_m * (CLUSTER_ROW_STRIDE + 1) * 4 <= cfg.stages * stage_bytes
 
 
@@ -207,11 +206,11 @@ def fp8_smem_bytes(cfg: DecodeConfig) -> int:
     if cfg.wgmma:
         return wgmma_smem_bytes(cfg)
     warps = WARPS_PER_GROUP * cfg.row_groups * cfg.kv_split
-    n_tiles = PAGE_TOKENS // cfg.kv_split // 8
+    n_tiles = PAGE_SIZE // cfg.kv_split // 8
     exchange = 2 * warps * n_tiles * 32 * EXCHANGE_BYTES_PER_LANE_TILE  # double-buffered
     reduce = cfg.kv_split * cfg.row_groups * ROWS_PER_GROUP * FP8_REDUCE_BYTES_PER_ROW
     return (cfg.block_m * (FP8_Q_CONTENT_STRIDE + FP8_Q_ROPE_STRIDE)
-            + cfg.stages * PAGE_TOKENS * FP8_TOKEN_BYTES + exchange + reduce
+            + cfg.stages * PAGE_SIZE * FP8_TOKEN_BYTES + exchange + reduce
             + cfg.stages * MBARRIER_BYTES)
 
 
@@ -234,7 +233,7 @@ def fp8_config_valid(cfg: DecodeConfig) -> bool:
     scratch = 2 * cfg.row_groups * 32 * (FP8_OUT_TILES + 1) * EXCHANGE_BYTES_PER_LANE_TILE
     return (warps * cfg.min_ctas_per_sm <= MAX_WARPS and cfg.stages >= 2 and cfg.kv_split in (1, 2, 4)
             and cfg.row_groups in (1, 2, 4)
-            and (cfg.kv_split == 1 or scratch <= cfg.stages * PAGE_TOKENS * FP8_TOKEN_BYTES)
+            and (cfg.kv_split == 1 or scratch <= cfg.stages * PAGE_SIZE * FP8_TOKEN_BYTES)
             and fp8_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
 
 
@@ -252,7 +251,7 @@ def fit_stages(cfg: DecodeConfig) -> DecodeConfig:
 def bf16_wgmma_smem_bytes(cfg: DecodeConfig) -> int:
     """``kSmemBytes + kSmemAlign`` of decode_bf16_wgmma.cu."""
     rows = cfg.block_m
-    return (rows * BF16_WGMMA_ROW_BYTES + cfg.stages * PAGE_TOKENS * BF16_WGMMA_ROW_BYTES
+    return (rows * BF16_WGMMA_ROW_BYTES + cfg.stages * PAGE_SIZE * BF16_WGMMA_ROW_BYTES
             + rows * BF16_WGMMA_P_BYTES_PER_ROW + rows * BF16_WGMMA_ROW_STATE_BYTES
             + 2 * cfg.stages * BF16_WGMMA_PAGE_PARTS * MBARRIER_BYTES + WGMMA_SMEM_ALIGN)
 
@@ -350,7 +349,7 @@ def bf16_config_valid(cfg: DecodeConfig) -> bool:
     if (cfg.qk_promote, cfg.pv_promote, cfg.wg_mode) != WGMMA_SWITCH_DEFAULTS or cfg.stages < MIN_STAGES:
         return False
     if cfg.wgmma:
-        return (cfg.row_groups == BF16_WGMMA_ROW_GROUPS and cfg.block_n == PAGE_TOKENS
+        return (cfg.row_groups == BF16_WGMMA_ROW_GROUPS and cfg.block_n == PAGE_SIZE
                 and cfg.min_ctas_per_sm == 1 and bf16_smem_bytes(cfg) <= MAX_SMEM_PER_CTA)
     return (cfg.row_groups in (1, 2, 4) and cfg.block_n in (16, 32, 64)
             and cfg.min_ctas_per_sm * cfg.row_groups * WARPS_PER_GROUP <= MAX_WARPS
@@ -452,7 +451,7 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
         else:
             cfg = DecodeConfig(row_groups=4, kv_split=1, stages=2, min_ctas_per_sm=1, kernel_version=FP8_MMA_SYNC)
     elif version == BF16_WGMMA:
-        cfg = DecodeConfig(row_groups=BF16_WGMMA_ROW_GROUPS, stages=MIN_STAGES, block_n=PAGE_TOKENS,
+        cfg = DecodeConfig(row_groups=BF16_WGMMA_ROW_GROUPS, stages=MIN_STAGES, block_n=PAGE_SIZE,
                            min_ctas_per_sm=1, kernel_version=BF16_WGMMA)
         if rows > cfg.block_m:
             # two or more 64-row tiles per request: balanced columns. Every tuned H200 bucket of
@@ -489,7 +488,7 @@ def tile_pages_per_sm(rows: int, batch: int, context: float, sms: int, groups: i
     """(request, row tile) pages per SM of a call whose row tiles hold ``groups`` row groups: the
     work measure of the small-work rule (and of scripts/ab_small_work.py's shape filter)."""
     tiles = math.ceil(rows / (groups * ROWS_PER_GROUP))
-    return tiles * batch * max(1, math.ceil(context / PAGE_TOKENS)) / sms
+    return tiles * batch * max(1, math.ceil(context / PAGE_SIZE)) / sms
 
 
 def small_work_row_groups(rows: int, batch: int, context: float, sms: int) -> int:

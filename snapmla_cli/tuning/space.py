@@ -362,7 +362,7 @@ def kernel_variants(rows: int, fmt: str
                 combos.append({**dict(zip(names, values)), "kernel_version": version, "block_n": 64})
     else:
         for version in BF16_VERSIONS:
-            block_ns = BLOCK_NS if version == dc.BF16_MMA_SYNC else (dc.PAGE_TOKENS,)
+            block_ns = BLOCK_NS if version == dc.BF16_MMA_SYNC else (dc.PAGE_SIZE,)
             for values in product(*axes.values(), block_ns):
                 combos.append({**dict(zip([*axes, "block_n"], values)), "kernel_version": version})
     valid: list[DecodeConfig] = []
