@@ -166,6 +166,29 @@ def test_the_checks_switch_reads_the_table_before_the_missing_gpu(api: str) -> N
     assert not isinstance(caught.value, NoGpuError)
 
 
+def _on_meta(q: object) -> object:
+    """``q`` (a tensor or QuantizedRows) on the 'meta' device: shapes and dtypes, no values."""
+    if isinstance(q, QuantizedRows):
+        return QuantizedRows(q.content.to("meta"), q.scale.to("meta"), q.rope.to("meta"))
+    return _t(q).to("meta")
+
+
+@pytest.mark.parametrize("checks", [False, True], ids=["checks-off", "checks-on"])
+@pytest.mark.parametrize("api", ["decode_fp8", "decode_bf16", "flash-bf16"])
+def test_a_query_without_data_is_named_by_its_device(api: str, checks: bool) -> None:
+    """A q on 'meta' has no values for the NaN check to read (a host q's is checked always, a
+    quantized q's under the switch): the call ended in torch's NotImplementedError ("Cannot copy
+    out of meta tensor; no data!") instead of the one line naming q's device."""
+    name = "q.content" if api == "decode_fp8" else "q"
+    was = GPU_CHECKS.on
+    set_gpu_checks(checks)
+    try:
+        with pytest.raises(NoGpuError, match=f"^{name}: expected a CUDA tensor, got device meta$"):
+            _call(api, _with(q=_on_meta))
+    finally:
+        set_gpu_checks(was)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine has")
 def test_graph_work_list_names_a_bad_argument_before_the_missing_gpu() -> None:
     with pytest.raises(SnapmlaError, match="^fp8: expected True or False"):

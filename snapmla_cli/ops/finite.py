@@ -61,8 +61,10 @@ def check_all_finite(*named: tuple[str, torch.Tensor]) -> None:
     inf. CUDA tensors are checked only while :data:`GPU_CHECKS` is on, all of them with one
     read-back (each read-back waits for the GPU), and never inside CUDA-graph capture, where a
     read-back is not allowed: the error says to capture without the switch."""
+    # (a tensor without data, on 'meta', has no values to read: the device checks name it)
     tensors = [(name, t) for name, t in named
-               if t.is_floating_point() and t.numel() and (GPU_CHECKS.on or not t.is_cuda)]
+               if t.is_floating_point() and t.numel() and t.device.type in ("cpu", "cuda")
+               and (GPU_CHECKS.on or not t.is_cuda)]
     if not tensors:
         return
     if any(capturing(t) for _, t in tensors):
