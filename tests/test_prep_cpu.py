@@ -241,6 +241,24 @@ def test_fetch_dequant_rejects() -> None:
         fetch_dequant(cache, bt.to("meta"), sl)
 
 
+
+def test_a_first_tensor_without_data_is_named_itself() -> None:
+    """The devices were compared with the first tensor's before its own was checked: a 'meta' kv
+    (or cache) among host tensors named the next argument, asking for a tensor on meta ("slots:
+    expected a tensor on meta (like kv), got cpu"), a device no call takes."""
+    layout, _, cache = _paged_problem([5, 6])
+    kv = torch.randn(2, D_QK).to(torch.bfloat16)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(SnapmlaError, match="^kv: expected a CPU or CUDA tensor, got meta$"):
+        append_kv(kv.to("meta"), slots, cache)
+    with pytest.raises(SnapmlaError, match="^k_cache: expected a CPU or CUDA tensor, got meta$"):
+        fetch_dequant(cache.to("meta"), layout.block_table, layout.cache_seqlens)
+    with pytest.raises(SnapmlaError, match="^k_cache: expected a CPU or CUDA tensor, got meta$"):
+        fetch_dequant_slots(cache.to("meta"), slots)
+    rows = unpack_tokens(cache.view(-1, FP8_TOKEN_BYTES))
+    with pytest.raises(SnapmlaError, match="^content: expected a CPU or CUDA tensor, got meta$"):
+        fetch_dequant_soa(rows.content.to("meta"), rows.scale, rows.rope, slots)
+
 def test_fetch_dequant_slots_cpu() -> None:
     _, _, cache = _paged_problem([100], seed=5)
     flat = as_token_bytes(cache).reshape(-1, FP8_TOKEN_BYTES)

@@ -81,15 +81,17 @@ def _tensor(name: str, t: object) -> torch.Tensor:
 
 
 def _same_device(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
-    """All tensors on one device (CPU or one CUDA device); that device."""
+    """All tensors on one device (CPU or one CUDA device); that device. The first tensor's device
+    is checked before the others are compared with it: a first one without data ('meta') is
+    named itself, not the others as "expected a tensor on meta"."""
     first_name, first = named[0]
+    if first.device.type not in ("cpu", "cuda"):
+        raise SnapmlaError(f"{first_name}: expected a CPU or CUDA tensor, got {first.device}")
     for name, t in named[1:]:
         if t.device != first.device:
             raise SnapmlaError(
                 f"{name}: expected a tensor on {first.device} (like {first_name}), got {t.device}"
             )
-    if first.device.type not in ("cpu", "cuda"):
-        raise SnapmlaError(f"{first_name}: expected a CPU or CUDA tensor, got {first.device}")
     return first.device
 
 
