@@ -27,6 +27,7 @@ from snapmla_cli.analysis.verify import (
 from snapmla_cli.cache.layout import (
     gather_from_pages,
     quantize_tokens,
+    random_paged_layout,
     scatter_to_pages,
     unpack_tokens,
 )
@@ -158,6 +159,27 @@ def test_emulation_refuses_queries_that_are_not_quantized_rows(part: str, bad, n
         emulate_fp8_decode(QuantizedRows(**parts), problem.fp8_cache(), layout.block_table, layout.cache_seqlens,
                            problem.softmax_scale)
 
+
+
+@pytest.mark.parametrize(("content", "rope"), [(1e20, 1.0), (0.0, 1e10)], ids=["huge-values", "zero-content-rope-1e10"])
+def test_logits_beyond_float32_are_refused_not_read_as_no_key(content: float, rope: float) -> None:
+    """Finite queries and keys that quantize_q / append_kv accept can give logits beyond float32:
+    values near 1e20, or a RoPE of 1e10 beside zero content (its scale at the 2^-32 floor, so the
+    pre-scaled RoPE dot product is about 1e41 before the scales bring it back to 1e21). The
+    emulation's block maximum was then +inf and the request read as having no visible key: out 0
+    and lse +inf, while the float64 reference's lse is finite. Refused, with the request."""
+    gen = torch.Generator().manual_seed(31)
+
+    def rows(*lead: int) -> torch.Tensor:
+        x = torch.randn(*lead, 576, generator=gen)
+        return torch.cat([x[..., :512] * content, x[..., 512:] * rope], dim=-1).to(torch.bfloat16)
+
+    problem = DecodeProblem(rows(1, 1, 2), [rows(70)], random_paged_layout([70], generator=gen), False, 576**-0.5)
+    layout = problem.layout
+    _, ref_lse = decode_reference(problem.q, problem.bf16_cache(), layout.block_table, layout.cache_seqlens)
+    assert torch.isfinite(ref_lse).all()
+    with pytest.raises(SnapmlaError, match=r"^q, fp8_cache: request 0's logits overflow float32 \(row 0 "):
+        run_emulation(problem)
 
 def test_emulation_is_within_the_fp8_storage_floor_on_synthetic_data() -> None:
     source = synthetic_source(None)

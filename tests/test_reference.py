@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from snapmla_cli.cache.layout import PagedLayout, scatter_to_pages
+from snapmla_cli.errors import SnapmlaError
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.formats import D_QK, D_V
 from snapmla_cli.numerics.problem import DecodeProblem, random_problem
@@ -98,3 +99,18 @@ def test_poisoned_rows_and_garbage_block_table_entries_never_change_a_result() -
     out2, lse2 = _reference(problem, other_cache, table)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     assert isinstance(layout, PagedLayout)
+
+
+def test_logits_beyond_the_reference_dtype_are_refused() -> None:
+    """Finite values near 1e20 make q . k overflow float32: a float32 reference returned NaN rows
+    with no word of why. Refused (naming the request and the remedy); float64 holds them."""
+    problem = random_problem([70, 5], s_q=1, h_q=2, seed=8)
+    huge = DecodeProblem(problem.q * 1e20, [t * 1e20 for t in problem.tokens], problem.layout, False,
+                         problem.softmax_scale)
+    cache = huge.bf16_cache().squeeze(2)
+    args = (huge.layout.block_table, huge.layout.cache_seqlens)
+    out, lse = decode_reference(huge.q, cache, *args)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    with pytest.raises(SnapmlaError, match=r"^q, kv_cache: request 0's logits overflow float32 \(row 0 .*compute in "
+                                           r"float64\)$"):
+        decode_reference(huge.q, cache, *args, dtype=torch.float32)

@@ -60,6 +60,13 @@ def decode_reference(
         has_keys = mask.any(dim=-1)
         probs = torch.where(has_keys[:, None], torch.exp(logits - row_lse[:, None]), 0.0)
         row_out = probs @ keys[:, :D_V]
+        # finite inputs whose logits overflow ``dtype`` (|q . k| beyond float32's 3.4e38, or a
+        # float64 q beyond float32's range cast down) made the row NaN, a result with no word of why
+        bad = has_keys & ~(torch.isfinite(row_lse) & torch.isfinite(row_out).all(dim=-1))
+        if bool(bad.any()):
+            raise SnapmlaError(f"q, kv_cache: request {i}'s logits overflow {dtype_name(dtype)} (row "
+                               f"{int(bad.nonzero()[0, 0])} of its s_q * h_q: softmax_scale * q . k beyond the "
+                               f"range{'; compute in float64' if dtype != torch.float64 else ''})")
         out[i] = row_out.reshape(s_q, h_q, D_V)
         row_lse = torch.where(has_keys, row_lse, math.inf)
         lse[i] = row_lse.reshape(s_q, h_q).T

@@ -170,9 +170,26 @@ def emulate_fp8_decode(
             o, l = combine_partials(parts)
             row_out.append(o)
             row_lse.append(l)
-        out[i] = torch.cat(row_out).reshape(s_q, h_q, D_V)
-        lse[i] = torch.cat(row_lse).reshape(s_q, h_q).T
+        request_out, request_lse = torch.cat(row_out), torch.cat(row_lse)
+        _check_overflow(i, visible, request_out, request_lse)
+        out[i] = request_out.reshape(s_q, h_q, D_V)
+        lse[i] = request_lse.reshape(s_q, h_q).T
     return out, lse
+
+
+def _check_overflow(request: int, visible: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Every row of ``request`` that sees a key ends with a finite ``lse`` and ``out``. Finite
+    queries and keys can still give logits beyond float32 (SPEC section 5's ``softmax_scale * s_q *
+    s_k * (q_cq . k_cq + q_r' . k_r')``: values near 1e20, or a pre-scaled RoPE dot product when
+    the content is near zero and its scale at the 2^-32 floor); an infinite block maximum then
+    reads as "no visible key" (out 0, lse +inf) and a NaN one as NaN, a wrong result with no
+    word of why."""
+    bad = (visible > 0) & ~(torch.isfinite(lse) & torch.isfinite(out).all(dim=-1))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise SnapmlaError(f"q, fp8_cache: request {request}'s logits overflow float32 (row {row} of its s_q * h_q; "
+                           "softmax_scale * s_q * s_k * (q_cq . k_cq + q_r' . k_r'), SPEC section 5): values too "
+                           "large for the FP8 pipeline")
 
 
 def _check_bounds(bounds: object, n: int) -> None:
