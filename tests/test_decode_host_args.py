@@ -157,7 +157,7 @@ def checks_on() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("checks_on")
-@pytest.mark.parametrize("api", ["decode_fp8", "decode_bf16"])
+@pytest.mark.parametrize("api", ["decode_fp8", "decode_bf16", "flash-fp8", "flash-bf16"])
 def test_the_checks_switch_reads_the_table_before_the_missing_gpu(api: str) -> None:
     """With the switch on, a length past its table row is named on the host too."""
     short = _with(block_table=lambda t: _t(t)[:, :1], cache_seqlens=lambda t: torch.tensor([100, 10], dtype=torch.int32))
@@ -185,6 +185,29 @@ def test_a_query_without_data_is_named_by_its_device(api: str, checks: bool) -> 
     try:
         with pytest.raises(NoGpuError, match=f"^{name}: expected a CUDA tensor, got device meta$"):
             _call(api, _with(q=_on_meta))
+    finally:
+        set_gpu_checks(was)
+
+
+@pytest.mark.parametrize("checks", [False, True], ids=["checks-off", "checks-on"])
+def test_flash_mla_on_an_fp8_cache_names_a_bad_query_before_the_missing_gpu(checks: bool) -> None:
+    """flash_mla_with_kvcache on an FP8 cache ended at the missing GPU before its Q-quant, which
+    checks Q's values: a NaN q (or a RoPE its scale overflows) on the host was named on the bf16
+    cache's path but not on this one. A meta q, which has no values to check, is still named by
+    its device."""
+    was = GPU_CHECKS.on
+    set_gpu_checks(checks)
+    try:
+        with pytest.raises(SnapmlaError, match="^q: 18432 of 18432 values are NaN or inf") as caught:
+            _call("flash-fp8", _with(q=_nan))
+        assert not isinstance(caught.value, NoGpuError)
+        huge_rope = _q().clone()
+        huge_rope[0, 0, 3, :512] = 0
+        huge_rope[0, 0, 3, 512:] = 1e30
+        with pytest.raises(SnapmlaError, match=r"^q\[0, 0, 3\]: its RoPE part"):
+            _call("flash-fp8", _with(q=lambda _: huge_rope))
+        with pytest.raises(NoGpuError, match="^q: expected a CUDA tensor, got device meta$"):
+            _call("flash-fp8", _with(q=_on_meta))
     finally:
         set_gpu_checks(was)
 

@@ -81,7 +81,7 @@ from .decode_launch import (
     metadata_ref,
     store_plan,
 )
-from .finite import GPU_CHECKS, capturing, check_all_finite, check_finite
+from .finite import GPU_CHECKS, capturing, check_all_finite, check_finite, check_quantizable
 from .schedule import WORK_FIELDS, build_work_list, check_work_list, host_seqlens
 from .split_fold import (
     SplitFold,
@@ -891,8 +891,20 @@ def _quantize_and_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
     require_aligned("q", q)
     # the decode's arguments before Q is quantized (a host q ends the call: it is named last, after
     # any bad argument; on a GPU no Q-quant runs for a call its decode refuses)
-    _checked_call((q.shape[0], q.shape[1], q.shape[2]), (("q", q),), _fp8_cache_rows(k_cache), block_table,
-                  cache_seqlens, tile_scheduler_metadata, num_splits, softmax_scale=softmax_scale, causal=causal)
+    cache = _fp8_cache_rows(k_cache)
+    try:
+        _checked_call((q.shape[0], q.shape[1], q.shape[2]), (("q", q),), cache, block_table, cache_seqlens,
+                      tile_scheduler_metadata, num_splits, softmax_scale=softmax_scale, causal=causal)
+    except NoGpuError:
+        if all(t.device.type == "cpu" for t in (q, cache, block_table, cache_seqlens, tile_scheduler_metadata,
+                                                num_splits)):
+            # what quantize_q and decode_fp8 would check on a GPU, named on the host too (as decode_fp8's
+            # and decode_bf16's own calls do): Q's values, and the checks switch's table reads
+            check_quantizable("q", q)
+            if GPU_CHECKS.on:
+                _check_table_reads(block_table, cache_seqlens, q.shape[0], cache, tile_scheduler_metadata,
+                                   num_splits)
+        raise
     if check_encoding:
         _check_encoding(k_cache, block_table, cache_seqlens)
     q8 = quantize_q(q)
