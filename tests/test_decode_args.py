@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -95,6 +96,17 @@ def test_a_page_outside_the_cache_is_refused(problem: DecodeProblem, run, entry:
     with pytest.raises(SnapmlaError, match=r"block_table\[0, 1\]: expected a block index"):
         run(problem, block_table=table)
 
+
+@pytest.mark.parametrize("run", [run_reference, run_emulation], ids=["reference", "emulation"])
+def test_a_cache_of_no_blocks_is_named_as_such(problem: DecodeProblem,
+                                               run: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """With no blocks there is no index to expect: the message said "expected a block index in
+    0..-1", which reads as a typo rather than as the empty cache it is."""
+    cache = problem.bf16_cache() if run is run_reference else problem.fp8_cache()
+    name = "kv_cache" if run is run_reference else "fp8_cache"
+    with pytest.raises(SnapmlaError, match=r"^block_table\[0, 0\]: expected no page \(the cache has 0 blocks\) "
+                                           r"\(the request's 100 tokens read it\), got \d+$"):
+        run(problem, **{name: cache[:0]})
 
 @pytest.mark.parametrize("bounds", [[0, 32, 100], [0, 64], [0, 64, 100, 128]])
 def test_split_bounds_must_cover_the_request_in_whole_blocks(problem: DecodeProblem,

@@ -99,8 +99,10 @@ def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_
         bad = ((pages < 0) | (pages >= num_blocks)).nonzero()
         if bad.numel():
             j = int(bad[0, 0])
-            raise SnapmlaError(f"block_table[{i}, {j}]: expected a block index in 0..{num_blocks - 1} "
-                               f"(the request's {n} tokens read it), got {int(pages[j])}")
+            # (a cache of no blocks has no index to expect: "0..-1" read as a typo)
+            want = f"a block index in 0..{num_blocks - 1}" if num_blocks else "no page (the cache has 0 blocks)"
+            raise SnapmlaError(f"block_table[{i}, {j}]: expected {want} (the request's {n} tokens read it), "
+                               f"got {int(pages[j])}")
     return lengths
 
 
