@@ -222,6 +222,16 @@ def test_a_file_that_is_no_dump_names_the_argument(small_dump: Path, tmp_path: P
     assert not out.exists()
 
 
+def test_a_layer_number_longer_than_int_reads_is_a_usage_error(tmp_path: Path) -> None:
+    """A dump key ``layers.<5,000 digits>.kv`` made int() raise: exit code 3 ("internal error")
+    in quantize and verify instead of a one-line error naming the argument."""
+    dump = _bad_dump(tmp_path, "long.st", {f"layers.{'1' * 5000}.kv": torch.zeros(4, D_QK)})
+    out = tmp_path / "out.st"
+    assert_one_line_error(invoke("quantize", dump, "-o", out), f"DUMP {dump}", "5000 digits")
+    assert_one_line_error(invoke("verify", "--dump", dump), f"--dump {dump}", "5000 digits")
+    assert not out.exists()
+
+
 def test_quantize_refuses_more_probe_queries_than_the_host_holds(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A dump without queries gets --queries synthetic probes; 10^5 of them (1.6 M rows of 16

@@ -131,6 +131,23 @@ def test_a_cache_key_with_a_trailing_newline_is_a_foreign_tensor(tmp_path: Path)
     _refused(read_fp8_cache, path, "unexpected tensor 'layers.0.seqlen\\n' in an FP8 cache file")
 
 
+@pytest.mark.parametrize("digits", [20, 5000])
+def test_a_layer_number_of_too_many_digits_is_refused(tmp_path: Path, digits: int) -> None:
+    """int() of a layer number past Python's 4,300-digit limit raised a ValueError (the CLI's
+    exit code 3, an "internal error"); a number that long names no layer."""
+    key = f"layers.{'1' * digits}.kv"
+    _bad_dump(tmp_path, {key: _kv()}, f"layer number of {digits} digits", "expected at most 19")
+    path = _write(tmp_path, {f"layers.{'1' * digits}.cache": quantize_layer_cache(_kv()),
+                             f"layers.{'1' * digits}.seqlen": torch.tensor(TOKENS)}, CACHE_META)
+    _refused(read_fp8_cache, path, f"layer number of {digits} digits")
+
+
+def test_a_layer_number_of_19_digits_is_read(tmp_path: Path) -> None:
+    index = 10**18
+    layers = read_dump(_write(tmp_path, {f"layers.{index}.kv": _kv()}, DUMP_META)).layers
+    assert [layer.index for layer in layers] == [index]
+
+
 @pytest.mark.parametrize("bad", [-3, -1])
 def test_negative_positions(tmp_path: Path, bad: int) -> None:
     positions = torch.arange(TOKENS)

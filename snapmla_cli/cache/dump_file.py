@@ -24,6 +24,7 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from ..errors import SnapmlaError, dtype_name
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE
+from ..sizes import MAX_DIGITS, shorten
 from .atomic import check_writable, file_kind, write_atomic
 
 DUMP_FORMAT = "snapmla-kv-dump"
@@ -173,6 +174,9 @@ def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int
         match = key_pattern.fullmatch(key)
         if match is None:
             raise SnapmlaError(f"{path}: unexpected tensor {key!r} in {what}")
+        if len(match.group(1)) > MAX_DIGITS:  # int() of more than 4,300 digits raises
+            raise SnapmlaError(f"{path}: tensor {shorten(key)!r} has a layer number of {len(match.group(1))} "
+                               f"digits, expected at most {MAX_DIGITS}")
         slot = (int(match.group(1)), match.group(2))
         if slot in keys:
             raise SnapmlaError(
