@@ -36,6 +36,9 @@ from snapmla_cli.tuning.db import GpuKey
     (["tune", "--dry-run", "--heads", "9" * 5000], ["--heads", "too large"]),
     (["tune", "--dry-run", "--budget", "9" * 5000], ["--budget", "too large"]),
     (["bench", "--cpu-fake", "--kv-mem", "9" * 5000 + "G"], ["--kv-mem", "too large"]),
+    # (int() of a dp or tp past 4,300 digits raised: exit code 3, an "internal error")
+    (["bench", "--cpu-fake", "--layout", f"dp{'9' * 5000}tp1"], ["--layout", "too large"]),
+    (["bench", "--cpu-fake", "--layout", f"dp1tp{'9' * 5000}"], ["--layout", "too large"]),
     (["quantize", "-o", "never.st", "--queries", "0"], ["--queries: expected at least 1, got 0"]),
 ])
 def test_sizes_beyond_the_int32_lengths_or_the_named_maxima(args: list[str], needles: list[str], tmp_path: Path,

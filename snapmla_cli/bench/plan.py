@@ -108,6 +108,8 @@ def parse_layouts(text: str) -> tuple[Layout, ...]:
             raise SnapmlaError(
                 f"--layout: {name!r} is not a layout (expected dpNtpM, e.g. {', '.join(LAYOUT_PRESETS)})"
             )
+        for number in match.groups():  # int() of more than 4,300 digits raises
+            refuse_long_number(number, "--layout", name)
         layout = Layout(int(match.group(1)), int(match.group(2)))
         if layout.dp < 1 or layout.tp < 1:
             raise SnapmlaError(f"--layout: {name!r}: dp and tp must be at least 1")
