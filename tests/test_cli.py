@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -229,6 +230,18 @@ def test_a_layer_number_longer_than_int_reads_is_a_usage_error(tmp_path: Path) -
     out = tmp_path / "out.st"
     assert_one_line_error(invoke("quantize", dump, "-o", out), f"DUMP {dump}", "5000 digits")
     assert_one_line_error(invoke("verify", "--dump", dump), f"--dump {dump}", "5000 digits")
+    assert not out.exists()
+
+
+def test_a_dump_path_that_is_not_utf8_is_named_as_such(small_dump: Path, tmp_path: Path) -> None:
+    """safetensors opens UTF-8 paths only: a valid dump at a non-UTF-8 file name was refused as
+    "not a safetensors file (Path ... is not valid UTF-8)", sending the user to check the file."""
+    named = tmp_path / os.fsdecode(b"kv-\xfe.safetensors")
+    shutil.copyfile(small_dump, named)
+    out = tmp_path / "out.st"
+    for result in (invoke("quantize", named, "-o", out), invoke("verify", "--dump", named)):
+        assert_one_line_error(result, "the path is not valid UTF-8", "rename the file")
+        assert "not a safetensors file" not in result.stderr
     assert not out.exists()
 
 

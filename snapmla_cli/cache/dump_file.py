@@ -107,6 +107,11 @@ def check_input_file(path: Path, what: str, expected: str = "a regular file") ->
 def _read_metadata(path: Path, what: str = "dump", expected: str = "a KV dump file (.safetensors)") -> dict[str, str]:
     """The safetensors metadata of the input file ``path`` (``what``: how errors name it)."""
     check_input_file(path, what, expected)
+    try:  # safetensors takes the path as UTF-8 text: it called a valid file "not a safetensors file"
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise SnapmlaError(f"{what} {path}: the path is not valid UTF-8, which the safetensors library "
+                           "cannot open; expected a UTF-8 file name (rename the file)") from None
     try:
         with safe_open(str(path), framework="pt") as handle:
             return dict(handle.metadata() or {})
