@@ -333,3 +333,20 @@ def test_every_command_takes_the_same_mtp_range_and_says_it(command: list[str]) 
     help_text = " ".join(invoke(command[0], "--help").stdout.split())
     assert f"1..{MAX_QUERY_TOKENS}" in help_text
     assert_one_line_error(invoke(*command, "--mtp", str(MAX_QUERY_TOKENS + 1)), "--mtp", str(MAX_QUERY_TOKENS))
+
+
+def test_an_mtp_longer_than_the_context_fails_before_any_case_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The largest --mtp is checked against the requests before the first case: the check used to
+    sit in each case's problem, so `--mtp 1,2` ran the whole --mtp 1 column before refusing 2."""
+    from snapmla_cli.cli import verify as verify_cli
+
+    cases_run: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        cases_run.append(1)
+        raise AssertionError("a case ran")
+
+    monkeypatch.setattr(verify_cli, "run_case", counted)
+    assert_one_line_error(invoke("verify", "--ctx", "1", "--mtp", "1,2", "--heads", "16"),
+                          "--mtp 2 exceeds the context of 1 tokens")
+    assert cases_run == []

@@ -342,6 +342,15 @@ def request_tokens(source: ProblemSource, batch: int, ctx: int | None) -> list[t
     return [synth_layer_kv(ctx, depth, source.seed + i, source.layer)[0] for i in range(batch)]
 
 
+def check_query_tokens(tokens: list[torch.Tensor], mtp: int) -> None:
+    """``mtp`` query tokens fit in every request of ``tokens`` (each query token sits at one of the
+    request's last ``mtp`` positions). Checked for the largest ``--mtp`` before the first case, so
+    that a bad list fails at once instead of after the cases of the smaller values have run."""
+    shortest = min(kv.shape[0] for kv in tokens)
+    if mtp > shortest:
+        raise SnapmlaError(f"--mtp {mtp} exceeds the context of {shortest} tokens")
+
+
 def make_problem(source: ProblemSource, tokens: list[torch.Tensor], heads: int, mtp: int,
                  causal: bool, seed: int = 0) -> DecodeProblem:
     """Queries ``[b, mtp, heads, 576]`` for ``tokens`` and a random paged layout (NaN-poisoned
@@ -350,11 +359,10 @@ def make_problem(source: ProblemSource, tokens: list[torch.Tensor], heads: int, 
     heads), else :func:`probe_queries` anchored there."""
     if heads < 1 or not 1 <= mtp:
         raise SnapmlaError(f"need heads >= 1 and mtp >= 1, got heads={heads}, mtp={mtp}")
+    check_query_tokens(tokens, mtp)
     rows = []
     for i, kv in enumerate(tokens):
         n = kv.shape[0]
-        if mtp > n:
-            raise SnapmlaError(f"--mtp {mtp} exceeds the context of {n} tokens")
         dumped = source.dump.queries if source.dump is not None else None
         if dumped is not None:
             pick = torch.arange(i * mtp, (i + 1) * mtp) % dumped.shape[0]

@@ -20,6 +20,7 @@ from ..analysis.verify import (
     CaseResult,
     Gates,
     ProblemSource,
+    check_query_tokens,
     default_implementations,
     kernels_problem,
     make_problem,
@@ -130,6 +131,7 @@ def verify_command(
     if dev.type != "cuda" and fp8_kernels != ("default",):  # the kernels asked for would not run
         raise SnapmlaError(f"--fp8-kernel {fp8_kernel}: the kernels run on a CUDA GPU; {CPU_NO_KERNELS}")
     tokens = request_tokens(source, batch, context)
+    check_query_tokens(tokens, max(mtp_list))  # before any case runs
     results: list[CaseResult] = []
     with progress(console(stderr=True)) as bar:
         task = bar.add_task("verify", total=len(head_list) * len(mtp_list))
