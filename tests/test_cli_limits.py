@@ -229,6 +229,29 @@ def test_bench_takes_the_largest_seed_the_option_allows(tmp_path: Path) -> None:
     assert [rank_seed(largest, dp) for dp in (0, 1)] == [2**63 - 1_000_003, 2**63 - 1_000_002]  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("command", [["synth", "-o", "never.st"], ["quantize", "-o", "never.st"],
+                                     ["verify", "--ctx", "1k"]])
+def test_synthetic_data_commands_refuse_seeds_that_repeat_smaller_ones(command: list[str], tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The synthetic data's generator mixes seeds modulo 2^62: `--seed 2^62` made seed 0's tensors.
+    The commands that make such data take seeds below it; bench (other generators) keeps 2^63 - 1."""
+    from snapmla_cli.cache.synth import MAX_SYNTH_SEED, SEED_MODULUS
+
+    monkeypatch.chdir(tmp_path)
+    assert MAX_SYNTH_SEED == SEED_MODULUS - 1 == 2**62 - 1
+    assert_one_line_error(invoke(*command, "--seed", str(SEED_MODULUS)), "--seed", str(MAX_SYNTH_SEED))
+    assert not (tmp_path / "never.st").exists()
+
+
+def test_synth_takes_the_largest_seed_below_the_modulus(tmp_path: Path) -> None:
+    from snapmla_cli.cache.synth import MAX_SYNTH_SEED
+
+    out = tmp_path / "s.st"
+    result = invoke("synth", "-o", out, "--layers", "1", "--tokens", "128", "--seed", str(MAX_SYNTH_SEED))
+    assert result.exit_code == 0, result.output
+    assert out.exists()
+
+
 @pytest.mark.parametrize("columns", ["0", "1", "20"])
 def test_a_tiny_terminal_width_still_shows_the_tables(columns: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """$COLUMNS of 0 printed nothing in a terminal, 1 a column of letters: the console is made at

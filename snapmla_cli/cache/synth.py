@@ -95,11 +95,17 @@ class SynthSpec:
 DEFAULT_SPEC = SynthSpec()
 
 
+# The mix below works modulo 2^62: seeds that differ by a multiple of it give the same tensors, so
+# the commands that make synthetic data take seeds below it (larger ones repeated smaller ones' data)
+SEED_MODULUS = 2**62
+MAX_SYNTH_SEED = SEED_MODULUS - 1
+
+
 def _generator(*seeds: int) -> torch.Generator:
     """A generator seeded from several integers (seed, layer, purpose), stable across runs."""
     value = 0x5EED
     for s in seeds:
-        value = (value * 1_000_003 + int(s)) % (2**62)
+        value = (value * 1_000_003 + int(s)) % SEED_MODULUS
     return torch.Generator().manual_seed(value)
 
 

@@ -258,11 +258,12 @@ def one_line(message: BaseException | str) -> str:
 MAX_SEED = 2**63 - 1
 
 
-def seed_option(help: str) -> Any:
-    """``typer.Option`` for ``--seed``: an integer in 0 .. 2^63 - 1 (what every random generator
-    snapmla seeds accepts), out of range a one-line usage error. Use as
-    ``Annotated[int, seed_option(help=...)]``."""
-    return typer.Option("--seed", help=help, min=0, max=MAX_SEED)
+def seed_option(help: str, maximum: int = MAX_SEED) -> Any:
+    """``typer.Option`` for ``--seed``: an integer in 0 .. ``maximum`` (2^63 - 1, what every random
+    generator snapmla seeds accepts; the commands that make synthetic data pass
+    ``cache.synth.MAX_SYNTH_SEED``, below which no two seeds give the same data), out of range a
+    one-line usage error. Use as ``Annotated[int, seed_option(help=...)]``."""
+    return typer.Option("--seed", help=help, min=0, max=maximum)
 
 
 def version_line(stamp: tuple[str | None, str] | None = None) -> str:

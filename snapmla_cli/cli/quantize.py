@@ -22,7 +22,13 @@ from ..analysis.verify import resolve_device
 from ..cache.atomic import check_outputs, committed_together, naming
 from ..cache.dump_file import KVDump, LayerDump, read_dump
 from ..cache.fp8_file import FP8CacheFile, FP8CacheLayer, quantize_layer_cache, write_fp8_cache
-from ..cache.synth import DEFAULT_SPEC, PROBE_BUILD_BYTES_PER_ROW, SynthSpec, synth_dump
+from ..cache.synth import (
+    DEFAULT_SPEC,
+    MAX_SYNTH_SEED,
+    PROBE_BUILD_BYTES_PER_ROW,
+    SynthSpec,
+    synth_dump,
+)
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.configs import CONFIGS, get_configs
@@ -60,7 +66,7 @@ def quantize_command(
     device: Annotated[Device, typer.Option(help="Where to quantize and analyse.")] = Device.auto,
     layers: Annotated[int | None, typer.Option(help="Synthetic default only: layers (8).")] = None,
     tokens: Annotated[str | None, typer.Option(help="Synthetic default only: tokens per layer (32k).")] = None,
-    seed: Annotated[int, seed_option(help="Seed of the synthetic default and of synthetic probes.")] = 0,
+    seed: Annotated[int, seed_option(help="Seed of the synthetic default and of synthetic probes.", maximum=MAX_SYNTH_SEED)] = 0,
 ) -> None:
     """Write the FP8 cache of a KV dump and compare quantization configs layer by layer.
 

@@ -9,7 +9,7 @@ import typer
 
 from ..cache.atomic import check_writable, naming
 from ..cache.dump_file import write_dump
-from ..cache.synth import DEFAULT_SPEC, SynthSpec, layer_stats, synth_dump
+from ..cache.synth import DEFAULT_SPEC, MAX_SYNTH_SEED, SynthSpec, layer_stats, synth_dump
 from ..sizes import MAX_QUERY_HEADS, counted, format_size, parse_size
 from ..tables import figure_table
 from .common import console, output_option, require_at_least, require_at_most, seed_option
@@ -21,7 +21,7 @@ def synth_command(
     tokens: Annotated[str, typer.Option(help="Tokens per layer, e.g. 4096, 32k, 1m.")] = format_size(DEFAULT_SPEC.tokens),
     queries: Annotated[int, typer.Option(help="Probe queries per layer (0: none).")] = DEFAULT_SPEC.queries,
     heads: Annotated[int, typer.Option(help="Heads of each probe query.")] = DEFAULT_SPEC.heads,
-    seed: Annotated[int, seed_option(help="Random seed; same seed, same tensors and metadata.")] = DEFAULT_SPEC.seed,
+    seed: Annotated[int, seed_option(help="Random seed; same seed, same tensors and metadata.", maximum=MAX_SYNTH_SEED)] = DEFAULT_SPEC.seed,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT if it exists.")] = False,
 ) -> None:
     """Write a realistic synthetic MLA KV dump (docs/DATA.md).

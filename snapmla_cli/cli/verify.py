@@ -31,6 +31,7 @@ from ..analysis.verify import (
 )
 from ..cache.atomic import check_outputs
 from ..cache.dump_file import read_dump
+from ..cache.synth import MAX_SYNTH_SEED
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_QK, FP8_TOKEN_BYTES, PAGE_SIZE
@@ -94,7 +95,7 @@ def verify_command(
     layer: Annotated[int | None, typer.Option(help="Layer to use (default: the last).")] = None,
     device: Annotated[Device, typer.Option(help="Where to run.")] = Device.auto,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal MTP masking.")] = True,
-    seed: Annotated[int, seed_option(help="Seed of the synthetic data, queries and page layout.")] = 0,
+    seed: Annotated[int, seed_option(help="Seed of the synthetic data, queries and page layout.", maximum=MAX_SYNTH_SEED)] = 0,
     fp8_kernel: Annotated[str, typer.Option(help="FP8 kernel(s) to check on a GPU, comma-separated: default, v2 (mma.sync), v3 (wgmma at its heuristic), v3-dims / v3-rows / v3-pingpong / v3-alt / v3-rows-m / v3-vt (wgmma in one warpgroup mode), v3-unpromoted / v3-pq / v3-pv (wgmma without float32 promotion of both / of PV / of QK: diagnostics).")] = "default",
     json_path: Annotated[Path | None, output_option("--json", help="Write the results as JSON.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the --json file.")] = False,
