@@ -326,7 +326,7 @@ def test_a_file_given_as_the_model_is_named_as_a_file(prompts, tmp_path):
             capture_kv(DumpOptions(model=model, prompts=prompts))
         assert _one_line(exc) == f"model {model}: is a file, expected a checkpoint folder"
     result = invoke("dump", "--model", weights, "--prompts", prompts, "-o", tmp_path / "kv.safetensors")
-    assert_one_line_error(result, f"model {weights}: is a file, expected a checkpoint folder")
+    assert_one_line_error(result, f"error: --model {weights}: is a file, expected a checkpoint folder")
 
 
 @pytest.mark.parametrize("options, needle", [
@@ -772,7 +772,7 @@ def test_a_damaged_checkpoint_exits_2_in_the_cli(models, prompts, tmp_path):
     folder = _damaged(models, tmp_path, "damaged")
     _rewrite_json(folder / "config.json", hidden_size="x")
     result = invoke("dump", "--model", folder, "--prompts", prompts, "-o", tmp_path / "kv.safetensors")
-    assert_one_line_error(result, f"model {folder}: cannot read its config")
+    assert_one_line_error(result, f"error: --model {folder}: cannot read its config")
     assert "internal error" not in result.output
 
 
@@ -815,7 +815,7 @@ def test_nan_from_the_model_is_blamed_on_the_model(models, prompts, tmp_path, ch
     assert _one_line(exc) == expected
     out = tmp_path / "o.st"
     result = invoke("dump", "--model", folder, "--prompts", prompts, "-o", out, *(["--check"] if check else []))
-    assert_one_line_error(result, expected)
+    assert_one_line_error(result, f"error: --{expected}")
     assert not out.exists()
 
 

@@ -103,13 +103,20 @@ def dump_command(
         )
         capture = _run(options, output, force, err)
     except SnapmlaError as exc:
-        err.print(f"error: {escape(one_line(exc))}", highlight=False, soft_wrap=True)
+        message = _as_option(one_line(exc), model)
+        err.print(f"error: {escape(message)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     _render(capture, output, out)
     failed = [c.layer for c in capture.checks if not c.ok]
     if failed:
         err.print(f"error: check failed for layers {', '.join(map(str, failed))}", highlight=False)
         raise typer.Exit(1)
+
+
+def _as_option(message: str, model: str) -> str:
+    """The capture library names its ``model`` argument as "model X: ..."; on the command line that
+    argument is ``--model``, so the error names the option the user typed."""
+    return f"--{message}" if message.startswith(f"model {model}") else message
 
 
 def _check_output(output: Path, force: bool, model: str, prompts: Path) -> None:
