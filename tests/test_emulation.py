@@ -160,7 +160,6 @@ def test_emulation_refuses_queries_that_are_not_quantized_rows(part: str, bad, n
                            problem.softmax_scale)
 
 
-
 @pytest.mark.parametrize(("content", "rope"), [(1e20, 1.0), (0.0, 1e10)], ids=["huge-values", "zero-content-rope-1e10"])
 def test_logits_beyond_float32_are_refused_not_read_as_no_key(content: float, rope: float) -> None:
     """Finite queries and keys that quantize_q / append_kv accept can give logits beyond float32:
@@ -180,6 +179,7 @@ def test_logits_beyond_float32_are_refused_not_read_as_no_key(content: float, ro
     assert torch.isfinite(ref_lse).all()
     with pytest.raises(SnapmlaError, match=r"^q, fp8_cache: request 0's logits overflow float32 \(row 0 "):
         run_emulation(problem)
+
 
 def test_emulation_is_within_the_fp8_storage_floor_on_synthetic_data() -> None:
     source = synthetic_source(None)

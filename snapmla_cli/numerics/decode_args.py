@@ -19,6 +19,15 @@ from ..errors import SnapmlaError, dtype_name
 from .formats import PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET, default_softmax_scale
 
 
+def first_overflowing_row(sees_keys: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> int | None:
+    """The first row of a request that sees a key yet ends with a non-finite ``lse`` or ``out``
+    (rows ``[s_q * h_q]``; ``out`` ``[rows, 512]``), else None. Finite queries and keys can give
+    logits beyond the computing dtype's range; the reference and the emulation refuse such a
+    request instead of returning NaN or a row read as "no visible key"."""
+    bad = sees_keys & ~(torch.isfinite(lse) & torch.isfinite(out).all(dim=-1))
+    return int(bad.nonzero()[0, 0]) if bool(bad.any()) else None
+
+
 def checked_softmax_scale(softmax_scale: object) -> float:
     """The logit scale: SPEC section 2's default for None, else a finite number (a NaN or infinite
     scale would make every output NaN, which a caller should hear about as the argument it passed)

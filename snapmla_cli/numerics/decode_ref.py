@@ -10,7 +10,13 @@ import torch
 
 from ..cache.layout import gather_from_pages
 from ..errors import SnapmlaError, dtype_name
-from .decode_args import check_finite_keys, checked_paged_decode, require_finite, require_readable
+from .decode_args import (
+    check_finite_keys,
+    checked_paged_decode,
+    first_overflowing_row,
+    require_finite,
+    require_readable,
+)
 from .formats import D_QK, D_V
 from .visibility import visibility_mask
 
@@ -62,10 +68,10 @@ def decode_reference(
         row_out = probs @ keys[:, :D_V]
         # finite inputs whose logits overflow ``dtype`` (|q . k| beyond float32's 3.4e38, or a
         # float64 q beyond float32's range cast down) made the row NaN, a result with no word of why
-        bad = has_keys & ~(torch.isfinite(row_lse) & torch.isfinite(row_out).all(dim=-1))
-        if bool(bad.any()):
+        bad_row = first_overflowing_row(has_keys, row_out, row_lse)
+        if bad_row is not None:
             raise SnapmlaError(f"q, kv_cache: request {i}'s logits overflow {dtype_name(dtype)} (row "
-                               f"{int(bad.nonzero()[0, 0])} of its s_q * h_q: softmax_scale * q . k beyond the "
+                               f"{bad_row} of its s_q * h_q: softmax_scale * q . k beyond the "
                                f"range{'; compute in float64' if dtype != torch.float64 else ''})")
         out[i] = row_out.reshape(s_q, h_q, D_V)
         row_lse = torch.where(has_keys, row_lse, math.inf)

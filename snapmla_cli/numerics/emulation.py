@@ -23,6 +23,7 @@ from .decode_args import (
     check_key_pads,
     check_key_scales,
     checked_paged_decode,
+    first_overflowing_row,
     is_integer,
     require_finite,
     require_readable,
@@ -184,9 +185,8 @@ def _check_overflow(request: int, visible: torch.Tensor, out: torch.Tensor, lse:
     the content is near zero and its scale at the 2^-32 floor); an infinite block maximum then
     reads as "no visible key" (out 0, lse +inf) and a NaN one as NaN, a wrong result with no
     word of why."""
-    bad = (visible > 0) & ~(torch.isfinite(lse) & torch.isfinite(out).all(dim=-1))
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0, 0])
+    row = first_overflowing_row(visible > 0, out, lse)
+    if row is not None:
         raise SnapmlaError(f"q, fp8_cache: request {request}'s logits overflow float32 (row {row} of its s_q * h_q; "
                            "softmax_scale * s_q * s_k * (q_cq . k_cq + q_r' . k_r'), SPEC section 5): values too "
                            "large for the FP8 pipeline")
