@@ -296,7 +296,7 @@ def test_a_kernel_whose_lse_is_nan_or_shifted_fails_verify() -> None:
 
 def test_request_tokens_refuses_an_empty_batch() -> None:
     """``--batch 0`` is a one-line error, not zero requests that make an empty problem."""
-    with pytest.raises(SnapmlaError, match="^--batch: must be at least 1, got 0"):
+    with pytest.raises(SnapmlaError, match="^--batch: expected at least 1, got 0"):
         request_tokens(synthetic_source(None), 0, 64)
 
 

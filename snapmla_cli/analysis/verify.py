@@ -330,7 +330,7 @@ def request_tokens(source: ProblemSource, batch: int, ctx: int | None) -> list[t
     """bf16 ``[ctx, 576]`` KV of each request. Synthetic: request ``i`` is the layer generated
     with seed ``seed + i``. Dump: every request holds the layer's first ``ctx`` tokens."""
     if batch < 1:
-        raise SnapmlaError(f"--batch: must be at least 1, got {batch}")
+        raise SnapmlaError(f"--batch: expected at least 1, got {batch}")
     if source.dump is not None:
         kv = source.dump.kv
         ctx = kv.shape[0] if ctx is None else ctx
