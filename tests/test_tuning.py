@@ -50,6 +50,7 @@ from snapmla_cli.tuning.space import (
 from snapmla_cli.tuning.tuner import (
     CheckResult,
     EntryInfo,
+    FatalMeasureError,
     PartialStore,
     Tuner,
     partial_path,
@@ -1391,6 +1392,90 @@ def test_resume_times_the_default_again_even_if_it_crashed(tmp_path):
     assert default_cid in fake.timed and result.default.ok and result.entry is not None
 
 
+def test_a_sticky_error_during_the_default_leaves_it_to_be_timed_again(tmp_path):
+    """A fatal CUDA error stops the run and marks the candidate it hit as failed, so that the
+    resumed run skips it; but the default is the baseline of every entry: marked failed, the
+    resumed run stored nothing and blamed the default for failing the gate."""
+    space = small_space()
+    path = partial_path(tmp_path, GPU)
+
+    class Sticky(FakeMeasurer):
+        def time(self, bucket, cfg, cutoff=None):
+            raise FatalMeasureError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(FatalMeasureError):
+        Tuner(Sticky(space), Budget(count=5), INFO, partial=PartialStore(path, GPU, "k1")).tune(space)
+    assert space.ids()[0] not in PartialStore(path, GPU, "k1").results(space.bucket.id)
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    result = Tuner(fake, Budget(count=5), INFO, partial=PartialStore(path, GPU, "k1")).tune(space)
+    assert fake.timed[0] == space.ids()[0] and result.default.ok and result.entry is not None
+    assert not any("default failed" in n for n in result.notes)
+
+
+def test_a_sticky_error_during_another_candidate_skips_it_on_resume(tmp_path):
+    space = small_space()
+    path = partial_path(tmp_path, GPU)
+    victim = space.ids()[1]
+
+    class StickyOnVictim(FakeMeasurer):
+        def time(self, bucket, cfg, cutoff=None):
+            if config_id(cfg, self.fmt) == victim:
+                raise FatalMeasureError("CUDA error: an illegal memory access was encountered")
+            return super().time(bucket, cfg, cutoff)
+
+    with pytest.raises(FatalMeasureError):
+        Tuner(StickyOnVictim(space, fastest_wrong=False), Budget(count=1000), INFO,
+              partial=PartialStore(path, GPU, "k1")).tune(space)
+    assert PartialStore(path, GPU, "k1").results(space.bucket.id)[victim]["status"] == "failed"
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    Tuner(fake, Budget(count=1000), INFO, partial=PartialStore(path, GPU, "k1")).tune(space)
+    assert victim not in fake.timed
+
+
+@pytest.mark.parametrize("flaky_is_default", [False, True])
+def test_a_candidate_whose_re_timing_raises_is_never_stored(flaky_is_default: bool) -> None:
+    """The confirmation medians decide; a contender with a re-timing that raised has only its
+    phase-1 sample, which a lucky first timing makes the fastest. It must not win on it; a
+    default that cannot be re-timed leaves no baseline, so nothing is stored."""
+    space = small_space()
+    fake = FakeMeasurer(space, fastest_wrong=False)
+    flaky = fake.ids[0] if flaky_is_default else fake.ids[2]
+    fake.times[flaky] = 1e-5  # the fastest on its first timing
+    orig = fake.time
+
+    def time(bucket, cfg, cutoff=None):
+        cid = config_id(cfg, fake.fmt)
+        if cid == flaky and cid in fake.timed:
+            raise RuntimeError("CUDA error: the launch timed out")
+        return orig(bucket, cfg, cutoff)
+
+    fake.time = time
+    result = Tuner(fake, Budget(count=1000), INFO).tune(space)
+    assert any(f"confirmation of {flaky} failed" in n for n in result.notes)
+    if flaky_is_default:
+        assert result.entry is None and any("default's re-timing failed" in n for n in result.notes)
+    else:
+        assert result.best is not None and result.best.cid != flaky
+        assert result.entry is not None and result.entry.time_us > 1e-5 * 1e6
+
+
+def test_concurrent_tuners_on_two_gpus_keep_separate_partial_files(tmp_path):
+    """One `snapmla tune` per GPU of a node writes the same folder: each GPU's resume file is its
+    own, so one process's snapshot never replaces the other's crash marker or results."""
+    space = small_space()
+    a = PartialStore(partial_path(tmp_path, GPU, "GPU-aaaa"), GPU, "k1")
+    b = PartialStore(partial_path(tmp_path, GPU, "GPU-bbbb"), GPU, "k1")
+    assert a.path != b.path and a.path.name == "Test_GPU_X100.GPU-aaaa.partial.json"
+    b.started(space.bucket.id, space.ids()[1], 1.0)  # b is timing (or crashes in) a candidate
+    a.started(space.bucket.id, space.ids()[2], 1.0)
+    a.finish(space.bucket.id)
+    assert not a.path.exists()
+    resumed = PartialStore(b.path, GPU, "k1")
+    assert resumed.results(space.bucket.id)[space.ids()[1]] == {"status": "started"}
+    b.finish(space.bucket.id)
+    b.finish(space.bucket.id)  # the file already gone: no FileNotFoundError
+
+
 def test_a_default_that_fails_the_gate_is_still_timed_and_a_zero_time_is_refused():
     """A default that fails the correctness gate is still timed (a note says it failed); a
     timing of 0 s is a failed measurement, not the fastest candidate."""
@@ -1551,6 +1636,10 @@ def test_tune_interrupted_exits_130_and_says_it_resumes(isolated_db, monkeypatch
     result = CliRunner().invoke(tiny_app(), ["--dry-run"])
     assert result.exit_code == 130
     assert result.stderr.startswith("interrupted: measurements so far are kept") and "resume" in result.stderr
+    assert "the same command again" in result.stderr
+    # with --no-resume, the same command again would start over
+    result = CliRunner().invoke(tiny_app(), ["--dry-run", "--no-resume"])
+    assert result.exit_code == 130 and "again without --no-resume to resume" in result.stderr
 
 
 def cpu_measurer(space, runs: list[FakeMeasurer]) -> type[FakeMeasurer]:
@@ -1559,7 +1648,7 @@ def cpu_measurer(space, runs: list[FakeMeasurer]) -> type[FakeMeasurer]:
     path (cli/tune.py ``_run``) runs without a GPU."""
 
     class CpuMeasurer(FakeMeasurer):
-        device, sm_count = torch.device("cpu"), 132
+        device, sm_count, uuid = torch.device("cpu"), 132, "GPU-0a1b"
 
         def __init__(self) -> None:
             super().__init__(space, fastest_wrong=False)
@@ -1814,6 +1903,28 @@ def test_precompile_includes_the_cluster_merge_builds(monkeypatch):
     assert compiled == [*kernel_keys(wgmma, "fp8"), kernel_key(mma, "fp8")]
     monkeypatch.setenv("SNAPMLA_CLUSTER_FOLD", "0")
     assert kernel_keys(wgmma, "fp8") == (kernel_key(wgmma, "fp8"),)
+
+
+@pytest.mark.parametrize("spilling", [0, 1])
+def test_gpu_measurer_rejects_a_candidate_whose_cluster_build_spills(spilling: int) -> None:
+    """A timing of a cluster-capable candidate loads its cluster-merge build too: a resource
+    problem (spills, serialized wgmma) in either build fails the candidate before its check."""
+    from snapmla_cli.tuning import measure
+    from snapmla_cli.tuning.space import kernel_keys
+
+    bucket = Bucket(16, 1, (64, 64), (16384, 16384), "fp8")
+    cfg = heuristic_config(16, True)
+    keys = kernel_keys(cfg, "fp8")
+    assert len(keys) == 2
+    measurer = object.__new__(measure.GpuMeasurer)  # no GPU: only the compile-error lookup runs
+    measurer._checked, measurer._guard = {}, lambda fn: fn()
+    measurer._check = lambda b, c: CheckResult(True, "numerics ok")
+    measurer.compile_errors = {key: ("ptxas: spills 96 bytes" if i == spilling else None)
+                               for i, key in enumerate(keys)}
+    result = measurer.check(bucket, cfg)
+    assert not result.ok and result.detail == "compile failed: ptxas: spills 96 bytes"
+    measurer.compile_errors = dict.fromkeys(keys)
+    assert measurer.check(bucket, cfg).ok
 
 
 @pytest.mark.parametrize("cutoff, expect_s", [(None, 1e-3), (1e-3, 2e-3)])

@@ -81,8 +81,8 @@ def tune_command(
         typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:
-        typer.echo("interrupted: measurements so far are kept; run the same command again to "
-                   "resume", err=True)
+        again = "run the same command again" if resume else "run it again without --no-resume"
+        typer.echo(f"interrupted: measurements so far are kept; {again} to resume", err=True)
         raise typer.Exit(130) from None
 
 
@@ -324,7 +324,7 @@ def _run(buckets: list[Bucket], limit: Budget, folder: Path, origin: str, resume
     kernels = product_sources_hash(kernel_dir())
     out, err = console(), console(stderr=True)
     spaces = [search_space(b, measurer.sm_count) for b in buckets]
-    partial = PartialStore(partial_path(folder, gpu), gpu, kernels, resume)
+    partial = PartialStore(partial_path(folder, gpu, measurer.uuid), gpu, kernels, resume)
     if partial.note:
         err.print(partial.note)
     results: list[BucketResult] = []

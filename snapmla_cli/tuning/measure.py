@@ -48,7 +48,7 @@ from ..numerics.formats import (
 from ..numerics.metrics import compare
 from ..ops.decode_config import DecodeConfig
 from .compile import Job, compile_jobs
-from .space import Bucket, config_id, kernel_key, kernel_keys
+from .space import Bucket, config_id, kernel_keys
 from .tuner import CheckResult, FatalMeasureError
 
 Result = TypeVar("Result")  # what a guarded GPU call returns
@@ -101,6 +101,7 @@ class GpuMeasurer:
     def __init__(self, device: torch.device | None = None, *, clocks: Clocks = TUNE_CLOCKS,
                  compile_workers: int | None = None, seed: int = 0) -> None:
         from ..runtime.gpu_arch import device_arch, require_kernels_gpu
+        from ..runtime.gpu_facts import nvml_uuid
         from ..runtime.launch import require_gpu
 
         require_gpu()
@@ -110,6 +111,7 @@ class GpuMeasurer:
         require_kernels_gpu(index)  # before any candidate compiles for a target it cannot run on
         self.device = torch.device("cuda", index)
         props = torch.cuda.get_device_properties(self.device)
+        self.uuid = nvml_uuid(props)  # the partial results' file is this GPU's own
         self.sm_count = int(props.multi_processor_count)
         self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
         self.arch = device_arch((props.major, props.minor))
@@ -191,7 +193,8 @@ class GpuMeasurer:
         return ref
 
     def check(self, bucket: Bucket, cfg: DecodeConfig) -> CheckResult:
-        err = self.compile_errors.get(kernel_key(cfg, bucket.format))
+        # every build a timing loads (the cluster-merge build too): a spilling one is never stored
+        err = next((e for k in kernel_keys(cfg, bucket.format) if (e := self.compile_errors.get(k))), None)
         if err:
             return CheckResult(False, f"compile failed: {err}")
         key = (bucket.format, bucket.h_q, bucket.s_q, config_id(cfg, bucket.format))

@@ -32,7 +32,7 @@ from typing import Any, Protocol, cast
 from ..cache.atomic import write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import DecodeConfig
-from .db import Entry, GpuKey, db_filename, strip_sms
+from .db import Entry, GpuKey, db_filename, normalise_gpu_name, strip_sms
 from .fields import finite_number, show
 from .space import Bucket, Budget, SearchSpace, config_id, same_kernel
 
@@ -118,8 +118,14 @@ class BucketResult:
 # partial results (resume)
 
 
-def partial_path(folder: Path, gpu: GpuKey) -> Path:
-    return folder / (db_filename(gpu.name)[: -len(".yaml")] + ".partial.json")
+def partial_path(folder: Path, gpu: GpuKey, device: str | None = None) -> Path:
+    """Where a run's partial results live: one file per physical GPU (``device``: its UUID, where
+    known). One `snapmla tune` per GPU of a node writes the same folder; with one file per GPU
+    model each process's snapshot replaced the others' (a crash marker lost, another process's
+    finished candidate turned back into "started"), and the measurements are the device's own."""
+    stem = db_filename(gpu.name)[: -len(".yaml")]
+    tag = f".{normalise_gpu_name(device)}" if device else ""
+    return folder / f"{stem}{tag}.partial.json"
 
 
 def _partial_problem(buckets: object) -> str | None:
@@ -146,7 +152,7 @@ def _partial_problem(buckets: object) -> str | None:
 
 
 class PartialStore:
-    """``<db dir>/<GPU>.partial.json``: per bucket, every candidate measured so far (or started
+    """``<db dir>/<GPU>.<GPU UUID>.partial.json`` (:func:`partial_path`): per bucket, every candidate measured so far (or started
     and never finished: a crash), and the tuning seconds spent. Keyed by the GPU key and the hash
     of the kernel sources; a file for another GPU or other kernels is ignored and replaced.
     Written atomically after every candidate; a bucket is dropped once its entry is saved."""
@@ -217,8 +223,8 @@ class PartialStore:
         self.buckets.pop(bucket_id, None)
         if self.buckets:
             self._write()
-        elif self.path.exists():
-            self.path.unlink()
+        else:
+            self.path.unlink(missing_ok=True)
 
     def _write(self) -> None:
         payload = {"format": PARTIAL_FORMAT, "version": PARTIAL_VERSION,
@@ -316,8 +322,11 @@ class Tuner:
             m = self._run(bucket, cfg, cid, is_default)
         except FatalMeasureError as exc:
             if self.partial:
-                self.partial.record(bucket.id, Measurement(cid, cfg, False, None, str(exc)),
-                                    elapsed())
+                if is_default:  # the baseline: timed again on resume, never reused as failed
+                    self.partial.forget(bucket.id, cid)
+                else:
+                    self.partial.record(bucket.id, Measurement(cid, cfg, False, None, str(exc)),
+                                        elapsed())
             raise
         except BaseException:
             if self.partial:
@@ -426,6 +435,7 @@ class Tuner:
         contenders = top + ([default] if default.cid not in {m.cid for m in top} else [])
         samples: dict[str, list[float]] = {m.cid: [m.time_s] for m in contenders}  # type: ignore
         bucket = space.bucket
+        unconfirmed: set[str] = set()  # a re-timing raised: its phase-1 time is not trusted
         for _ in range(self.confirm_rounds):
             for m in contenders:
                 try:
@@ -434,14 +444,22 @@ class Tuner:
                     raise
                 except Exception as exc:  # noqa: BLE001
                     result.notes.append(f"confirmation of {m.cid} failed: {_first(exc)}")
+                    unconfirmed.add(m.cid)
+        if default.cid in unconfirmed:
+            result.notes.append("the default's re-timing failed; nothing stored")
+            return
+        top = [m for m in top if m.cid not in unconfirmed]
         if self.confirm_rounds > 0:  # the confirmation samples alone, taken back to back
-            samples = {cid: v[1:] if len(v) > 1 else v for cid, v in samples.items()}
-        medians = {cid: statistics.median(v) for cid, v in samples.items()}
+            samples = {cid: v[1:] for cid, v in samples.items()}
+        medians = {cid: statistics.median(v) for cid, v in samples.items() if v}
         # the default competes too: where none of the top few beats it on the confirmation
         # medians by more than TIE_MARGIN, the heuristic's own configuration is the bucket's
         # answer, so a stored entry is never slower than the default it was measured against
         # (a default that failed the correctness gate is timed as the baseline but never chosen)
-        eligible = contenders if default.ok else top
+        eligible = top + ([default] if default.ok and default.cid not in {m.cid for m in top} else [])
+        if not eligible:
+            result.notes.append("every contender's re-timing failed; nothing stored")
+            return
         best = min(eligible, key=lambda m: (medians[m.cid], m.cid != default.cid, m.cid))
         if default.ok and medians[best.cid] * (1 + TIE_MARGIN) >= medians[default.cid]:
             best = default
