@@ -163,6 +163,45 @@ def test_non_finite_or_malformed_queries_are_refused(problem: DecodeProblem) -> 
         run_emulation(problem, split_bounds=[[0, 100]])
 
 
+@pytest.mark.parametrize("run", [run_reference, run_emulation], ids=["reference", "emulation"])
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_a_wide_unsigned_block_table_is_named(problem: DecodeProblem, run, dtype: torch.dtype) -> None:
+    """torch has no CPU comparison for uint16..uint64: the page check raised its
+    NotImplementedError ('"lt_cpu" not implemented for UInt32') instead of naming the table."""
+    table = problem.layout.block_table.clamp(min=0).to(dtype)
+    with pytest.raises(SnapmlaError, match=rf"^block_table: expected a signed integer tensor .*got {str(dtype)[6:]}$"):
+        run(problem, block_table=table)
+
+
+def test_the_float64_reference_takes_finite_values_beyond_float32(problem: DecodeProblem) -> None:
+    """The finite check widened every part to float32, so finite float64 values above 3.4e38
+    were refused as 'NaN or inf': the very inputs the reference's overflow error sends to float64."""
+    big = 1e40
+    out, lse = run_reference(problem, q=problem.q.double() * big, softmax_scale=problem.softmax_scale / big)
+    want_out, want_lse = run_reference(problem, q=problem.q.double())
+    assert torch.allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(lse[:2], want_lse[:2], rtol=1e-12)
+    kv = problem.bf16_cache().double() * big
+    run_reference(problem, q=problem.q.double(), kv_cache=kv, softmax_scale=problem.softmax_scale / big)
+
+
+def test_decode_fp8_names_a_non_finite_host_query(problem: DecodeProblem) -> None:
+    """decode_bf16 names a NaN in a host Q before the missing GPU; decode_fp8 said only 'expected a
+    CUDA tensor' for the same mistake in a hand-built QuantizedRows (README: host values are
+    always checked)."""
+    args = _decode_args(problem)
+    q = args["q"]
+    assert isinstance(q, QuantizedRows)
+    scale = q.scale.clone()
+    scale[1, 0, 2] = math.nan
+    with pytest.raises(SnapmlaError, match=re.escape("q.scale: 1 of 18 values are NaN or inf")):
+        decode_fp8(**{**args, "q": replace(q, scale=scale)})  # type: ignore[arg-type]
+    content = q.content.clone()
+    content.view(torch.uint8)[0, 1, 0, 3] = 0x7F  # an E4M3 NaN byte
+    with pytest.raises(SnapmlaError, match=re.escape("q.content: 1 of")):
+        decode_fp8(**{**args, "q": replace(q, content=content)})  # type: ignore[arg-type]
+
+
 def test_explicit_configs_are_checked_where_they_are_given() -> None:
     lens = torch.tensor([300, 70], dtype=torch.int32)
     with pytest.raises(SnapmlaError, match="config: expected a DecodeConfig or None, got int"):

@@ -82,6 +82,10 @@ def paged_cache(name: str, cache: object, width: int, dtypes: tuple[torch.dtype,
     return cache
 
 
+# unsigned integer types wider than a byte: torch has no CPU comparison or gather for them
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
 def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_blocks: int) -> list[int]:
     """The requests' key counts, after checking that ``block_table`` ``[batch, max_pages]`` and
     ``cache_seqlens`` ``[batch]`` are integer tensors that agree with the queries' batch, that no
@@ -97,6 +101,9 @@ def checked_lengths(block_table: object, cache_seqlens: object, batch: int, num_
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise SnapmlaError(f"{name}: expected an integer tensor, got {dtype_name(t.dtype)}")
     assert isinstance(block_table, torch.Tensor) and isinstance(cache_seqlens, torch.Tensor)
+    if block_table.dtype in _WIDE_UNSIGNED:  # (torch's CPU comparisons and gathers lack them)
+        raise SnapmlaError(f"block_table: expected a signed integer tensor (int32, as FlashMLA's), "
+                           f"got {dtype_name(block_table.dtype)}")
     lengths = [int(n) for n in cache_seqlens.tolist()]
     capacity = block_table.shape[1] * PAGE_SIZE
     table = block_table.cpu()
@@ -153,9 +160,13 @@ def require_strided(name: str, t: torch.Tensor) -> None:
 
 
 def require_finite(message: str, *parts: torch.Tensor) -> None:
-    """Raise ``message`` when any of ``parts`` holds NaN or inf (E4M3 NaN bytes included)."""
+    """Raise ``message`` when any of ``parts`` holds NaN or inf (E4M3 NaN bytes included). Only
+    float8 parts are widened (torch has no isfinite for them): a float64 one widened to float32
+    would call values above 3.4e38 inf, refusing inputs the float64 reference can compute."""
     for part in parts:
-        if not bool(torch.isfinite(part.float()).all()):
+        if part.is_floating_point() and part.element_size() == 1:  # float8
+            part = part.float()
+        if not bool(torch.isfinite(part).all()):
             raise SnapmlaError(message)
 
 

@@ -663,11 +663,13 @@ def _check_table_reads(block_table: torch.Tensor, cache_seqlens: torch.Tensor, b
 
 
 def _check_quantized_finite(q: QuantizedRows) -> None:
-    """The ``SNAPMLA_CHECK_FINITE`` check of an already quantized Q (its E4M3 content as well:
-    a hand-built ``QuantizedRows`` may hold NaN bytes), one read-back for the three parts."""
+    """The finite check of an already quantized Q (its E4M3 content as well: a hand-built
+    ``QuantizedRows`` may hold NaN bytes), one read-back for the three parts: host parts always,
+    as ``decode_bf16``'s Q; CUDA ones under ``SNAPMLA_CHECK_FINITE`` (:func:`check_all_finite`),
+    not even widened without it."""
     parts = [(f"q.{name}", getattr(q, name)) for name in ("content", "scale", "rope")]
-    check_all_finite(*((name, as_e4m3(t).float())
-                       for name, t in parts if isinstance(t, torch.Tensor)))  # (others fail below)
+    check_all_finite(*((name, as_e4m3(t).float()) for name, t in parts  # (non-tensors fail below)
+                       if isinstance(t, torch.Tensor) and (GPU_CHECKS.on or not t.is_cuda)))
 
 
 @_strided_args_named
@@ -722,6 +724,8 @@ def decode_fp8(
     _check(q.scale, "q.scale", torch.float32, (b, s_q, h_q))
     _check(q.rope, "q.rope", torch.bfloat16, (b, s_q, h_q, 64))
     q_parts = (("q.content", content), ("q.scale", q.scale), ("q.rope", q.rope))
+    if not GPU_CHECKS.on:  # (checked above with the switch on; host parts always, as decode_bf16's q)
+        _check_quantized_finite(q)
     _require_q_aligned((name, part.data_ptr()) for name, part in q_parts if part.numel())
     cache = _fp8_cache_rows(k_cache)
     requested = checked_config(config, True)  # (before the devices: named on a host as well)
