@@ -766,6 +766,30 @@ def test_a_damaged_checkpoint_is_a_one_line_error(models, prompts, tmp_path, dam
     assert message.startswith(f"model {folder}: {needle}"), message
 
 
+def test_an_unreadable_checkpoint_file_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The safetensors library said "No such file or directory" of a weights file it may not read;
+    a folder that cannot be listed was a PermissionError traceback. (Root reads anything: the
+    permission is taken away by os.access and Path.iterdir.)"""
+    from snapmla_cli.capture.checkpoint import load_model
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"x")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == weights else real_access(p, mode, **kw))
+    with pytest.raises(SnapmlaError, match=rf"^model {folder}: cannot read model.safetensors \(permission denied\)$"):
+        load_model(str(folder), "cpu", "fp32")
+
+    def unlistable(self: Path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "iterdir", unlistable)
+    with pytest.raises(SnapmlaError, match=rf"^model {folder}: cannot list the folder \(Permission denied\)$"):
+        load_model(str(folder), "cpu", "fp32")
+
+
 def test_a_damaged_checkpoint_exits_2_in_the_cli(models, prompts, tmp_path):
     from cli_checks import assert_one_line_error, invoke
 

@@ -3,6 +3,7 @@ one-line error (or a named note in `info`), never a traceback, a hang or an allo
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -152,6 +153,16 @@ def test_info_names_an_unreadable_tuning_folder_and_file(tmp_path: Path, monkeyp
     assert f"user {not_a_folder} (not a folder: ignored)" in invoke("info").output
     monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(tmp_path / "missing"))
     assert "(missing: ignored)" in invoke("info").output
+    # a folder that cannot be listed looked usable and held no entries (root lists any folder:
+    # the permission is taken away by os.access)
+    unlistable = tmp_path / "unlistable"
+    unlistable.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == unlistable else real_access(p, mode, **kw))
+    monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(unlistable))
+    lookup.clear_cache(reset_warnings=True)
+    assert f"user {unlistable} (Permission denied: ignored)" in " ".join(invoke("info").output.split())
+    monkeypatch.setattr(os, "access", real_access)
     monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(not_a_folder))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -120,18 +120,22 @@ def test_layer_stats_use_nearest_rank_quantiles_and_the_median_token() -> None:
     assert stats.token_amax_spread == 10.0 and stats.content_absmax == 10.0 and stats.rope_absmax == 0.5
 
 
-def test_synth_bytes_count_every_layers_cache() -> None:
+def test_synth_bytes_count_every_layers_cache_and_queries() -> None:
+    """Each layer keeps its bf16 KV and its bf16 probe queries: the queries' term was missing, so
+    400 layers of 64 x 1024 probe rows (28 GiB of queries) passed the host-memory check."""
     from snapmla_cli.cache.synth import synth_bytes
 
-    one, eight = SynthSpec(layers=1, tokens=1000), SynthSpec(layers=8, tokens=1000)
-    assert synth_bytes(eight) - synth_bytes(one) == 7 * 1000 * 576 * 2
+    one, eight = SynthSpec(layers=1, tokens=1000, queries=3, heads=5), SynthSpec(layers=8, tokens=1000, queries=3, heads=5)
+    assert synth_bytes(eight) - synth_bytes(one) == 7 * (1000 + 3 * 5) * 576 * 2
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads the peak RSS from /proc (Linux)")
-def test_synth_bytes_cover_a_many_row_build_measured_in_a_fresh_process() -> None:
+@pytest.mark.parametrize(("layers", "queries"), [(1, 4), (16, 16)])
+def test_synth_bytes_cover_a_many_row_build_measured_in_a_fresh_process(layers: int, queries: int) -> None:
     """The host-memory check trusts the estimate: at few tokens and many probe rows (4,096 here)
     the build's peak is the gathered keys, which the estimate once put 25% low (a 100,000-head
-    synth passed the check and the kernel killed it). The growth of a fresh process's peak RSS
+    synth passed the check and the kernel killed it); over many layers of many rows, the queries
+    every layer keeps (16 layers of 16,384 rows: without them the estimate was 8% low). The growth of a fresh process's peak RSS
     (VmHWM: a new process image starts its own, unlike getrusage's maxrss, which keeps the
     forking parent's across exec)."""
     code = (
@@ -139,7 +143,7 @@ def test_synth_bytes_cover_a_many_row_build_measured_in_a_fresh_process() -> Non
         "def hwm():\n"
         "    line = next(t for t in open('/proc/self/status') if t.startswith('VmHWM:'))\n"
         "    return int(line.split()[1]) * 1024\n"
-        "spec = SynthSpec(layers=1, tokens=64, queries=4, heads=1024, seed=1)\n"
+        f"spec = SynthSpec(layers={layers}, tokens=64, queries={queries}, heads=1024, seed=1)\n"
         "base = hwm()\n"
         "synth_dump(spec)\n"
         "print(hwm() - base, synth_bytes(spec))\n"

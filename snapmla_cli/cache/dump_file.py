@@ -84,8 +84,9 @@ class KVDump:
 def check_input_file(path: Path, what: str, expected: str = "a regular file") -> None:
     """Refuse, with one line naming ``what`` and ``path``, an input that is not a readable
     regular file, saying what it is instead: a missing path, a dangling symlink, a symlink loop,
-    a folder, a fifo or device. ``Path.is_file`` would call all but the folder "no such file",
-    and opening a fifo would wait forever for a writer."""
+    a folder, a fifo or device, a file without read permission. ``Path.is_file`` would call all
+    but the folder "no such file", opening a fifo would wait forever for a writer, and the
+    safetensors library reports a file it may not read as "No such file or directory"."""
     path = Path(path)
     try:
         mode = os.stat(path).st_mode
@@ -102,6 +103,8 @@ def check_input_file(path: Path, what: str, expected: str = "a regular file") ->
         raise SnapmlaError(f"{what} {path}: is a folder, expected {expected}")
     if not stat.S_ISREG(mode):
         raise SnapmlaError(f"{what} {path}: is a {file_kind(mode)}, expected {expected}")
+    if not os.access(path, os.R_OK):
+        raise SnapmlaError(f"{what} {path}: cannot read it (permission denied)")
 
 
 def _read_metadata(path: Path, what: str = "dump", expected: str = "a KV dump file (.safetensors)") -> dict[str, str]:

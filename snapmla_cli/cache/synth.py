@@ -273,10 +273,11 @@ def _temperature_for(logits: torch.Tensor, target: torch.Tensor, steps: int = 20
     return torch.exp((lo + hi) / 2)
 
 
-# Host bytes of a synthetic dump: each layer's bf16 KV kept; while a layer is built, float32
-# temporaries of its KV (four copies) and the probe queries' float64 logits (four [rows, tokens]
-# arrays).
+# Host bytes of a synthetic dump: each layer's bf16 KV and bf16 probe queries kept; while a layer
+# is built, float32 temporaries of its KV (four copies) and the probe queries' float64 logits
+# (four [rows, tokens] arrays).
 KV_BYTES_PER_TOKEN = D_QK * 2
+QUERY_BYTES_PER_ROW = D_QK * 2  # (per layer: 400 layers of 64 x 1024 rows kept 28 GiB unestimated)
 BUILD_BYTES_PER_TOKEN = 4 * D_QK * 4
 PROBE_BYTES_PER_LOGIT = 4 * 8
 # per probe row, while probe_queries builds it: the gathered content of the QUERY_MIX_KEYS keys it
@@ -290,7 +291,8 @@ PROBE_BUILD_BYTES_PER_ROW = QUERY_MIX_KEYS * (2 * D_CONTENT * 4 + 8) + 2 * D_QK 
 def synth_bytes(spec: SynthSpec) -> int:
     """About how much host memory :func:`synth_dump` takes at its peak."""
     rows = spec.queries * spec.heads
-    return (spec.layers * spec.tokens * KV_BYTES_PER_TOKEN + spec.tokens * BUILD_BYTES_PER_TOKEN
+    return (spec.layers * (spec.tokens * KV_BYTES_PER_TOKEN + rows * QUERY_BYTES_PER_ROW)
+            + spec.tokens * BUILD_BYTES_PER_TOKEN
             + rows * (spec.tokens * PROBE_BYTES_PER_LOGIT + PROBE_BUILD_BYTES_PER_ROW))
 
 

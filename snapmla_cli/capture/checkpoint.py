@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -255,6 +256,22 @@ def _native_from_pretrained(native: Any, model: str, config: Any, kwargs: dict[s
     return net, info
 
 
+def _require_readable_files(model: str) -> None:
+    """A local checkpoint folder's files must be readable: the safetensors library reports a
+    weights file it may not read as "No such file or directory", which named a file that is
+    there. (A hub id, resolved from the local cache, is the loaders' to check.)"""
+    folder = Path(model)
+    if not folder.is_dir():
+        return
+    try:
+        paths = sorted(folder.iterdir())
+    except OSError as exc:
+        raise SnapmlaError(f"model {model}: cannot list the folder ({exc.strerror or type(exc).__name__})") from None
+    for path in paths:
+        if path.is_file() and not os.access(path, os.R_OK):
+            raise SnapmlaError(f"model {model}: cannot read {path.name} (permission denied)")
+
+
 def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = False,
                before_weights: Callable[[Any, Any], None] | None = None) -> tuple[torch.nn.Module, Any]:
     """(model, tokenizer) from local files only (``local_files_only=True``: a hub id resolves
@@ -263,6 +280,7 @@ def load_model(model: str, device: str, dtype: str, trust_remote_code: bool = Fa
     ``before_weights(config, tokenizer)`` runs before the weights load (minutes for a large
     checkpoint), so that the caller can refuse options the model cannot serve (a prompt past its
     context length) up front."""
+    _require_readable_files(model)
     transformers = import_transformers()
     with _quiet(transformers):
         config, native = _load_config(transformers, model, trust_remote_code)

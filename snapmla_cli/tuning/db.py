@@ -184,7 +184,10 @@ def folder_problem(folder: Path) -> str | None:
         if exc.errno == errno.ENOTDIR:
             return "a parent is not a folder"
         return exc.strerror or type(exc).__name__
-    return None if stat.S_ISDIR(mode) else "not a folder"
+    if not stat.S_ISDIR(mode):
+        return "not a folder"
+    # a folder that cannot be listed looked usable and silently held no entries
+    return None if os.access(folder, os.R_OK | os.X_OK) else "Permission denied"
 
 
 # ---------------------------------------------------------------------------------------------
