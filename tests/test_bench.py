@@ -232,6 +232,27 @@ def test_format_bytes_uses_the_largest_unit_reached() -> None:
     # 1000-1023 of a unit: no exponent (":.3g" wrote "1e+03 MiB")
     assert format_bytes(1000 * 2**20) == "1000 MiB" and format_bytes(1023 * 2**10) == "1023 KiB"
     assert format_bytes(1.5 * 2**20) == "1.5 MiB" and format_bytes(150 * GiB) == "150 GiB"
+    # rounding up to 1024 of a unit is the next unit ("1024 MiB" of 1 GiB - 512 KiB)
+    assert format_bytes(GiB - 2**19) == "1 GiB" and format_bytes(1023.6) == "1 KiB"
+    assert format_bytes(2**50) == "1024 TiB"  # (no larger unit)
+
+
+def test_a_budget_just_short_of_one_request_shows_the_bytes() -> None:
+    """Both sizes rounded to '1024 MiB' / '1 GiB': the budget read as equal to the need it fails."""
+    need = 932096 * 1152
+    with pytest.raises(SnapmlaError, match=rf"^--kv-mem {need - 1:,} bytes holds no BF16 request of context "
+                                           rf".* with 1 layer \(one needs {need:,} bytes\)$"):
+        make_plan(layers=1, contexts=[932096], kv_mem=need - 1)
+
+
+def test_a_note_says_where_the_same_memory_fp8_batch_is_capped() -> None:
+    """8 layers at 2k: 60 GiB holds 5,994 FP8 requests, run at the 4,096 cap beside BF16's 3,413."""
+    plan = make_plan(layers=8, contexts=[2048, 131072])
+    notes = plan.capped_fp8_notes()
+    assert len(notes) == 1 and notes[0].startswith("context 2k: the KV budget holds 5,994 FP8 requests")
+    assert f"capped at {MAX_BATCH}" in notes[0]
+    assert make_plan(layers=1, contexts=[1024]).capped_fp8_notes() == []  # both capped: no comparison
+    assert make_plan(batch=8, kv_mem=None, contexts=[2048]).capped_fp8_notes() == []
 
 
 def test_distinct_caches_needs_at_least_one_layer() -> None:

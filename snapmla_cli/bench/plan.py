@@ -25,6 +25,7 @@ from ..sizes import (
     MAX_BATCH,
     MAX_QUERY_HEADS,
     MAX_QUERY_TOKENS,
+    counted,
     format_size,
     refuse_long_number,
     require_batch,
@@ -149,14 +150,22 @@ def parse_bytes(text: str | int, what: str = "--kv-mem") -> int:
     return value
 
 
+_BYTE_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
 def format_bytes(value: float) -> str:
     """``60 GiB``, ``1.5 MiB``, ``1000 MiB``: three significant digits, never an exponent (``:.3g``
-    writes 1000-1023 of a unit as ``1e+03``)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= size:
+    writes 1000-1023 of a unit as ``1e+03``), never 1024 of a unit (a value just under 1 GiB
+    rounds to ``1 GiB``, not ``1024 MiB``)."""
+    for i, (unit, size) in enumerate(_BYTE_UNITS):
+        if value >= size or unit == "B":
             scaled = value / size
-            return f"{scaled:.0f} {unit}" if scaled >= 100 else f"{scaled:.3g} {unit}"
-    return f"{value:.0f} B"
+            text = f"{scaled:.0f}" if scaled >= 100 else f"{scaled:.3g}"
+            if float(text) >= 1024 and i > 0:
+                unit, size = _BYTE_UNITS[i - 1]
+                text = f"{value / size:.3g}"
+            return f"{text} {unit}"
+    raise AssertionError("unreachable: the last unit takes every value")
 
 
 def heads_per_rank(heads: int, tp: int, given_as: str | None = None) -> int:
@@ -276,6 +285,21 @@ class BenchPlan:
     def world(self) -> int:
         return self.layouts[0].world
 
+    def capped_fp8_notes(self) -> list[str]:
+        """Where the budget holds more FP8 requests than :data:`MAX_BATCH` while BF16's batch is
+        below it: the same-memory comparison then runs FP8 at the cap, understating its gain,
+        which the table's 'same mem' rows alone do not show."""
+        notes = []
+        for ctx in self.contexts:
+            b = self.batches(ctx)
+            if b.fp8_mem == MAX_BATCH and b.bf16_mem is not None and b.bf16_mem < MAX_BATCH:
+                assert self.kv_mem is not None
+                holds = self.kv_mem // kv_bytes_per_request(ctx, self.layers, FP8)
+                notes.append(f"context {format_size(ctx)}: the KV budget holds {holds:,} FP8 requests; the "
+                             f"same-memory FP8 batch is capped at {MAX_BATCH} (--batch's limit), so FP8's "
+                             "gain at the same memory is understated there")
+        return notes
+
     def batches(self, context: int) -> Batches:
         """Equal batch: ``--batch`` if given, else what the budget holds in BF16 (the largest
         batch both formats hold). Equal memory: each format's budget batch, when a budget is set."""
@@ -344,8 +368,11 @@ def make_plan(
             b = plan.batches(ctx)
             if not b.bf16_mem:
                 need = kv_bytes_per_request(ctx, layers, BF16)
+                budget_text, need_text = format_bytes(kv_mem), format_bytes(need)
+                if budget_text == need_text:  # (rounded alike: the bytes say which is larger)
+                    budget_text, need_text = f"{kv_mem:,} bytes", f"{need:,} bytes"
                 raise SnapmlaError(
-                    f"--kv-mem {format_bytes(kv_mem)} holds no BF16 request of context "
-                    f"{format_size(ctx)} with {layers} layers (one needs {format_bytes(need)})"
+                    f"--kv-mem {budget_text} holds no BF16 request of context "
+                    f"{format_size(ctx)} with {counted(layers, 'layer')} (one needs {need_text})"
                 )
     return plan

@@ -289,6 +289,7 @@ class BenchReport:
     @property
     def notes(self) -> list[str]:
         notes = list(dict.fromkeys(m.note for m in self.measurements if m.note))
+        notes += self.plan.capped_fp8_notes()
         noisy = [m for m in self.measurements if m.spread is not None and m.spread > NOISY_SPREAD]
         for fake, cause in ((False, GPU_NOISE_CAUSE), (True, CPU_FAKE_NOISE_CAUSE)):
             group = [m for m in noisy if (m.kernel == CPU_FAKE_KERNEL) == fake]
