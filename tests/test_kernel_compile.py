@@ -275,12 +275,13 @@ def test_changed_header_misses_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     first = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
     nvrtc.clear_memory_cache()
     nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
-    assert calls == [PREP_SOURCE]  # warm: no second NVRTC call
+    program = str(folder / PREP_SOURCE)  # (the program's name: the source's absolute path)
+    assert calls == [program]  # warm: no second NVRTC call
     header = folder / "common" / "types.cuh"
     header.write_text(header.read_text() + "\n// touched\n")
     nvrtc.clear_memory_cache()
     second = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
-    assert calls == [PREP_SOURCE, PREP_SOURCE]  # an edited header recompiles
+    assert calls == [program, program]  # an edited header recompiles
     assert second.key != first.key and second.origin == "nvrtc"
 
 
@@ -299,6 +300,63 @@ def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv(kernel_cache.CACHE_DIR_ENV, str(blocker / "sub"))
     module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_89")
     assert module.origin == "nvrtc" and module.cubin
+
+
+@needs_nvrtc
+def test_a_cache_folder_that_cannot_be_searched_is_not_an_error(monkeypatch: pytest.MonkeyPatch,
+                                                                isolated_caches: Path) -> None:
+    """A folder without search permission makes the atomic write's look at the path a
+    SnapmlaError ('cannot check it: Permission denied'), not an OSError: every compile failed.
+    (Root searches any folder, so the write's refusal is faked.)"""
+    def refused(path, write):
+        raise SnapmlaError(f"output {path}: cannot check it: Permission denied")
+
+    monkeypatch.setattr(kernel_cache, "write_atomic", refused)
+    module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert module.origin == "nvrtc" and module.cubin and not list(isolated_caches.glob("*"))
+
+
+@needs_nvrtc
+def test_headers_in_the_working_folder_are_never_compiled_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                             isolated_caches: Path) -> None:
+    """NVRTC looks for a quoted include next to the program's name first: with a bare name that
+    was the working folder, whose stray common/types.cuh was compiled in and cached under the
+    key of the real one."""
+    decoy = tmp_path / "cwd"
+    (decoy / "common").mkdir(parents=True)
+    (decoy / "common" / "types.cuh").write_text("#error decoy header from the working folder\n")
+    monkeypatch.chdir(decoy)
+    module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert module.origin == "nvrtc" and module.cubin
+
+
+@needs_nvrtc
+def test_the_cuda_headers_are_in_the_cache_key(monkeypatch: pytest.MonkeyPatch, isolated_caches: Path) -> None:
+    """cudart's and CCCL's headers ship apart from NVRTC: an upgrade that keeps their folders and
+    NVRTC's version must not load the cubins built against the old ones."""
+    first = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    nvrtc.clear_memory_cache()
+    monkeypatch.setattr(nvrtc, "header_stamp", lambda: "other-headers")
+    second = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert second.key != first.key and second.origin == "nvrtc"
+
+
+def test_the_header_stamp_follows_the_header_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cudart, cccl = tmp_path / "include", tmp_path / "include" / "cccl"
+    (cccl / nvrtc.CCCL_VERSION_HEADER).parent.mkdir(parents=True)
+    (cudart / "cuda_bf16.h").write_text("// bf16\n")
+    version = cccl / nvrtc.CCCL_VERSION_HEADER
+    version.write_text("#define CCCL_VERSION 3003005\n")
+    monkeypatch.setattr(nvrtc, "header_dirs", lambda: (str(cudart), str(cccl)))
+    stamps = []
+    for edit in (None, lambda: (cudart / "cuda_bf16.h").write_text("// bf16, patched\n"),
+                 lambda: version.write_text("#define CCCL_VERSION 3003006\n")):
+        if edit is not None:
+            edit()
+        nvrtc.header_stamp.cache_clear()
+        stamps.append(nvrtc.header_stamp())
+    nvrtc.header_stamp.cache_clear()
+    assert len(set(stamps)) == 3
 
 
 # ------------------------------------------------------------------ errors
@@ -344,10 +402,11 @@ def test_defines_and_options_are_validated_and_canonical(tmp_path: Path) -> None
 
 def test_the_cache_key_covers_the_name_expressions_and_the_source_hash(tmp_path: Path) -> None:
     options = nvrtc.build_options("sm_90a", (), "00ff", tmp_path)
-    key = nvrtc._cache_key("prep.cu", "sm_90a", options, (), (12, 8))
-    assert key != nvrtc._cache_key("prep.cu", "sm_90a", options, ("k<1>",), (12, 8))
+    key = nvrtc._cache_key("prep.cu", "sm_90a", options, (), (12, 8), "h1")
+    assert key != nvrtc._cache_key("prep.cu", "sm_90a", options, ("k<1>",), (12, 8), "h1")
     edited = nvrtc.build_options("sm_90a", (), "0100", tmp_path)
-    assert key != nvrtc._cache_key("prep.cu", "sm_90a", edited, (), (12, 8))
+    assert key != nvrtc._cache_key("prep.cu", "sm_90a", edited, (), (12, 8), "h1")
+    assert key != nvrtc._cache_key("prep.cu", "sm_90a", options, (), (12, 8), "h2")
 
 
 def test_the_source_tree_hash_skips_hidden_files_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

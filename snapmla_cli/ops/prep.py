@@ -9,8 +9,9 @@ synchronize with the host (``fetch_dequant`` only when it must size its output a
 
 Semantics shared by both paths:
 - a slot outside ``[0, num_blocks * 64)`` (``-1`` padding, garbage) is skipped by ``append_kv``
-  and reads as a row of zeros in the fetch functions; so does a block-table entry outside the
-  cache for a token below ``cache_seqlens``. Duplicate slots in one ``append_kv``: one row wins.
+  and reads as a row of zeros in the fetch functions. A block-table entry outside the cache for
+  a token below ``cache_seqlens`` is refused on the CPU always and on CUDA under the checks
+  switch; unchecked on CUDA, it reads as zeros. Duplicate slots in one ``append_kv``: one row wins.
 - dequantized values are ``bf16(float32(e4m3) * s)`` and ``bf16(float32(rope) * s)``, i.e.
   ``QuantizedRows.dequantize(torch.float32).to(torch.bfloat16)``.
 """

@@ -157,6 +157,32 @@ def header_dirs() -> tuple[str, ...]:
     return tuple(found)
 
 
+# CCCL's version, under its include folder (whose top level holds only folders)
+CCCL_VERSION_HEADER = Path("cuda") / "std" / "__cccl" / "version.h"
+
+
+@lru_cache(maxsize=1)
+def header_stamp() -> str:
+    """Hash of the CUDA headers the kernels compile against: every top-level file of each header
+    folder (cudart's ``cuda_fp8.h``, ``cuda_bf16.h``, ...) and CCCL's version header. They ship
+    apart from NVRTC (the cudart headers, ``nvidia-cuda-cccl``), so an upgrade of them keeps the
+    folders and NVRTC's version the key held: without this a stale cubin would load. Read once
+    per process (about 4 MB)."""
+    digest = hashlib.sha256()
+    for folder in map(Path, header_dirs()):
+        try:
+            files = sorted(p for p in folder.iterdir() if p.is_file())
+            if (folder / CCCL_VERSION_HEADER).is_file():
+                files.append(folder / CCCL_VERSION_HEADER)
+            for path in files:
+                data = path.read_bytes()
+                digest.update(f"{path}\0{len(data)}\0".encode())
+                digest.update(data)
+        except OSError as exc:  # (NVRTC will say what it cannot read; the key only notes it)
+            digest.update(f"{folder}\0{type(exc).__name__}\0".encode())
+    return digest.hexdigest()[:16]
+
+
 def normalize_defines(defines: Defines | None) -> DefinesKey:
     """Validated, sorted ``(name, value)`` pairs; the stable form used in keys and options."""
     if not defines:
@@ -218,7 +244,8 @@ def compile_module(
     tree = source_tree_hash(folder)
     options = build_options(arch, defs, tree, folder)
     version = nvrtc_version()
-    key = _cache_key(source, arch, options, names, version)
+    headers = header_stamp()
+    key = _cache_key(source, arch, options, names, version, headers)
     with _LOCK:
         module = _MEMORY.get(key)
         if module is not None:
@@ -229,7 +256,9 @@ def compile_module(
                 source, arch, defs, cached.cubin, cached.log, cached.lowered_names, key, "disk"
             )
         else:
-            cubin, log, lowered = _nvrtc_compile(path.read_text(), source, options, names, arch)
+            # named by its absolute path: NVRTC looks for a quoted include next to the program's
+            # name first, so a bare name took headers from the working folder, under this key
+            cubin, log, lowered = _nvrtc_compile(path.read_text(), str(path), options, names, arch)
             module = _make_module(source, arch, defs, cubin, log, lowered, key, "nvrtc")
             kernel_cache.store(
                 key,
@@ -240,6 +269,7 @@ def compile_module(
                     "defines": dict(defs),
                     "tree_hash": tree,
                     "nvrtc": list(version),
+                    "headers": headers,
                 },
             )
         _MEMORY[key] = module
@@ -247,9 +277,10 @@ def compile_module(
 
 
 def _cache_key(
-    source: str, arch: str, options: list[str], names: tuple[str, ...], version: tuple[int, int]
+    source: str, arch: str, options: list[str], names: tuple[str, ...], version: tuple[int, int],
+    headers: str,
 ) -> str:
-    blob = json.dumps([source, arch, options, list(names), list(version)], sort_keys=True)
+    blob = json.dumps([source, arch, options, list(names), list(version), headers], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -289,7 +320,8 @@ def _nvrtc() -> ModuleType:
 def _nvrtc_compile(
     text: str, name: str, options: list[str], name_expressions: tuple[str, ...], arch: str
 ) -> tuple[bytes, str, dict[str, str]]:
-    """The only place that calls NVRTC (tests monkeypatch it to prove a cache hit)."""
+    """The only place that calls NVRTC (tests monkeypatch it to prove a cache hit); ``name``:
+    the source's absolute path, the program's name."""
     nvrtc = _nvrtc()
     prog = nvrtc.createProgram(text, name, [], [])
     try:
@@ -301,7 +333,7 @@ def _nvrtc_compile(
             log = nvrtc.getProgramLog(prog).strip()
             first = next((ln for ln in log.splitlines() if "error" in ln), "see log")
             raise SnapmlaError(
-                f"{name}: NVRTC failed to compile for {arch}: {first.strip()}\n{log}"
+                f"{Path(name).name}: NVRTC failed to compile for {arch}: {first.strip()}\n{log}"
             ) from None
         log = nvrtc.getProgramLog(prog)
         # getCUBIN drops the cubin's final byte (KERNEL-NOTES): put it back.
