@@ -3,8 +3,9 @@
 Why NVRTC and our own cubin path (KERNEL-NOTES): it needs no GPU (CI compiles every kernel for
 sm_90a and reads ptxas' report), it can target ``sm_90a`` (CuPy's ``RawModule`` would pick
 ``sm_90``, which rejects FP8 wgmma), and it gives us the full log. The cache key hashes every
-file under ``kernels/`` (headers included), the options, the arch and the NVRTC version, so a
-warm start compiles nothing and any edit recompiles. ``cupy`` is imported lazily: the package
+file under ``kernels/`` (headers included), the options, the arch, the NVRTC version and the
+CUDA headers' stamp (:func:`header_stamp`), so a warm start compiles nothing and any edit
+recompiles; a program is named by its absolute path, so no header comes from the working folder. ``cupy`` is imported lazily: the package
 imports (and the CPU paths run) without it.
 """
 
