@@ -179,6 +179,31 @@ def test_counts_beyond_what_a_dump_holds_are_refused_not_clamped(tmp_path: Path)
     assert not out.exists()
 
 
+def test_a_late_layer_short_of_queries_is_refused_before_any_analysis(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer holding fewer queries than --queries, last in the dump, was found only after every
+    layer before it had been quantized and analysed (minutes on a 61-layer 32k dump)."""
+    from snapmla_cli.analysis import fidelity
+    from snapmla_cli.cache.dump_file import KVDump, LayerDump, write_dump
+    from snapmla_cli.cli import quantize
+
+    gen = torch.Generator().manual_seed(5)
+    layers = [LayerDump(i, torch.randn(70, 576, generator=gen).to(torch.bfloat16),
+                        queries=torch.randn(n, 2, 576, generator=gen).to(torch.bfloat16))
+              for i, n in enumerate((8, 8, 2))]
+    dump = tmp_path / "short_last.safetensors"
+    write_dump(KVDump(layers=layers, model="test"), dump)
+    analysed: list[int] = []
+    real = fidelity.analyze_layer
+    monkeypatch.setattr(quantize, "analyze_layer", lambda layer, *a, **k: analysed.append(layer.index) or real(layer, *a, **k))
+    out = tmp_path / "q.st"
+    assert_one_line_error(invoke("quantize", str(dump), "-o", str(out), "--queries", "4"),
+                          "--queries 4: layer 2 of the dump holds 2 queries")
+    assert analysed == [] and not out.exists()
+    assert invoke("quantize", str(dump), "-o", str(out), "--queries", "2").exit_code == 0
+    assert analysed == [0, 1, 2]
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--decode", "-1"], "--decode -1: expected >= 0"),
     (["--queries", "-2"], "--queries -2: expected >= 0"),

@@ -16,6 +16,7 @@ from ..analysis.fidelity import (
     FidelityReport,
     LayerFidelity,
     analyze_layer,
+    check_query_count,
     layer_queries,
 )
 from ..analysis.verify import resolve_device
@@ -84,6 +85,7 @@ def quantize_command(
     require_at_least("--queries", queries)
     dev = resolve_device(device.value)
     source = _load(dump, layers, tokens, seed, queries)
+    check_query_count(source.layers, queries)
     _check_host_memory(source, queries)
     out, err = report_console(json_path), console(stderr=True)
     report = FidelityReport([c.id for c in chosen], [])
