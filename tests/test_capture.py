@@ -202,6 +202,36 @@ def test_check_rejects_a_wrong_dump(models, prompts):
         assert not recompute_check(bad, att, expected).ok
 
 
+def _rope_shifted(kv: torch.Tensor, rows: slice, positions: float) -> torch.Tensor:
+    """``kv`` with the RoPE part of ``rows`` rotated by ``positions`` more (rotate-half pairs,
+    DeepSeek's base 10000): what a position or angle error in the capture would store."""
+    freqs = 1.0 / 10000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)
+    angle = torch.cat([freqs, freqs]) * positions
+    out = kv.float().clone()
+    rope = out[rows, 512:]
+    half = torch.cat([-rope[:, 32:], rope[:, :32]], dim=1)
+    out[rows, 512:] = rope * torch.cos(angle) + half * torch.sin(angle)
+    return out.to(kv.dtype)
+
+
+@pytest.mark.parametrize(("dtype", "rows", "positions"), [("fp32", slice(-1, None), 0.05),
+                                                          ("bf16", slice(None), 0.35)])
+def test_check_rejects_a_rope_angle_error(models, prompts, dtype, rows, positions):
+    """RoPE errors the former gates passed (sixty-sixth session's audit, where a whole position
+    on a 3-layer model gave rel L2 1.4e-4 on the last row in fp32 and 1.9e-2 on every row in
+    bf16, under gates of 1e-3 and 3e-2): on these models, a twentieth of a position on the last
+    row (fp32, 2e-4 to 4e-4) and a third of one on every row (bf16, 2e-2 to 4e-2)."""
+    cap = capture_kv(
+        DumpOptions(model=str(models["v3"]), prompts=prompts, decode=2, queries=3, dtype=dtype, check=True)
+    )
+    assert all(c.ok for c in cap.checks), cap.checks
+    for layer in cap.dump.layers:
+        att, expected = cap.attentions[layer.index], cap.attention_outputs[layer.index]
+        shifted = LayerDump(layer.index, _rope_shifted(layer.kv, rows, positions), layer.positions, layer.queries)
+        result = recompute_check(shifted, att, expected)
+        assert not result.ok, result
+
+
 def test_bf16_check_and_layer_selection(models, prompts):
     cap = capture_kv(
         DumpOptions(

@@ -22,9 +22,14 @@ from ..numerics.formats import D_QK, default_softmax_scale
 from ..numerics.metrics import compare
 from .mla import MlaAttention
 
-# rel L2 gates of the check by model dtype: fp32 is exact up to summation order; half-precision
-# models round K_nope / V / P to 8 (bf16) or 11 (fp16) bits inside their own attention.
-CHECK_TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+# rel L2 gates of the check by model dtype, about 3-100x the error of a correct dump on the tests'
+# tiny models (fp32 1.5e-7 to 4e-7: exact up to summation order; fp16 3e-4 to 5e-4 and bf16
+# 2.1e-3 to 4.6e-3: the model rounds K_nope / V / P to 11 or 8 bits inside its own attention).
+# The sixty-sixth session's audit shifted k_pe by one RoPE position: every row gave 1.9e-2 and
+# more in bf16, which the former 3e-2 passed; the last decoded row alone 1.4e-4 in fp32, which
+# the former 1e-3 passed. In bf16 a shift of the decoded rows alone (3e-3 to 5e-2) can sit
+# within the model's own rounding: `--dtype fp32` is the strict check.
+CHECK_TOLERANCE = {torch.float32: 3e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 
 
 @dataclass(frozen=True)
