@@ -3,7 +3,7 @@ queries' attention looks like, and where the quantization error of each part com
 
     python scripts/data_stats.py [--tokens 32k] [--layers 8] [--seed 0]
 
-Prints markdown tables (a few minutes on two CPU cores at 32k tokens).
+Prints markdown tables (about 35 s on two CPU cores at 32k tokens).
 """
 
 from __future__ import annotations
