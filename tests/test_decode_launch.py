@@ -690,3 +690,51 @@ def test_the_fused_plan_of_a_freed_work_list_is_dropped(recorder, q_quant_launch
     meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
     decode.flash_mla_with_kvcache(_bf16_q(), cache, table, lens, 512, meta, splits)  # a first call drops them
     assert len(decode_launch._PLANS) == 2 and all(plan.metadata() is meta for plan in decode_launch.stored_plans())
+
+
+def test_clear_cache_drops_the_plans_holding_the_databases_answer(recorder, monkeypatch):
+    """A plan keeps the configuration the tuning database gave when it was made (a work list
+    snapmla did not build: an engine's static copy). The README says a process picks up a new
+    database after `clear_cache()`; the replay kept launching the old kernel."""
+    from snapmla_cli.ops.decode_config import FP8_MMA_SYNC
+    from snapmla_cli.tuning import lookup
+
+    answer = {"config": heuristic_config(S_Q * H_Q, True)}  # the wgmma kernel
+    monkeypatch.setattr(lookup, "lookup_decode_config", lambda **kwargs: answer["config"])
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    static_meta, static_splits = meta.clone(), splits.clone()  # no recorded plan: the database decides
+    q = _q8()
+    decode_fp8(q, cache, table, lens, static_meta, static_splits)
+    assert recorder.launches[-2][0] == "snapmla_decode_fp8_wgmma"
+    answer["config"] = heuristic_config(S_Q * H_Q, True, FP8_MMA_SYNC)
+    lookup.clear_cache()
+    recorder.launches.clear()
+    decode_fp8(q, cache, table, lens, static_meta, static_splits)
+    assert recorder.launches[0][0] == "snapmla_decode_fp8"
+
+
+def test_a_replay_refuses_what_a_first_call_refuses_for_the_flags(recorder):
+    """``1 == True``: a plan made for ``causal=True`` (or ``softmax_scale=1``) was replayed for
+    ``causal=1`` (``softmax_scale=True``), which a first call refuses."""
+    cache, table, lens = _paged()
+    meta, splits = get_mla_metadata(lens, S_Q * H_Q, 1)
+    q = _q8()
+    decode_fp8(q, cache, table, lens, meta, splits, causal=True)
+    with pytest.raises(SnapmlaError, match="causal: expected True or False"):
+        decode_fp8(q, cache, table, lens, meta, splits, causal=1)
+    decode_fp8(q, cache, table, lens, meta, splits, softmax_scale=1)
+    with pytest.raises(SnapmlaError, match="softmax_scale"):
+        decode_fp8(q, cache, table, lens, meta, splits, softmax_scale=True)
+
+
+def test_dropping_freed_plans_tolerates_another_thread_taking_the_last_key(monkeypatch):
+    """Between the loop's test and its pop another thread could take the last freed key:
+    `IndexError: pop from empty list` out of a decode call."""
+
+    class RacedList(list):
+        def __bool__(self) -> bool:  # the test sees a key, then another thread takes it
+            return True
+
+    monkeypatch.setattr(decode_launch, "_FREED_KEYS", RacedList())
+    decode_launch._drop_freed()  # returns instead of raising

@@ -531,14 +531,16 @@ def _signature(q_parts: tuple[torch.Tensor, ...], k_cache: torch.Tensor, block_t
                softmax_scale: float | None, causal: bool, config: DecodeConfig | None,
                out: torch.Tensor | None, lse: torch.Tensor | None) -> tuple[object, ...]:
     """A call's plan key (:mod:`.decode_launch`): what fixes its launches. Not the cache's
-    address: each layer of a step has its own cache and shares the step's work list."""
+    address: each layer of a step has its own cache and shares the step's work list. The scale's
+    and the switch's types too: ``1 == True``, so ``causal=1`` or ``softmax_scale=True``, which a
+    first call refuses, would otherwise replay a plan made for ``True`` or ``1``."""
     return (*(x for t in q_parts for x in (t.shape, t.dtype, t.get_device())),
             k_cache.shape, k_cache.dtype, k_cache.get_device(),
             block_table.shape, block_table.dtype, block_table.get_device(), block_table.stride(),
             cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.get_device(),
             id(metadata), metadata.shape, metadata.dtype, metadata.get_device(),
             num_splits.shape, num_splits.dtype, num_splits.get_device(),
-            id(config), softmax_scale, causal, out is None, lse is None)
+            id(config), softmax_scale, type(softmax_scale), causal, type(causal), out is None, lse is None)
 
 
 def _replay(plan: DecodePlan, q_parts: tuple[tuple[str, torch.Tensor], ...], shape: tuple[int, ...],

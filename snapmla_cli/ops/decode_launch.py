@@ -44,6 +44,7 @@ from ..runtime.launch import (
     prepare_programmatic,
 )
 from ..runtime.pdl import PreparedLaunch, ProgrammaticLaunch
+from ..tuning.lookup import on_cache_cleared
 from .config_choice import ContentStamp
 from .decode_config import DecodeConfig
 from .prep import QuantizeQLaunch
@@ -206,9 +207,13 @@ def find_plan(key: tuple[object, ...], metadata: torch.Tensor, num_splits: torch
 
 
 def _drop_freed() -> None:
-    """Forget the plans whose work list is gone (a plan of a newer list under a reused id stays)."""
-    while _FREED_KEYS:
-        key = _FREED_KEYS.pop()
+    """Forget the plans whose work list is gone (a plan of a newer list under a reused id stays).
+    Another thread may take the last key between a test and a pop: the pop itself is the test."""
+    while True:
+        try:
+            key = _FREED_KEYS.pop()
+        except IndexError:
+            return
         plan = _PLANS.get(key)
         if plan is not None and plan.metadata() is None:
             _PLANS.pop(key, None)  # (another thread may have cleared it since)
@@ -233,3 +238,4 @@ def clear_plans() -> None:
 
 
 on_kernels_cleared(clear_plans)
+on_cache_cleared(clear_plans)  # a plan holds the tuning database's answer of its time

@@ -34,6 +34,7 @@ import math
 import os
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -94,13 +95,26 @@ _FAST: dict[Any, _DeviceState] = {}  # by the caller's torch.device (explicit in
 _WARNED: set[str] = set()
 
 
+_CLEAR_HOOKS: list[Callable[[], None]] = []
+
+
+def on_cache_cleared(hook: Callable[[], None]) -> None:
+    """Call ``hook`` whenever :func:`clear_cache` runs: a cache holding an answer of the
+    database (the decode calls' launch plans) drops it too."""
+    _CLEAR_HOOKS.append(hook)
+
+
 def clear_cache(reset_warnings: bool = False) -> None:
     """Forget parsed databases: after ``snapmla tune`` wrote one, or after changing
-    ``$SNAPMLA_TUNING_DIR`` inside a running process (the folders are read once per device)."""
+    ``$SNAPMLA_TUNING_DIR`` inside a running process (the folders are read once per device).
+    The decode calls' launch plans go too: a plan keeps the configuration the database gave
+    when it was made (a work list snapmla did not build, e.g. an engine's static buffer)."""
     _STATE.clear()
     _FAST.clear()
     if reset_warnings:
         _WARNED.clear()
+    for hook in _CLEAR_HOOKS:
+        hook()
 
 
 def _warn_once(key: str, message: str) -> None:
