@@ -188,3 +188,29 @@ def test_what_snapmla_writes_carries_the_spec_metadata(tmp_path: Path) -> None:
         with safe_open(str(path), framework="pt") as handle:
             assert set(REQUIRED_METADATA) <= set(handle.metadata())
     assert read_dump(dump_path).model == "snapmla-synthetic"
+
+
+@pytest.mark.parametrize("indices, needle", [
+    ((), "holds no layers"),
+    ((1, 1), "layer 1 given twice"),
+    ((-1,), "layer index -1: expected an integer >= 0"),
+])
+def test_the_writers_refuse_layer_lists_their_readers_would_not_take_back(tmp_path, indices, needle):
+    """A repeated index overwrote the earlier layer (the file held one layer of two, without a
+    word); an empty list or a negative index wrote a file the reader refuses. Nothing is written."""
+    from snapmla_cli.cache.fp8_file import (
+        FP8CacheFile,
+        FP8CacheLayer,
+        quantize_layer_cache,
+        write_fp8_cache,
+    )
+
+    gen = torch.Generator().manual_seed(3)
+    kvs = [torch.randn(3 + i, 576, generator=gen) for i in range(len(indices))]
+    dump_path, cache_path = tmp_path / "d.safetensors", tmp_path / "c.safetensors"
+    with pytest.raises(SnapmlaError, match=needle):
+        write_dump(KVDump([LayerDump(i, kv) for i, kv in zip(indices, kvs)]), dump_path)
+    with pytest.raises(SnapmlaError, match=needle):
+        write_fp8_cache(FP8CacheFile([FP8CacheLayer(i, quantize_layer_cache(kv), kv.shape[0])
+                                      for i, kv in zip(indices, kvs)]), cache_path)
+    assert not dump_path.exists() and not cache_path.exists()

@@ -200,6 +200,22 @@ def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int
     return by_layer
 
 
+def check_layer_indices(path: Path, what: str, indices: list[object]) -> None:
+    """What a writer is given must be what its reader takes back (SPEC section 8's
+    ``layers.<i>.*``, ``load_layers``): at least one layer, each index an int >= 0, none twice.
+    A repeated index overwrote the earlier layer's tensors; an empty list or a negative index
+    wrote a file the reader refuses."""
+    if not indices:
+        raise SnapmlaError(f"{path}: {what} holds no layers")
+    seen: set[int] = set()
+    for index in indices:
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise SnapmlaError(f"{path}: layer index {index!r}: expected an integer >= 0")
+        if index in seen:
+            raise SnapmlaError(f"{path}: layer {index} given twice")
+        seen.add(index)
+
+
 def _check_canonical(path: Path, key: str, index: int, part: str) -> None:
     """Layer numbers are written without leading zeros: ``layers.00.kv`` is refused, not read as
     layer 0, so that one layer can never have two spellings of which one would be dropped."""
@@ -329,6 +345,7 @@ def write_dump(dump: KVDump, path: Path, force: bool = False) -> None:
     without ``force``, also when the file appeared while the dump was being made."""
     path = Path(path)
     check_writable(path, force)
+    check_layer_indices(path, "a KV dump", [layer.index for layer in dump.layers])
     tensors: dict[str, torch.Tensor] = {}
     for layer in dump.layers:
         _validate_layer(path, layer)

@@ -36,6 +36,7 @@ from .dump_file import (
     _check_format,
     _read_metadata,
     check_float_dtype,
+    check_layer_indices,
     check_values,
     load_layers,
 )
@@ -175,6 +176,7 @@ def write_fp8_cache(cache_file: FP8CacheFile, path: Path, force: bool = False) -
     appeared while the cache was being made."""
     path = Path(path)
     check_writable(path, force)
+    check_layer_indices(path, "an FP8 cache file", [layer.index for layer in cache_file.layers])
     tensors: dict[str, torch.Tensor] = {}
     for layer in cache_file.layers:
         _validate(path, layer)
