@@ -5,8 +5,8 @@ sm_90a and reads ptxas' report), it can target ``sm_90a`` (CuPy's ``RawModule`` 
 ``sm_90``, which rejects FP8 wgmma), and it gives us the full log. The cache key hashes every
 file under ``kernels/`` (headers included), the options, the arch, the NVRTC version and the
 CUDA headers' stamp (:func:`header_stamp`), so a warm start compiles nothing and any edit
-recompiles; a program is named by its absolute path, so no header comes from the working folder. ``cupy`` is imported lazily: the package
-imports (and the CPU paths run) without it.
+recompiles; a program is named by its absolute path, so no header comes from the working
+folder. ``cupy`` is imported lazily: the package imports (and the CPU paths run) without it.
 """
 
 from __future__ import annotations

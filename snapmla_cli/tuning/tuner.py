@@ -152,8 +152,9 @@ def _partial_problem(buckets: object) -> str | None:
 
 
 class PartialStore:
-    """``<db dir>/<GPU>.<GPU UUID>.partial.json`` (:func:`partial_path`): per bucket, every candidate measured so far (or started
-    and never finished: a crash), and the tuning seconds spent. Keyed by the GPU key and the hash
+    """``<db dir>/<GPU>.<GPU UUID>.partial.json`` (:func:`partial_path`): per bucket, every
+    candidate measured so far (or started and never finished: a crash), and the tuning seconds
+    spent. Keyed by the GPU key and the hash
     of the kernel sources; a file for another GPU or other kernels is ignored and replaced.
     Written atomically after every candidate; a bucket is dropped once its entry is saved."""
 
