@@ -1,5 +1,5 @@
-"""Shared pytest setup: tests marked ``gpu`` are skipped when torch sees no CUDA GPU, and a
-fixture gives a test its own tuning-database folders.
+"""Shared pytest setup: tests marked ``gpu`` are skipped when torch sees no CUDA GPU, a
+fixture gives a test its own tuning-database folders, and one takes permissions away.
 
 Why here and not in each file: CI machines have no GPU, and every GPU test module should skip
 the same way (one reason line in ``-ra``), while still being collected so import errors show;
@@ -9,6 +9,7 @@ shipped databases.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,3 +43,14 @@ def isolated_tuning_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ite
     lookup.clear_cache(reset_warnings=True)
     yield user, shipped
     lookup.clear_cache(reset_warnings=True)
+
+
+@pytest.fixture
+def denied_paths(monkeypatch: pytest.MonkeyPatch) -> set[Path]:
+    """Paths ``os.access`` answers False for: add one to take its permissions away, remove it to
+    give them back. The tests run as root, whom a chmod stops from nothing."""
+    denied: set[Path] = set()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs:
+                        False if Path(path) in denied else real_access(path, mode, *args, **kwargs))
+    return denied

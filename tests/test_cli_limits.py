@@ -3,7 +3,6 @@ one-line error (or a named note in `info`), never a traceback, a hang or an allo
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 
@@ -140,7 +139,8 @@ def test_one_key_gives_finite_probe_queries() -> None:
 
 
 def test_info_names_an_unreadable_tuning_folder_and_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                         isolated_tuning_dirs: tuple[Path, Path]) -> None:
+                                                         isolated_tuning_dirs: tuple[Path, Path],
+                                                         denied_paths: set[Path]) -> None:
     user, _ = isolated_tuning_dirs
     (user / "X.yaml").write_text("garbage: [\n")
     result = invoke("info")
@@ -157,12 +157,11 @@ def test_info_names_an_unreadable_tuning_folder_and_file(tmp_path: Path, monkeyp
     # the permission is taken away by os.access)
     unlistable = tmp_path / "unlistable"
     unlistable.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == unlistable else real_access(p, mode, **kw))
+    denied_paths.add(unlistable)
     monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(unlistable))
     lookup.clear_cache(reset_warnings=True)
     assert f"user {unlistable} (Permission denied: ignored)" in " ".join(invoke("info").output.split())
-    monkeypatch.setattr(os, "access", real_access)
+    denied_paths.clear()
     monkeypatch.setenv("SNAPMLA_TUNING_DIR", str(not_a_folder))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

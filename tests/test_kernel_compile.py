@@ -7,6 +7,7 @@ Runs in CI on machines without a GPU: NVRTC, the CUDA headers and cuobjdump come
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -305,13 +306,17 @@ def test_unwritable_cache_is_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_p
 @needs_nvrtc
 def test_a_cache_folder_that_cannot_be_searched_is_not_an_error(monkeypatch: pytest.MonkeyPatch,
                                                                 isolated_caches: Path) -> None:
-    """A folder without search permission makes the atomic write's look at the path a
+    """A folder without search permission made the atomic write's look at the path a plain
     SnapmlaError ('cannot check it: Permission denied'), not an OSError: every compile failed.
-    (Root searches any folder, so the write's refusal is faked.)"""
-    def refused(path, write):
-        raise SnapmlaError(f"output {path}: cannot check it: Permission denied")
+    (Root searches any folder, so the stat of the paths in it is refused here.)"""
+    real_stat = os.stat
 
-    monkeypatch.setattr(kernel_cache, "write_atomic", refused)
+    def stat(path, *args, **kwargs):
+        if Path(path).parent == isolated_caches:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
     module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
     assert module.origin == "nvrtc" and module.cubin and not list(isolated_caches.glob("*"))
 

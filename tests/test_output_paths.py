@@ -125,15 +125,12 @@ def test_an_input_file_named_with_a_trailing_slash_is_not_a_directory(args: tupl
     assert listing(tmp_path) == []
 
 
-def test_a_folder_that_takes_no_new_file_is_refused_up_front(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_folder_that_takes_no_new_file_is_refused_up_front(tmp_path: Path, denied_paths: set[Path]) -> None:
     """The temp file lands next to the output, so a read-only folder is refused before any work.
     The permission answer is stubbed: a chmod stops no one when the tests run as root."""
     folder = tmp_path / "ro"
     folder.mkdir()
-    real = os.access
-    monkeypatch.setattr(os, "access", lambda path, mode, *args, **kwargs:
-                        False if Path(path) == folder else real(path, mode, *args, **kwargs))
+    denied_paths.add(folder)
     with pytest.raises(SnapmlaError, match=f"--output {folder / 'x.st'}: folder {folder} is not writable"):
         check_writable(folder / "x.st", force=True, what="--output")
     check_writable(tmp_path / "x.st", force=False, what="--output")  # a writable folder next to it

@@ -157,15 +157,14 @@ def format_bytes(value: float) -> str:
     """``60 GiB``, ``1.5 MiB``, ``1000 MiB``: three significant digits, never an exponent (``:.3g``
     writes 1000-1023 of a unit as ``1e+03``), never 1024 of a unit (a value just under 1 GiB
     rounds to ``1 GiB``, not ``1024 MiB``)."""
-    for i, (unit, size) in enumerate(_BYTE_UNITS):
-        if value >= size or unit == "B":
-            scaled = value / size
-            text = f"{scaled:.0f}" if scaled >= 100 else f"{scaled:.3g}"
-            if float(text) >= 1024 and i > 0:
-                unit, size = _BYTE_UNITS[i - 1]
-                text = f"{value / size:.3g}"
-            return f"{text} {unit}"
-    raise AssertionError("unreachable: the last unit takes every value")
+    i = next((i for i, (_, size) in enumerate(_BYTE_UNITS) if value >= size), len(_BYTE_UNITS) - 1)
+    unit, size = _BYTE_UNITS[i]
+    scaled = value / size
+    text = f"{scaled:.0f}" if scaled >= 100 else f"{scaled:.3g}"
+    if float(text) >= 1024 and i > 0:
+        unit, size = _BYTE_UNITS[i - 1]
+        text = f"{value / size:.3g}"
+    return f"{text} {unit}"
 
 
 def heads_per_rank(heads: int, tp: int, given_as: str | None = None) -> int:

@@ -423,8 +423,9 @@ def _existing_kind(path: Path, what: str) -> str | None:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except OSError as exc:  # a symlink loop, a folder we may not search
-        raise SnapmlaError(f"{what} {path}: cannot check it: {exc.strerror}") from None
+    except OSError as exc:  # a symlink loop, a folder we may not search: an OSError too, so
+        # that a cache skipping unwritable folders (OutputWriteError's callers) skips this one
+        raise OutputWriteError(f"{what} {path}: cannot check it: {exc.strerror}") from None
     kind = file_kind(mode)
     if kind == "fifo" and os.path.islink(path) and not os.path.lexists(final_target(path)):
         return "pipe"  # an anonymous pipe behind a /proc fd link, e.g. /dev/stdout of `| cat`

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache.atomic import write_atomic
-from ..errors import SnapmlaError
 
 CACHE_DIR_ENV = "SNAPMLA_CACHE_DIR"
 _FORMAT = 2  # 2: the json holds the cubin's SHA-256 (entries of format 1 are recompiled once)
@@ -76,6 +75,6 @@ def store(key: str, entry: CachedKernel, description: dict[str, object]) -> bool
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(folder / f"{key}.cubin", lambda tmp: tmp.write_bytes(entry.cubin))
         write_atomic(folder / f"{key}.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-    except (OSError, SnapmlaError):  # SnapmlaError: write_atomic could not even look at the path
+    except OSError:  # (write_atomic's OutputWriteError, a path it could not even look at too)
         return False
     return True
