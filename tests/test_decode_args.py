@@ -80,6 +80,8 @@ def test_good_arguments_run_both_definitions_with_nan_poisoned_unused_rows(probl
     ({"softmax_scale": math.nan}, "softmax_scale: expected a finite number"),
     ({"softmax_scale": "0.1"}, "softmax_scale: expected a number or None"),
     ({"softmax_scale": -0.04}, "softmax_scale: expected a number >= 0"),
+    # finite, but infinite once the kernels take scale x log2(e) as a float32
+    ({"softmax_scale": 3e38}, "softmax_scale: expected at most 2.358657e\\+38"),
     ({"causal": "false"}, "causal: expected True or False"),
 ])
 def test_bad_arguments_name_the_argument(problem: DecodeProblem, run, change: dict, message: str) -> None:

@@ -94,6 +94,7 @@ COMMON = [  # (change, the message's start): every call names these on the host
     (_with(num_splits=lambda t: _t(t)[:2]), r"num_splits: expected shape \[3\], got \[2\]"),
     # the scalars too (the launch plan, after the device check, was the first to read them)
     (lambda args: {**args, "softmax_scale": float("nan")}, "softmax_scale: expected a finite number, got nan"),
+    (lambda args: {**args, "softmax_scale": 2.36e38}, r"softmax_scale: expected at most 2.358657e\+38"),
     (lambda args: {**args, "causal": "false"}, "causal: expected True or False, got 'false'"),
 ]
 CASES = [

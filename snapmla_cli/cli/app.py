@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover (the pinned environments have the copy)
     from click import exceptions as click_errors  # type: ignore[no-redef]
     from click.core import Context as ClickContext  # type: ignore[assignment]
 
+from ..env_switch import env_switch
 from ..errors import SnapmlaError
 from .common import one_line, version_line
 
@@ -97,7 +98,7 @@ class SnapmlaGroup(TyperGroup):
         except (typer.Exit, typer.Abort, click_errors.ClickException, KeyboardInterrupt):
             raise
         except Exception as exc:
-            if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            if env_switch(TRACEBACK_ENV, False):
                 raise
             typer.echo(f"error: internal error in snapmla ({type(exc).__name__}: {one_line(exc)}); "
                        f"please report it with the output of {TRACEBACK_ENV}=1", err=True)

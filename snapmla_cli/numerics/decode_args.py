@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from typing import NamedTuple
 
 import torch
 
 from ..errors import SnapmlaError, dtype_name
 from .formats import PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET, default_softmax_scale
+
+LOG2E = 1.4426950408889634
+"""log2(e): the kernels take the logit scale times this as one float32 (exponentials in base 2)."""
 
 
 def first_overflowing_row(sees_keys: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> int | None:
@@ -48,7 +52,25 @@ def checked_softmax_scale(softmax_scale: object) -> float:
     if scale < 0:
         raise SnapmlaError(f"softmax_scale: expected a number >= 0 (the logits' scale, "
                            f"{default_softmax_scale():.6g} by default), got {scale}")
+    if not _fits_float32(scale * LOG2E):
+        raise SnapmlaError(f"softmax_scale: expected at most {_FLOAT32_MAX / LOG2E:.7g} (the kernels take "
+                           f"scale x log2(e) as a float32), got {scale:.6g}")
     return scale
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _fits_float32(value: float) -> bool:
+    """Whether ``value`` stays finite once rounded to float32 (``struct`` rounds as the GPU's
+    conversion does and refuses what rounds to infinity). A finite scale beyond that became an
+    infinite exponent scale in the kernels: every output NaN, while the CPU definitions, in
+    float64, returned finite values for the same call."""
+    try:
+        struct.pack("<f", value)
+    except OverflowError:
+        return False
+    return True
 
 
 def is_integer(value: object) -> bool:

@@ -22,10 +22,11 @@ hatch), as ``SNAPMLA_PDL=0`` does for programmatic launches.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import numpy as np
+
+from ..env_switch import env_switch
 
 # cluster sizes the kernel merges (decode_common.cuh cluster_fold: 512 dims split evenly, at
 # most the portable cluster size of 8)
@@ -46,7 +47,7 @@ def cluster_defines(defines: Mapping[str, int]) -> dict[str, int]:
 
 def enabled() -> bool:
     """Cluster launches unless ``SNAPMLA_CLUSTER_FOLD=0`` (read when a decode call is planned)."""
-    return os.environ.get("SNAPMLA_CLUSTER_FOLD", "1") != "0"
+    return env_switch("SNAPMLA_CLUSTER_FOLD", True)
 
 
 def uniform_split_count(counts: np.ndarray) -> int:

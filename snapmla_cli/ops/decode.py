@@ -30,6 +30,7 @@ import torch
 from ..cache.layout import gather_from_pages
 from ..errors import NoGpuError, SnapmlaError, dtype_name
 from ..numerics.decode_args import (
+    LOG2E,
     check_key_pads,
     checked_flag,
     checked_lengths,
@@ -95,7 +96,6 @@ from .split_fold import (
 __all__ = ["MetadataPlan", "choose_config", "decode_bf16", "decode_fp8",
            "flash_mla_with_kvcache", "get_mla_metadata", "mean_context", "metadata_plan"]
 
-LOG2E = 1.4426950408889634
 FLOAT32_BYTES = 4
 
 

@@ -6,7 +6,7 @@ for every later decode of that request. So the inputs are checked, with a one-li
 names the argument:
 
 - on the CPU paths (the reference numerics, ``snapmla quantize`` and the tests), always;
-- on CUDA only when ``SNAPMLA_CHECK_FINITE=1`` is set (or :func:`set_gpu_checks` turns it on):
+- on CUDA only when ``SNAPMLA_CHECK_FINITE=1`` (or true / yes / on) is set (or :func:`set_gpu_checks` turns it on):
   the check reads a GPU reduction back to the host, a synchronization per call that an engine's
   decode loop cannot afford and that CUDA-graph capture forbids. It is a debugging switch: turn
   it on to find which call first receives a NaN.
@@ -14,10 +14,9 @@ names the argument:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..env_switch import env_switch
 from ..errors import SnapmlaError
 from ..numerics.formats import D_CONTENT, D_QK
 from ..numerics.quant import row_scale
@@ -29,7 +28,7 @@ class _GpuChecks:
     """Whether CUDA inputs are checked: read from the environment once at import (the hot path
     then pays one attribute read), changed at run time by :func:`set_gpu_checks`."""
 
-    on: bool = os.environ.get(ENV_VAR, "0").strip() not in ("", "0")
+    on: bool = env_switch(ENV_VAR, False)
 
 
 GPU_CHECKS = _GpuChecks()

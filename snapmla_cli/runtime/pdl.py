@@ -17,13 +17,13 @@ the driver turns the attribute into a programmatic graph edge.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import numpy as np
 
+from ..env_switch import env_switch
 from ..errors import SnapmlaError
 
 LAUNCH_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID (cuda.h)
@@ -57,7 +57,7 @@ class LaunchConfig(ctypes.Structure):
 
 def enabled() -> bool:
     """PDL unless ``SNAPMLA_PDL=0`` (read per call: cheap, and tests / A-B runs can flip it)."""
-    return os.environ.get("SNAPMLA_PDL", "1") != "0"
+    return env_switch("SNAPMLA_PDL", True)
 
 
 @lru_cache(maxsize=1)
