@@ -106,7 +106,11 @@ CASES = [
     ("decode_fp8", _with(k_cache=lambda t: _t(t)[:, :, :600]), "k_cache: expected FP8 cache"),
     ("decode_bf16", _with(q=lambda t: _t(t)[..., :500]), r"q: expected shape \[2, 1, 16, 576\]"),
     ("decode_bf16", _with(q=_nan), "q: 18432 of 18432 values are NaN or inf"),
-    ("decode_bf16", _with(k_cache=lambda t: _t(t)[:, :32]), r"k_cache: expected shape \[\*, 64, 1, 576\]"),
+    ("decode_bf16", _with(k_cache=lambda t: _t(t)[:, :32]),
+     r"k_cache: expected shape \[blocks, 64, 576\] or \[blocks, 64, 1, 576\], got \[\d+, 32, 1, 576\]"),
+    # the 3-d form is named as passed (it was named as its 4-d view: [n, 64, 1, 512])
+    ("decode_bf16", _with(k_cache=lambda t: _t(t)[:, :, 0, :512].contiguous()),
+     r"k_cache: expected shape \[blocks, 64, 576\] or \[blocks, 64, 1, 576\], got \[\d+, 64, 512\]$"),
     ("flash-fp8", _with(q=lambda t: _t(t).float()), r"q: expected bf16 \[b, s_q, h_q, 576\], got float32"),
     ("flash-fp8", _with(k_cache=lambda t: _t(t)[:, :32]), "k_cache: expected FP8 cache"),
     # the fused path checks q's layout itself (its quantize_q, which did, runs after the devices)
@@ -117,7 +121,17 @@ CASES = [
     ("decode_fp8", lambda args: {**args, "config": "fast"}, "config: expected a DecodeConfig or None, got str"),
     ("decode_bf16", lambda args: {**args, "config": "fast"}, "config: expected a DecodeConfig or None, got str"),
     ("flash-bf16", _with(q=_nan), "q: 18432 of 18432 values are NaN or inf"),
-    ("flash-bf16", _with(k_cache=lambda t: _t(t)[..., :500]), r"k_cache: expected shape \[\*, 64, 1, 576\]"),
+    # an empty head or token dimension is named as q's (the work-list check sent the caller to
+    # get_mla_metadata(cache_seqlens, 0, 1), which is refused itself)
+    *[(api, _with(q=lambda t: _t(t)[:, :, :0]),
+       r"q: expected at least one query token and one head per request, got s_q 1 and h_q 0$")
+      for api in ("flash-fp8", "flash-bf16")],
+    ("decode_bf16", _with(q=lambda t: _t(t)[:, :0]), "q: expected at least one query token and one head"),
+    ("decode_fp8", _with(q=_q8_with(content=lambda t: t[:, :, :0], scale=lambda t: t[:, :, :0],
+                                    rope=lambda t: t[:, :, :0])),
+     r"q.content: expected at least one query token and one head per request, got s_q 1 and h_q 0$"),
+    ("flash-bf16", _with(k_cache=lambda t: _t(t)[..., :500]),
+     r"k_cache: expected shape \[blocks, 64, 576\] or \[blocks, 64, 1, 576\], got \[\d+, 64, 1, 500\]"),
 ]
 
 
@@ -274,3 +288,10 @@ def test_the_decode_calls_say_what_they_return() -> None:
         assert "bf16 ``[b, s_q, h_q, 512]``" in doc and "float32 ``[b, h_q, s_q]``" in doc, api.__name__
     doc = " ".join((inspect.getdoc(get_mla_metadata) or "").split())
     assert "``(tile_scheduler_metadata, num_splits)``, int32 ``[ctas, items, 4]`` and int32 ``[b + 1]``" in doc
+
+
+def test_get_mla_metadata_without_arguments_names_cache_seqlens() -> None:
+    """FlashMLA's newest ``get_mla_metadata()`` takes no argument; here it was Python's TypeError."""
+    with pytest.raises(SnapmlaError, match=r"^cache_seqlens: expected the requests' lengths, an int32 \[batch\] "
+                                           r"tensor: snapmla plans .* FlashMLASchedMeta are not supported$"):
+        get_mla_metadata()

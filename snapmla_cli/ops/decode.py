@@ -106,7 +106,7 @@ def _runtime() -> ModuleType:
 
 
 def get_mla_metadata(
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None = None,
     num_heads_per_head_k: int | None = None,
     num_heads_k: int = 1,
     num_heads_q: int | None = None,
@@ -147,6 +147,11 @@ def get_mla_metadata(
     keeps its lengths on the host (a CPU tensor) passes them with ``device``, the GPU the decode
     runs on: the call then never waits for the GPU, and the tensors go to ``device`` by
     asynchronous copies. Without ``device`` the tensors go where ``cache_seqlens`` is."""
+    if cache_seqlens is None:  # FlashMLA's newest form takes no argument (and plans lazily)
+        raise SnapmlaError("cache_seqlens: expected the requests' lengths, an int32 [batch] tensor: snapmla "
+                           "plans its work list from them (get_mla_metadata(cache_seqlens, s_q * h_q, 1)); "
+                           "FlashMLA's argument-free form and its lazily planned FlashMLASchedMeta are not "
+                           "supported")
     num_heads_per_head_k = _rows_argument(num_heads_per_head_k, num_q_tokens_per_head_k)
     if not is_integer(num_heads_k) or num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k!r}")
@@ -315,15 +320,18 @@ def _check_planned_rows(metadata: torch.Tensor, s_q: int, h_q: int) -> None:
                            f"get_mla_metadata(cache_seqlens, {rows}, 1)")
 
 
+def _paged(k_cache: torch.Tensor, row: int) -> bool:
+    """Whether ``k_cache`` is ``[blocks, 64, row]`` or ``[blocks, 64, 1, row]`` (FlashMLA's form)."""
+    return k_cache.shape[1:] in ((PAGE_SIZE, row), (PAGE_SIZE, 1, row))
+
+
 def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
     """The FP8 cache as uint8 rows, checked: dtype, shape, contiguity and the start the kernels'
     16-byte loads need."""
     given = k_cache.dtype  # (named in the error as the caller passed it, not as viewed)
     if k_cache.dtype == FP8_DTYPE:
         k_cache = k_cache.view(torch.uint8)
-    ok_shape = (k_cache.dim() == 3 and k_cache.shape[1:] == (PAGE_SIZE, FP8_TOKEN_BYTES)) or (
-        k_cache.dim() == 4 and k_cache.shape[1:] == (PAGE_SIZE, 1, FP8_TOKEN_BYTES))
-    if k_cache.dtype != torch.uint8 or not ok_shape:
+    if k_cache.dtype != torch.uint8 or not _paged(k_cache, FP8_TOKEN_BYTES):
         raise SnapmlaError(
             f"k_cache: expected FP8 cache uint8/float8_e4m3fn [blocks, 64, {FP8_TOKEN_BYTES}] or "
             f"[blocks, 64, 1, {FP8_TOKEN_BYTES}], got {dtype_name(given)} {list(k_cache.shape)}")
@@ -331,6 +339,19 @@ def _fp8_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
         raise SnapmlaError("k_cache: must be contiguous")
     require_aligned("k_cache", k_cache)
     return k_cache
+
+
+def _bf16_cache_rows(k_cache: torch.Tensor) -> torch.Tensor:
+    """The bf16 cache as ``[blocks, 64, 1, 576]``, checked; an error names the shape the caller
+    passed and both accepted forms (the 3-d form was named as its 4-d view, a shape never passed)."""
+    if k_cache.dtype != torch.bfloat16:
+        raise SnapmlaError(f"k_cache: expected bfloat16, got {dtype_name(k_cache.dtype)}")
+    if not _paged(k_cache, D_QK):
+        raise SnapmlaError(f"k_cache: expected shape [blocks, {PAGE_SIZE}, {D_QK}] or [blocks, {PAGE_SIZE}, 1, "
+                           f"{D_QK}], got {list(k_cache.shape)}")
+    if not k_cache.is_contiguous():
+        raise SnapmlaError("k_cache: must be contiguous")
+    return k_cache.unsqueeze(2) if k_cache.dim() == 3 else k_cache
 
 
 def _check_outputs(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple[int, ...]) -> None:
@@ -358,6 +379,9 @@ def _checked_call(shape: tuple[int, int, int], q_parts: tuple[tuple[str, torch.T
     order: on a machine without a GPU every decode call ends at the last step, and a caller whose
     shape is wrong should hear about the shape, not only about the GPU. Returns the device."""
     b, s_q, h_q = shape
+    if s_q < 1 or h_q < 1:  # (the work-list check would send the caller to plan 0 rows, itself refused)
+        raise SnapmlaError(f"{q_parts[0][0]}: expected at least one query token and one head per request, "
+                           f"got s_q {s_q} and h_q {h_q}")
     _check_table(block_table, cache_seqlens, b)
     _check_metadata(metadata, num_splits, b)
     _check_planned_rows(metadata, s_q, h_q)
@@ -778,9 +802,7 @@ def decode_bf16(
     b, s_q, h_q, _ = q.shape
     _check(q, "q", torch.bfloat16, (b, s_q, h_q, D_QK))
     check_finite("q", q)  # (host tensors always, CUDA ones under the checks switch)
-    if k_cache.dim() == 3:
-        k_cache = k_cache.unsqueeze(2)
-    _check(k_cache, "k_cache", torch.bfloat16, (None, PAGE_SIZE, 1, D_QK))
+    k_cache = _bf16_cache_rows(k_cache)
     require_aligned("q", q)
     require_aligned("k_cache", k_cache)
     requested = checked_config(config, False)  # (before the devices: named on a host as well)
