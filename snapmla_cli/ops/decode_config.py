@@ -417,8 +417,9 @@ def heuristic_config(rows: int, fp8: bool = True, version: int | None = None) ->
     """Built-in choice, from the variant sweeps and tuned entries on the H200 (docs/PERF.md).
     wgmma kernel (float32 promotion on): up to 32 rows one CTA per SM with the warpgroups taking
     alternate pages, four pages deep (17-32 rows: five pages of content, their RoPE tiles and scales
-    in a ring of three, the split plan); 64+ rows the same with the rows as QK's M (rows = M:
-    20-30% faster than alternate pages alone at 64 rows, docs/PERF.md); the split policy
+    in a ring of three, the split plan); 33+ rows the same with the rows as QK's M (rows = M,
+    33-63 rows padded to a 64-row tile: 20-30% faster than alternate pages alone at 64 rows,
+    docs/PERF.md); the split policy
     leaves balanced columns or the split plan to the planner, per batch (``auto_balance``,
     :func:`settle_balance`). mma.sync kernel: 16 rows as two small CTAs per SM; 32 rows as two
     row groups with two token groups per page; 64+ rows as 64-row tiles. BF16 (``version``
