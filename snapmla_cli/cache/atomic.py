@@ -55,6 +55,7 @@ _PENDING: ContextVar[list[_Landing] | None] = ContextVar("snapmla_pending_output
 # The option of the :func:`naming` block a write runs in: a group's moves land after that block.
 _OPTION: ContextVar[str | None] = ContextVar("snapmla_output_option", default=None)
 
+_DEFAULT_NAME_MAX = 255  # bytes in a file name on Linux filesystems, where pathconf cannot tell
 _KINDS = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
           (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
 
@@ -172,7 +173,11 @@ def write_atomic(path: Path, write: Callable[[Path], object], *, replace: bool =
     keep_mode = stat.S_IMODE(os.stat(target).st_mode) if kind == "file" else None
     tmp: Path | None = None
     try:
-        tmp = _create_temp(target)
+        while True:  # (named before it exists: a signal between its creation and the assignment left it)
+            tmp = _temp_path(target)
+            if _created(tmp):
+                break
+            tmp = None  # (another writer's)
         mode = keep_mode if keep_mode is not None else stat.S_IMODE(os.stat(tmp).st_mode)
         write(tmp)
         os.chmod(tmp, mode)  # also when the writer replaced the temp file by one of its own
@@ -347,7 +352,7 @@ def _prepare(entry: _Landing) -> None:
 def _link_backup(target: Path) -> Path | None:
     """A hidden hard link to ``target`` next to it, or None where hard links are unsupported."""
     while True:
-        backup = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        backup = _temp_path(target)
         try:
             os.link(target, backup)
         except FileExistsError:
@@ -478,17 +483,34 @@ def _replaces_inside(output: Path, folder: Path) -> bool:
     return Path(os.path.realpath(output)).is_relative_to(os.path.realpath(folder))
 
 
-def _create_temp(target: Path) -> Path:
-    """A new empty file next to ``target``. Created with ``os.open(..., 0o666)`` rather than
-    ``mkstemp`` (always 0600) so that the kernel applies the umask (and default ACLs)."""
+def _temp_path(target: Path) -> Path:
+    """A fresh hidden name for a temp file or backup next to ``target``."""
+    return hidden_sibling(target, f".{secrets.token_hex(4)}.tmp")
+
+
+def hidden_sibling(target: Path, suffix: str) -> Path:
+    """``.NAME`` + ``suffix`` next to ``target``, NAME cut (in bytes) so that the whole stays
+    within the folder's limit on a name: an output name of 243-255 bytes is legal, and its temp
+    name had been too long, so that the command failed only after all its work."""
+    try:
+        limit = os.pathconf(target.parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = _DEFAULT_NAME_MAX
+    tail = os.fsencode(suffix)
+    name = os.fsencode(target.name)[:max(1, limit - 1 - len(tail))]
+    return target.parent / os.fsdecode(b"." + name + tail)
+
+
+def _created(tmp: Path) -> bool:
+    """Whether a new empty file ``tmp`` was made (False: the name is taken). Created with
+    ``os.open(..., 0o666)`` rather than ``mkstemp`` (always 0600) so that the kernel applies the
+    umask (and default ACLs)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    while True:
-        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
-        try:
-            os.close(os.open(tmp, flags, 0o666))
-        except FileExistsError:
-            continue
-        return tmp
+    try:
+        os.close(os.open(tmp, flags, 0o666))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _write_error(path: Path, tmp: Path | None, exc: Exception) -> OutputWriteError:

@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover (the pinned environments have the copy)
 from ..env_switch import env_switch
 from ..errors import SnapmlaError
 from .common import one_line, version_line
+from .entry import INTERRUPTED_EXIT, exit_on_termination_signals
 
 # (name, module under snapmla_cli.cli, function, required). Optional modules may be absent.
 COMMANDS: list[tuple[str, str, str, bool]] = [
@@ -141,10 +142,16 @@ def _register() -> None:
         app.command(name)(getattr(module, function))
 
 
-_register()
+try:
+    _register()
+except KeyboardInterrupt:  # (python -m snapmla_cli.cli.app: as entry.main does for the console script)
+    if __name__ != "__main__":
+        raise
+    sys.exit(INTERRUPTED_EXIT)
 
 
 def main() -> None:
+    exit_on_termination_signals()
     app(prog_name="snapmla")
 
 

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import typer
 from rich.console import Console
@@ -44,7 +44,39 @@ def console(stderr: bool = False) -> Console:
         width = _PIPE_WIDTH
     else:  # a terminal's width, or $COLUMNS: 0 or 1 there printed nothing or a column of letters
         width = None if probe.width >= _MIN_WIDTH else _MIN_WIDTH
-    return Console(stderr=stderr, markup=False, width=width)
+    if stderr or sys.stdout is None:  # (rich drops the output of a closed stdout itself)
+        return Console(stderr=stderr, markup=False, width=width)
+    named = cast(IO[str], _NamedStdout(sys.stdout))  # (a proxy: rich asks only for what it forwards)
+    return Console(file=named, markup=False, width=width)
+
+
+class _NamedStdout:
+    """Standard output for the report consoles and ``--json -``: a failed write (``> /dev/full``,
+    a full disk under ``> report.txt``) is a :class:`SnapmlaError` naming standard output, where
+    the bare ``[Errno 28] No space left on device`` left the user to guess which file was full.
+    A reader that left (``BrokenPipeError``) still ends the command quietly (cli.app). Anything
+    else is the stream's own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return int(_named_stdout_call(lambda: self._stream.write(text)))
+
+    def flush(self) -> None:
+        _named_stdout_call(self._stream.flush)
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding: what rich asks
+        return getattr(self._stream, name)
+
+
+def _named_stdout_call(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise SnapmlaError(f"standard output: could not write the report ({exc.strerror or exc})") from exc
 
 
 def require_at_least(option: str, value: int | None, least: int = 1) -> None:
@@ -124,8 +156,9 @@ def write_json(path: Path, payload: dict, force: bool = False) -> None:
     last, after their files landed, so a failed command prints no half-reported JSON)."""
     text = json.dumps(_json_safe(payload), indent=2) + "\n"
     if is_stdout(path):
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        stdout = _NamedStdout(sys.stdout)
+        stdout.write(text)
+        stdout.flush()
         return
     write_text_atomic(path, text, replace=force)
 
@@ -202,6 +235,8 @@ def _path_parser(kind: str, reads: bool = False, stdout: bool = False) -> Any:
         if isinstance(value, str) and value == "":
             raise _PathError(f"expected a {kind} path, got ''")
         if isinstance(value, str) and value == "-" and not reads:
+            if stdout and sys.stdout is None:  # (started with fd 1 closed: `>&-`)
+                raise _PathError("standard output is closed; expected a file path", value)
             if stdout:
                 return STDOUT
             raise _PathError(f"'-' (standard output) is only supported for {STDOUT_ONLY_FOR}; "

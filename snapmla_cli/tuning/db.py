@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - not Linux
     fcntl = None  # type: ignore[assignment]
 
 from ..bundled import TUNING_DB, bundled_dir
-from ..cache.atomic import final_target, write_text_atomic
+from ..cache.atomic import final_target, hidden_sibling, write_text_atomic
 from ..errors import SnapmlaError
 from ..ops.decode_config import FP8_MMA_SYNC, ROPE_RING_CHOICES, WG_MODES, DecodeConfig
 from ..ops.schedule import SplitPolicy
@@ -577,7 +577,7 @@ def merge_lock(path: Path) -> Iterator[None]:
         return
     target = final_target(path)
     try:  # (non-blocking open: a fifo put at the lock's name must not hang the save)
-        fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
+        fd = os.open(hidden_sibling(target, ".lock"), os.O_RDONLY | os.O_CREAT | os.O_NONBLOCK, 0o666)
     except OSError:
         yield
         return
