@@ -110,3 +110,22 @@ def test_hidden_siblings_stay_within_the_name_limit_and_keep_the_suffix(tmp_path
         assert sibling.parent == tmp_path
         sibling.touch()  # (the filesystem takes it)
     assert hidden_sibling(tmp_path / "short.yaml", ".lock").name == ".short.yaml.lock"
+
+
+def _small_file_limit() -> None:
+    """In the child: files of at most 64 bytes, and EFBIG instead of SIGXFSZ past that."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))
+
+
+def test_a_late_json_write_failure_names_the_option(tmp_path: Path) -> None:
+    """verify and info said "could not write PATH: ..." without the option (quantize and bench
+    said --json); the document is written after the checks, so only the write can fail here."""
+    report = tmp_path / "info.json"
+    done = subprocess.run([*CLI, "info", "--json", str(report)], capture_output=True, text=True, timeout=120,
+                          preexec_fn=_small_file_limit, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == f"error: --json: could not write {report}: File too large"
+    assert not report.exists() and _leftovers(tmp_path) == []

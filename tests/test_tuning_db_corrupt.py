@@ -6,8 +6,10 @@ without a GPU points at ``--dry-run``. CPU only and fast."""
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -238,6 +240,44 @@ def test_the_shipped_databases_parse_and_dump_alike_with_libyaml():
         assert tdb.dump_text(loaded.sections) == text
         data = yaml.load(text, Loader=yaml.SafeLoader)
         assert text.endswith(yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100))
+
+
+def test_aliased_sections_and_entries_are_read_once(isolated_db):
+    """12 KB whose aliases listed one entry 1,000 times in 300 sections took 15 s and 670 MB to
+    read (``snapmla info``, a process's first decode call). A repeated object is now skipped as
+    the duplicate it is, after one look; aliases elsewhere (a shared config) still load."""
+    user, _ = isolated_db
+    loaded = yaml.safe_load(tdb.dump_text([tdb.DeviceSection(GPU, [make_entry(BAD)])]))["devices"][0]
+    entries = [loaded["entries"][0]] * 1_000  # (PyYAML's own dumper writes a shared object as &id / *id)
+    devices = [{"gpu": loaded["gpu"], "entries": entries} for _ in range(301)]
+    path = user / DB_NAME
+    path.write_text(yaml.safe_dump({"format": "snapmla-tuning", "version": 1, "devices": devices}))
+    assert path.stat().st_size < 30_000
+    started = time.perf_counter()
+    parsed = load_file(path)
+    assert time.perf_counter() - started < 5  # (300,000 entries to check before)
+    assert [e.bucket for s in parsed.sections for e in s.entries] == [BAD]
+    assert len(parsed.problems) == 999 + 300
+    assert parsed.problems[0] == "devices[0].entries[1]: the same YAML object as devices[0].entries[0] (an alias), skipped"
+    assert parsed.problems[-1] == "devices[300]: the same YAML object as devices[0].entries (an alias), skipped"
+    other = copy.deepcopy(loaded["entries"][0])
+    other["bucket"]["h_q"] = 128
+    other["config"] = loaded["entries"][0]["config"]  # one config for two entries: an alias, and fine
+    text = yaml.safe_dump({"format": "snapmla-tuning", "version": 1,
+                           "devices": [{"gpu": loaded["gpu"], "entries": [loaded["entries"][0], other]}]})
+    assert "*id" in text
+    parsed = tdb.parse_text(text, path)
+    assert parsed.problems == [] and [e.bucket.h_q for e in parsed.sections[0].entries] == [64, 128]
+
+
+def test_the_writer_never_writes_an_alias():
+    """One object listed twice (an entry kept in two sections) is written out twice, not as an
+    anchor the reader would refuse."""
+    shared = make_entry(BAD)
+    other = replace(GPU, cuda_driver_major=(GPU.cuda_driver_major or 0) + 1)
+    text = tdb.dump_text([tdb.DeviceSection(GPU, [shared]), tdb.DeviceSection(other, [shared])])
+    assert "&id" not in text and "*id" not in text
+    assert len(tdb.parse_text(text, Path("x.yaml")).sections) == 2
 
 
 def test_an_integer_past_pythons_digit_limit_is_one_bad_file(isolated_db):

@@ -152,8 +152,7 @@ def _bench(plan: BenchPlan, spec: RunnerSpec, json_path: Path | None, plot: Path
     # the files before the tables, as quantize: a reader of stdout that leaves early (| head)
     # ends the command at its next print, which must not cost the files of a long run
     with committed_together():  # both files, or neither
-        with naming("--json"):
-            write_json_file(json_path, report.to_dict, force)
+        write_json_file(json_path, report.to_dict, force)
         if plot is not None:
             with naming("--plot"):
                 plot_report(report, plot, force=force)

@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..cache.atomic import write_text_atomic
+from ..cache.atomic import naming, write_text_atomic
 from ..errors import SnapmlaError
 
 try:  # typer 0.2x carries its own copy of click (as in cli.app); older ones use click itself
@@ -171,7 +171,8 @@ def write_json_file(path: Path | None, payload: Callable[[], dict], force: bool 
     builds the document: it runs only here or in :func:`write_json_stdout` (a path is one or the
     other), so a report is built once, and not at all without ``--json``."""
     if path is not None and not is_stdout(path):
-        write_json(path, payload(), force=force)
+        with naming("--json"):  # (verify's and info's late failures named no option)
+            write_json(path, payload(), force=force)
 
 
 def write_json_stdout(path: Path | None, payload: Callable[[], dict]) -> None:

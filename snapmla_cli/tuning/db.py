@@ -453,7 +453,27 @@ def parse_text(text: str, path: Path) -> LoadedFile:
     sections: list[DeviceSection] = []
     problems: list[str] = []
     unknown = _unknown_keys("", data, FILE_KEYS)
+    # YAML aliases repeat an object, not its text: 12 KB whose aliases listed one entry 1,000
+    # times in 300 sections took 15 s and 670 MB to read (`snapmla info`, a process's first
+    # decode call). A repeated section, entry list or entry (by identity: PyYAML builds an alias
+    # as the same object) is skipped as a duplicate after one look; dump_text writes no alias.
+    first_seen: dict[int, str] = {}
+
+    def repeat_of(node: object, where: str) -> str | None:
+        """Where ``node`` (a section, an entry list, an entry) was met first, None the first time."""
+        if not isinstance(node, (dict, list)):
+            return None
+        earlier = first_seen.get(id(node))
+        if earlier is None:
+            first_seen[id(node)] = where
+        return earlier
+
     for i, dev in enumerate(devices):
+        earlier = repeat_of(dev, f"devices[{i}]") or repeat_of(dev.get("entries") if isinstance(dev, dict) else None,
+                                                              f"devices[{i}].entries")
+        if earlier is not None:
+            problems.append(f"devices[{i}]: the same YAML object as {earlier} (an alias), skipped")
+            continue
         unknown += _unknown_keys(f"devices[{i}].", dev, SECTION_KEYS)
         unknown += _unknown_keys(f"devices[{i}].gpu.", dev.get("gpu") if isinstance(dev, dict) else None, GPU_KEYS)
         try:
@@ -467,6 +487,10 @@ def parse_text(text: str, path: Path) -> LoadedFile:
             problems.append(f"devices[{i}].entries: expected a list")
             raw_entries = []
         for j, raw in enumerate(raw_entries):
+            earlier = repeat_of(raw, f"devices[{i}].entries[{j}]")
+            if earlier is not None:
+                problems.append(f"devices[{i}].entries[{j}]: the same YAML object as {earlier} (an alias), skipped")
+                continue
             unknown += _unknown_keys(f"devices[{i}].entries[{j}].", raw, ENTRY_KEYS)
             try:
                 entries.append(Entry.from_dict(raw))
@@ -500,7 +524,14 @@ def dump_text(sections: list[DeviceSection]) -> str:
     # libyaml's dumper writes the same text as the Python one (the shipped files are checked),
     # four times faster; a merge dumps the whole file once a bucket
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
-    return HEADER + yaml.dump(data, Dumper=dumper, sort_keys=False, default_flow_style=None, width=100)
+
+    class PlainDumper(dumper):  # type: ignore[valid-type,misc]  # (a class from getattr)
+        """Never an anchor and alias, even for an object listed twice: the reader refuses them."""
+
+        def ignore_aliases(self, data: object) -> bool:
+            return True
+
+    return HEADER + yaml.dump(data, Dumper=PlainDumper, sort_keys=False, default_flow_style=None, width=100)
 
 
 def _sorted(entries: list[Entry]) -> list[Entry]:
