@@ -428,3 +428,53 @@ def test_quantize_refuses_bad_kv() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_quantize_accepts_the_dump_dtypes(dtype: torch.dtype) -> None:
     assert quantize_layer_cache(_kv(dtype=dtype)).shape == (1, 64, 656)
+
+
+def _dump_file(path: Path) -> Path:
+    from snapmla_cli.cache.dump_file import KVDump, LayerDump, write_dump
+
+    write_dump(KVDump([LayerDump(0, torch.randn(70, D_QK).bfloat16())], model="m"), path)
+    return path
+
+
+def test_a_dump_larger_than_the_free_memory_is_named_before_it_is_read(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A valid 30 GB dump was reported as "not a safetensors file" and a 10 GB one under a memory
+    limit as an internal error (MemoryError, exit 3)."""
+    from snapmla_cli import host_memory
+
+    path = _dump_file(tmp_path / "d.st")
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 1000)
+    with pytest.raises(SnapmlaError, match=rf"^dump {path}: loading a KV dump: needs about .* GiB of host memory, "
+                                           r"0\.0 GiB available$"):
+        read_dump(path)
+
+
+def test_running_out_of_memory_while_loading_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from snapmla_cli.cache import dump_file
+
+    path = _dump_file(tmp_path / "d.st")
+
+    def exhausted(name: str) -> None:
+        raise MemoryError("Cannot allocate memory (os error 12)")
+
+    monkeypatch.setattr(dump_file, "load_file", exhausted)
+    with pytest.raises(SnapmlaError, match=rf"^dump {path}: loading a KV dump of 0\.0 GiB ran out of host memory"):
+        read_dump(path)
+
+
+def test_a_file_name_that_is_not_utf8_is_read_and_written_back(tmp_path: Path) -> None:
+    """snapmla wrote such a name (synth -o) and then refused to read it: the safetensors library
+    takes UTF-8 paths. The quantized cache records the source with the odd byte escaped."""
+    from snapmla_cli.cache.fp8_file import FP8CacheFile, FP8CacheLayer, write_fp8_cache
+
+    odd = tmp_path / os.fsdecode(b"caf\xe9.st")
+    _dump_file(odd)
+    dump = read_dump(odd)
+    assert dump.layers[0].kv.shape == (70, D_QK)
+    cache = quantize_layer_cache(dump.layers[0].kv)
+    out = tmp_path / os.fsdecode(b"q\xff.st")
+    write_fp8_cache(FP8CacheFile([FP8CacheLayer(0, cache, 70)], model="m", extra_metadata={"source": str(odd)}), out)
+    back = read_fp8_cache(out)
+    assert torch.equal(back.layers[0].cache, cache)
+    assert back.extra_metadata["source"] == str(tmp_path) + "/caf\\xe9.st"

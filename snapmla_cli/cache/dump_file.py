@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from ..errors import SnapmlaError, dtype_name
+from ..host_memory import require_host_memory
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE
 from ..sizes import MAX_DIGITS, shorten
 from .atomic import check_writable, file_kind, write_atomic
@@ -70,15 +71,26 @@ class KVDump:
     extra_metadata: dict[str, str] = field(default_factory=dict)
 
     def metadata(self) -> dict[str, str]:
-        meta = dict(self.extra_metadata)
-        meta.update(
-            format=DUMP_FORMAT,
-            version=FORMAT_VERSION,
-            kv_lora_rank=str(D_CONTENT),
-            rope_dim=str(D_ROPE),
-            model=self.model,
-        )
-        return meta
+        return file_metadata(DUMP_FORMAT, self.model, self.extra_metadata)
+
+
+def file_metadata(file_format: str, model: str, extra: dict[str, str]) -> dict[str, str]:
+    """SPEC section 8's metadata of a dump or FP8 cache file after the writer's ``extra`` keys,
+    every value valid UTF-8, which the safetensors header must be: a source path that is not
+    (``quantize $'caf\\xe9.st'``) is kept with its odd bytes escaped (``caf\\xe9.st``); it failed
+    the write, after all the work."""
+    meta = {**extra, "format": file_format, "version": FORMAT_VERSION, "kv_lora_rank": str(D_CONTENT),
+            "rope_dim": str(D_ROPE), "model": model}
+    return {key: _utf8_text(value) for key, value in meta.items()}
+
+
+def _utf8_text(text: str) -> str:
+    """``text`` with the bytes a non-UTF-8 file name left in it (surrogate escapes) as ``\\xNN``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return text
 
 
 def check_input_file(path: Path, what: str, expected: str = "a regular file") -> None:
@@ -110,16 +122,47 @@ def check_input_file(path: Path, what: str, expected: str = "a regular file") ->
 def _read_metadata(path: Path, what: str = "dump", expected: str = "a KV dump file (.safetensors)") -> dict[str, str]:
     """The safetensors metadata of the input file ``path`` (``what``: how errors name it)."""
     check_input_file(path, what, expected)
-    try:  # safetensors takes the path as UTF-8 text: it called a valid file "not a safetensors file"
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        raise SnapmlaError(f"{what} {path}: the path is not valid UTF-8, which the safetensors library "
-                           "cannot open; expected a UTF-8 file name (rename the file)") from None
     try:
-        with safe_open(str(path), framework="pt") as handle:
+        with _utf8_path(path, what) as readable, safe_open(readable, framework="pt") as handle:
             return dict(handle.metadata() or {})
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        if _out_of_memory(exc):  # (safetensors maps the whole file: a valid 30 GB one is not "not safetensors")
+            raise SnapmlaError(f"{what} {path}: cannot map its {_gib(path)} GiB into memory "
+                               f"({_first_line(exc)})") from None
         raise SnapmlaError(f"{what} {path}: not a safetensors file ({_first_line(exc)})") from None
+
+
+@contextmanager
+def _utf8_path(path: Path, what: str) -> Iterator[str]:
+    """``path`` as the UTF-8 text the safetensors library takes. A name that is not valid UTF-8
+    (which snapmla writes: ``synth -o $'caf\\xe9.st'``) is read through ``/proc/self/fd/N`` of an
+    open descriptor; without ``/proc`` it is refused, naming ``what``."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        yield str(path)
+        return
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        through = f"/proc/self/fd/{fd}"
+        if not os.path.exists(through):
+            raise SnapmlaError(f"{what} {path}: the path is not valid UTF-8, which the safetensors library "
+                               "cannot open; expected a UTF-8 file name (rename the file)")
+        yield through
+    finally:
+        os.close(fd)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether a reader's error is the host's memory running out (errno 12, as the OS error or
+    in the safetensors library's message)."""
+    return isinstance(exc, MemoryError) or getattr(exc, "errno", None) == errno.ENOMEM or "(os error 12)" in str(exc)
+
+
+def _gib(path: Path) -> str:
+    return f"{path.stat().st_size / 2**30:,.1f}"
 
 
 @contextmanager
@@ -173,9 +216,14 @@ def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int
     an unexpected key or a file without layers is a one-line error naming ``what`` it should be.
     Keys are matched whole (``fullmatch``): ``re.match`` with ``$`` would accept a key ending in a
     newline, which then reads as a misspelt layer number rather than a foreign tensor."""
+    require_host_memory(f"{path}: loading {what}", path.stat().st_size)  # (all its tensors are read)
     try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        with _utf8_path(path, what) as readable:
+            tensors = load_file(readable)
+    except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as exc:
+        if _out_of_memory(exc):
+            raise SnapmlaError(f"{path}: loading {what} of {_gib(path)} GiB ran out of host memory "
+                               f"({_first_line(exc)})") from None
         raise SnapmlaError(f"{path}: unreadable {what} ({_first_line(exc)})") from None
     keys: dict[tuple[int, str], str] = {}
     for key in tensors:

@@ -18,9 +18,7 @@ from safetensors.torch import save_file
 
 from ..errors import SnapmlaError, dtype_name
 from ..numerics.formats import (
-    D_CONTENT,
     D_QK,
-    D_ROPE,
     FP8_TOKEN_BYTES,
     KV_SCALE_FLOOR,
     PAD_OFFSET,
@@ -30,7 +28,6 @@ from ..numerics.formats import (
 from ..numerics.quant import as_e4m3
 from .atomic import check_writable, write_atomic
 from .dump_file import (
-    FORMAT_VERSION,
     FP8_CACHE_FORMAT,
     REQUIRED_METADATA,
     _check_format,
@@ -38,6 +35,7 @@ from .dump_file import (
     check_float_dtype,
     check_layer_indices,
     check_values,
+    file_metadata,
     load_layers,
 )
 from .layout import pages_needed, quantize_tokens, unpack_tokens
@@ -96,10 +94,7 @@ class FP8CacheFile:
     extra_metadata: dict[str, str] = field(default_factory=dict)
 
     def metadata(self) -> dict[str, str]:
-        meta = dict(self.extra_metadata)
-        meta.update(format=FP8_CACHE_FORMAT, version=FORMAT_VERSION, kv_lora_rank=str(D_CONTENT),
-                    rope_dim=str(D_ROPE), model=self.model)
-        return meta
+        return file_metadata(FP8_CACHE_FORMAT, self.model, self.extra_metadata)
 
 
 def _validate(path: Path, layer: FP8CacheLayer) -> None:
