@@ -324,6 +324,9 @@ def test_dump_output_must_not_replace_its_inputs(tmp_path: Path) -> None:
     assert_one_line_error(result, "--output", "--prompts", "same file")
     result = invoke("dump", "--model", model, "--prompts", prompts, "-o", weights, "--force")
     assert_one_line_error(result, "--output", "--model")
+    # the model folder itself: a folder, not "the same file" as --model
+    result = invoke("dump", "--model", model, "--prompts", prompts, "-o", model, "--force")
+    assert_one_line_error(result, f"--output {model} is a directory, expected a file path")
     assert prompts.read_text() == "hello\n" and weights.read_bytes() == b"weights"
 
 

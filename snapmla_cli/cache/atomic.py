@@ -138,7 +138,12 @@ def check_distinct(outputs: Sequence[NamedPath], inputs: Sequence[NamedPath] = (
 
 def check_outputs(outputs: Sequence[NamedPath], force: bool, inputs: Sequence[NamedPath] = ()) -> None:
     """A command's output paths, before any work: distinct from each other and from its inputs
-    (:func:`check_distinct`), each writable (:func:`check_writable`)."""
+    (:func:`check_distinct`), each writable (:func:`check_writable`). An output that is no
+    regular file (a folder, a fifo) is named as such first: ``dump --model m -o m`` was told that
+    two options named the same file, of a folder."""
+    for what, path in outputs:
+        if path is not None:
+            _refuse_special(_existing_kind(path, what), path, what)
     check_distinct(outputs, inputs)
     for what, path in outputs:
         if path is not None:
