@@ -498,3 +498,24 @@ def test_the_new_contents_reach_the_disk_before_the_rename(tmp_path: Path, monke
     write_text_atomic(target, "new contents")
     assert target.read_text() == "new contents"
     assert any(name != "out.txt" and data == b"new contents" and before == "old" for name, data, before in synced), synced
+
+
+def test_the_undo_never_removes_a_file_another_writer_put_there(tmp_path, monkeypatch):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    real_land = atomic._land
+
+    def land(entry):
+        if entry.target == b:  # a landed; meanwhile another process replaced it, then b fails
+            other = tmp_path / "theirs.tmp"
+            other.write_text("theirs")
+            os.replace(other, a)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_land(entry)
+
+    monkeypatch.setattr(atomic, "_land", land)
+    with pytest.raises(atomic.OutputWriteError, match="No space left"), atomic.committed_together():
+        atomic.write_text_atomic(a, "ours", replace=False)
+        atomic.write_text_atomic(b, "ours", replace=False)
+    assert a.read_text() == "theirs"  # not ours to undo
+    assert not b.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"]  # no temp file left

@@ -214,3 +214,26 @@ def test_the_writers_refuse_layer_lists_their_readers_would_not_take_back(tmp_pa
         write_fp8_cache(FP8CacheFile([FP8CacheLayer(i, quantize_layer_cache(kv), kv.shape[0])
                                       for i, kv in zip(indices, kvs)]), cache_path)
     assert not dump_path.exists() and not cache_path.exists()
+
+
+def _layer(index, tokens=8):
+    return LayerDump(index, torch.randn(tokens, 576, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
+
+
+def test_an_error_about_the_files_contents_names_the_argument(tmp_path):
+    """An FP8 cache file given as DUMP: the error about its contents starts with the argument
+    that named it, as the errors about the file itself do."""
+    kv = _layer(0).kv
+    fp8 = tmp_path / "cache.safetensors"
+    write_fp8_cache(FP8CacheFile([FP8CacheLayer(0, quantize_layer_cache(kv), kv.shape[0])]), fp8)
+    with pytest.raises(SnapmlaError) as info:
+        read_dump(fp8, "DUMP")
+    assert str(info.value).startswith(f"DUMP {fp8}: not a snapmla-kv-dump file"), str(info.value)
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_a_bool_layer_index_is_refused_by_the_writer(tmp_path, index):
+    """True is an int to isinstance, but ``layers.True.kv`` is a key no reader takes back."""
+    with pytest.raises(SnapmlaError, match="expected an integer >= 0"):
+        write_dump(KVDump([_layer(index)], model="m"), tmp_path / "d.safetensors")
+    assert not (tmp_path / "d.safetensors").exists()
