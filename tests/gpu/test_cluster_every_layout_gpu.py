@@ -26,7 +26,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from audit_helpers import load
 
 pytestmark = pytest.mark.gpu

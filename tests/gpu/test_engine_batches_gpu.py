@@ -25,9 +25,9 @@ import random
 
 import pytest
 import torch
-from snapmla_cli.numerics.problem import random_problem
-
 from audit_helpers import load
+
+from snapmla_cli.numerics.problem import random_problem
 
 pytestmark = pytest.mark.gpu
 

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from snapmla_cli.numerics.problem import random_problem
-
 from audit_helpers import load
+
+from snapmla_cli.numerics.problem import random_problem
 
 pytestmark = pytest.mark.gpu
 
