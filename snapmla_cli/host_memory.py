@@ -32,6 +32,9 @@ def require_host_memory(what: str, needed_bytes: int) -> None:
 
 def _gib(size: int) -> str:
     """``size`` in GiB to three digits, 79,473 rather than ``.3g``'s 7.95e+04 for the huge
-    sizes a mistyped option asks for."""
+    sizes a mistyped option asks for, and a power of ten past a billion GiB."""
+    whole = size >> 30
+    if whole >= 10**9:  # (a count with hundreds of digits: its float overflowed, an internal error)
+        return f"10^{len(str(whole)) - 1}"
     gib = size / 2**30
     return f"{gib:,.0f}" if gib >= 1000 else f"{gib:.3g}"

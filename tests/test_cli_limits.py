@@ -408,3 +408,33 @@ def test_an_mtp_longer_than_the_context_fails_before_any_case_runs(monkeypatch: 
     assert_one_line_error(invoke("verify", "--ctx", "1", "--mtp", "1,2", "--heads", "16"),
                           "--mtp 2 exceeds the context of 1 tokens")
     assert cases_run == []
+
+
+@pytest.mark.parametrize("option", ["--layers", "--queries"])
+def test_a_count_of_hundreds_of_digits_is_a_memory_error_not_an_internal_one(tmp_path: Path, option: str) -> None:
+    """The memory estimate's GiB went through a float: 320 nines overflowed it, exit 3."""
+    result = invoke("synth", "-o", tmp_path / "x.st", option, "9" * 320)
+    assert_one_line_error(result, "needs about 10^318 GiB of host memory")
+
+
+def test_messages_stay_one_bounded_line_whatever_the_caller_passed() -> None:
+    """A caller's value in a message (a million-character string, a tensor's repr over many lines,
+    an int past Python's digit limit for str(), which raised ValueError while the message was
+    being built) gave errors of megabytes, of many lines, or no SnapmlaError at all."""
+    import numpy as np
+
+    from snapmla_cli.errors import MAX_MESSAGE_CHARS, SnapmlaError
+    from snapmla_cli.numerics.decode_args import checked_flag
+    from snapmla_cli.ops.decode import get_mla_metadata
+
+    lengths = torch.tensor([100, 10], dtype=torch.int32)
+    for call in (lambda: checked_flag("causal", "x" * 10**6), lambda: checked_flag("causal", torch.ones(6, 6)),
+                 lambda: get_mla_metadata(lengths, 10**5000, 1), lambda: get_mla_metadata(lengths, 16, 1, s_q=10**5000),
+                 lambda: get_mla_metadata(lengths, np.array([16, 16]), 1),
+                 lambda: get_mla_metadata(lengths, 16, 1, num_heads_q=np.array([4]))):
+        with pytest.raises(SnapmlaError) as caught:
+            call()
+        message = str(caught.value)
+        assert "\n" not in message and len(message) <= MAX_MESSAGE_CHARS, message[:200]
+    long = SnapmlaError("head " + "x" * 5000 + " tail")
+    assert str(long).startswith("head x") and str(long).endswith("x tail") and "chars cut" in str(long)

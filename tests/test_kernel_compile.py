@@ -842,3 +842,18 @@ def test_wgmma_rate_diagnostic_compiles_unserialized(shapes: tuple[int, ...], st
         assert WGMMA_RATE_SASS[code] in body, f"shape {code}: no {WGMMA_RATE_SASS[code]}"
     assert ("LDSM" in body) == (3 in shapes)
     assert ("UBLKCP" in body) == stream, "the streaming warp's bulk copies"
+
+
+@needs_nvrtc
+def test_a_compile_error_is_one_line_with_the_log_kept_apart(tmp_path: Path) -> None:
+    """NVRTC's log came in the message over many lines (and a CLI line of many KB); it is the
+    first error on one line now, the whole log on the exception."""
+    source = tmp_path / "broken.cu"
+    source.write_text('extern "C" __global__ void k() { int x = ; }\n__device__ void f() { undefined_thing(); }\n')
+    with pytest.raises(nvrtc.KernelCompileError) as caught:
+        nvrtc._nvrtc_compile(source.read_text(), str(source), ["--gpu-architecture=sm_90a"], (), "sm_90a")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("broken.cu: NVRTC failed to compile for sm_90a: ")
+    assert "error: expected an expression" in message and "undefined_thing" not in message
+    assert "undefined_thing" in caught.value.log and caught.value.log.count("\n") >= 4

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
-from ..errors import SnapmlaError, dtype_name
+from ..errors import SnapmlaError, dtype_name, show
 from ..host_memory import require_host_memory
 from ..numerics.formats import D_CONTENT, D_QK, D_ROPE
 from ..sizes import MAX_DIGITS, shorten
@@ -193,11 +193,11 @@ def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
     columns split into content and RoPE, and one without ``model`` is not a writer's of SPEC's."""
     if meta.get("format") != expected:
         raise SnapmlaError(
-            f"{path}: not a {expected} file (metadata format={meta.get('format')!r})"
+            f"{path}: not a {expected} file (metadata format={show(meta.get('format'))})"
         )
     if meta.get("version") != FORMAT_VERSION:
         raise SnapmlaError(
-            f"{path}: metadata version={meta.get('version')!r}, expected {FORMAT_VERSION!r} "
+            f"{path}: metadata version={show(meta.get('version'))}, expected {FORMAT_VERSION!r} "
             f"(the only {expected} version this snapmla reads)"
         )
     for key in REQUIRED_METADATA:
@@ -208,7 +208,7 @@ def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
             )
     for key, want in (("kv_lora_rank", str(D_CONTENT)), ("rope_dim", str(D_ROPE))):
         if meta[key] != want:
-            raise SnapmlaError(f"{path}: {key}={meta[key]} but snapmla supports {want}")
+            raise SnapmlaError(f"{path}: {key}={shorten(meta[key], 40)} but snapmla supports {want}")
 
 
 def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int, dict[str, torch.Tensor]]:
@@ -229,14 +229,14 @@ def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int
     for key in tensors:
         match = key_pattern.fullmatch(key)
         if match is None:
-            raise SnapmlaError(f"{path}: unexpected tensor {key!r} in {what}")
+            raise SnapmlaError(f"{path}: unexpected tensor {show(key)} in {what}")
         if len(match.group(1)) > MAX_DIGITS:  # int() of more than 4,300 digits raises
             raise SnapmlaError(f"{path}: tensor {shorten(key)!r} has a layer number of {len(match.group(1))} "
                                f"digits, expected at most {MAX_DIGITS}")
         slot = (int(match.group(1)), match.group(2))
         if slot in keys:
             raise SnapmlaError(
-                f"{path}: tensors {keys[slot]!r} and {key!r} both name layer {slot[0]}'s {slot[1]}"
+                f"{path}: tensors {show(keys[slot])} and {show(key)} both name layer {slot[0]}'s {slot[1]}"
             )
         keys[slot] = key
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -270,7 +270,7 @@ def _check_canonical(path: Path, key: str, index: int, part: str) -> None:
     canonical = f"layers.{index}.{part}"
     if key != canonical:
         raise SnapmlaError(
-            f"{path}: tensor {key!r} has a non-canonical layer number, expected {canonical!r}"
+            f"{path}: tensor {show(key)} has a non-canonical layer number, expected {canonical!r}"
         )
 
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..errors import SnapmlaError, dtype_name
+from ..errors import SnapmlaError, dtype_name, show
 from .formats import PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET, default_softmax_scale
 
 LOG2E = 1.4426950408889634
@@ -76,15 +76,17 @@ def _fits_float32(value: float) -> bool:
 def is_integer(value: object) -> bool:
     """An integer count (Python or NumPy int; not a bool, not a float, and not a tensor: a
     tensor's comparisons are elementwise, a 0-d float or bool tensor has ``__index__`` too, and a
-    CUDA one would be read back to the host)."""
-    return not isinstance(value, (bool, torch.Tensor)) and hasattr(value, "__index__")
+    CUDA one would be read back to the host; nor a NumPy array, whose ``__index__`` exists too and
+    whose comparisons raised "the truth value of an array ... is ambiguous")."""
+    return (not isinstance(value, (bool, torch.Tensor)) and hasattr(value, "__index__")
+            and getattr(value, "ndim", 0) == 0)
 
 
 def checked_flag(name: str, value: object) -> bool:
     """A switch given as a real bool: ``causal="false"`` is truthy, so a string would silently mean
     the opposite of what it says."""
     if not isinstance(value, bool):
-        raise SnapmlaError(f"{name}: expected True or False, got {value!r}")
+        raise SnapmlaError(f"{name}: expected True or False, got {show(value)}")
     return value
 
 

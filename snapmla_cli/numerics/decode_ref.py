@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..cache.layout import gather_from_pages
-from ..errors import SnapmlaError, dtype_name
+from ..errors import SnapmlaError, dtype_name, show
 from .decode_args import (
     check_finite_keys,
     checked_paged_decode,
@@ -45,7 +45,7 @@ def decode_reference(
         raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
     require_finite("q: expected finite values, found NaN or inf", q)
     if dtype not in REFERENCE_DTYPES:  # float16 / bfloat16 were accepted and went wrong silently
-        raise SnapmlaError(f"dtype: expected torch.float64 or torch.float32 for the reference, got {dtype!r}")
+        raise SnapmlaError(f"dtype: expected torch.float64 or torch.float32 for the reference, got {show(dtype)}")
     b, s_q, h_q, d = q.shape
     kv_cache, softmax_scale, causal, seqlens = checked_paged_decode(
         "kv_cache", kv_cache, D_QK, (torch.bfloat16, torch.float16, torch.float32, torch.float64),

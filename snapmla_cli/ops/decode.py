@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..cache.layout import gather_from_pages
-from ..errors import NoGpuError, SnapmlaError, dtype_name
+from ..errors import NoGpuError, SnapmlaError, dtype_name, show
 from ..numerics.decode_args import (
     LOG2E,
     check_key_pads,
@@ -154,10 +154,10 @@ def get_mla_metadata(
                            "supported")
     num_heads_per_head_k = _rows_argument(num_heads_per_head_k, num_q_tokens_per_head_k)
     if not is_integer(num_heads_k) or num_heads_k != 1:
-        raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k!r}")
+        raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {show(num_heads_k)}")
     if topk is not None:
         raise SnapmlaError(f"topk: sparse attention is not supported (snapmla decodes dense MLA); pass None, "
-                           f"got {topk!r}")
+                           f"got {show(topk)}")
     check_rows(num_heads_per_head_k)
     check_s_q(s_q, num_heads_per_head_k)
     s_q = _s_q_of(s_q, num_heads_q, num_heads_per_head_k)
@@ -191,10 +191,10 @@ def _s_q_of(s_q: int | None, num_heads_q: int | None, num_heads_per_head_k: int)
         return s_q
     if not is_integer(num_heads_q) or num_heads_q < 1 or num_heads_per_head_k % num_heads_q:
         raise SnapmlaError(f"num_heads_q: expected a positive divisor of num_heads_per_head_k "
-                           f"({num_heads_per_head_k} = s_q * h_q), got {num_heads_q!r}")
+                           f"({num_heads_per_head_k} = s_q * h_q), got {show(num_heads_q)}")
     derived = int(num_heads_per_head_k // num_heads_q)
     if s_q is not None and s_q != derived:
-        raise SnapmlaError(f"s_q: {s_q!r} disagrees with num_heads_q {num_heads_q} "
+        raise SnapmlaError(f"s_q: {show(s_q)} disagrees with num_heads_q {num_heads_q} "
                            f"({num_heads_per_head_k} rows = {derived} x {num_heads_q})")
     return derived
 
@@ -221,7 +221,7 @@ def check_rows(num_heads_per_head_k: int) -> None:
                            f"got {type(num_heads_per_head_k).__name__}")
     if not 1 <= num_heads_per_head_k <= MAX_ROWS:
         raise SnapmlaError(f"num_heads_per_head_k: expected 1 <= s_q * h_q <= {MAX_ROWS}, "
-                           f"got {num_heads_per_head_k}")
+                           f"got {show(num_heads_per_head_k)}")
 
 
 def check_s_q(s_q: int | None, num_heads_per_head_k: int) -> None:
@@ -230,7 +230,7 @@ def check_s_q(s_q: int | None, num_heads_per_head_k: int) -> None:
         return
     if not is_integer(s_q) or s_q < 1 or num_heads_per_head_k % s_q:
         raise SnapmlaError(f"s_q: expected the query tokens per request, a positive divisor of "
-                           f"num_heads_per_head_k={num_heads_per_head_k} (s_q * h_q), got {s_q!r}")
+                           f"num_heads_per_head_k={num_heads_per_head_k} (s_q * h_q), got {show(s_q)}")
 
 
 def _metadata_device(cache_seqlens: torch.Tensor, device: torch.device | str | None) -> torch.device:
@@ -251,9 +251,9 @@ def requested_device(device: torch.device | str) -> torch.device:
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise SnapmlaError(f"device: expected a torch device such as 'cuda:0', got {device!r}") from err
+        raise SnapmlaError(f"device: expected a torch device such as 'cuda:0', got {show(device)}") from err
     if target.type not in ("cpu", "cuda"):
-        raise SnapmlaError(f"device: expected 'cpu' or a CUDA device such as 'cuda:0', got {device!r}")
+        raise SnapmlaError(f"device: expected 'cpu' or a CUDA device such as 'cuda:0', got {show(device)}")
     if target.type == "cuda":
         if not torch.cuda.is_available():
             raise NoGpuError(f"device: {target} requested, but no CUDA GPU is available")
@@ -855,7 +855,7 @@ def flash_mla_with_kvcache(
             raise SnapmlaError(f"{name}: per-tensor FP8 scales are not supported (SnapMLA quantizes Q with a "
                                "scale per row and its cache holds a scale per token); pass None")
     if not is_integer(head_dim_v) or head_dim_v != D_V:
-        raise SnapmlaError(f"head_dim_v: expected {D_V}, got {head_dim_v!r}")
+        raise SnapmlaError(f"head_dim_v: expected {D_V}, got {show(head_dim_v)}")
     sparse = {"indices": indices, "attn_sink": attn_sink, "extra_k_cache": extra_k_cache,
               "extra_indices_in_kvcache": extra_indices_in_kvcache, "topk_length": topk_length,
               "extra_topk_length": extra_topk_length}

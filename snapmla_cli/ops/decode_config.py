@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, show
 from ..numerics.formats import FP8_TOKEN_BYTES, PAGE_SIZE
 from .schedule import SplitPolicy, prefer_balanced
 
@@ -119,7 +119,7 @@ class DecodeConfig:
                      "qk_promote", "pv_promote", "wg_mode", "rope_ring"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise SnapmlaError(f"DecodeConfig.{name}: expected an int, got {value!r}")
+                raise SnapmlaError(f"DecodeConfig.{name}: expected an int, got {show(value)}")
         if not isinstance(self.split, SplitPolicy):
             raise SnapmlaError(f"DecodeConfig.split: expected a SplitPolicy, got {type(self.split).__name__}")
 

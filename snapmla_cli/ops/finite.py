@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..env_switch import env_switch
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, show
 from ..numerics.formats import D_CONTENT, D_QK
 from ..numerics.quant import row_scale
 
@@ -38,7 +38,7 @@ def set_gpu_checks(enabled: bool) -> None:
     """Turn the NaN / inf checks of CUDA inputs on or off for this process. Only a bool: the
     string "false" is truthy, and a switch that reads it as "on" silently does the opposite."""
     if not isinstance(enabled, bool):
-        raise SnapmlaError(f"enabled: expected True or False, got {enabled!r}")
+        raise SnapmlaError(f"enabled: expected True or False, got {show(enabled)}")
     GPU_CHECKS.on = enabled
 
 

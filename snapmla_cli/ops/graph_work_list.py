@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, show
 from ..numerics.decode_args import checked_flag, is_integer
 from ..numerics.formats import PAGE_SIZE
 from ..sizes import MAX_SIZE as MAX_SEQLEN
@@ -58,12 +58,12 @@ class GraphWorkList:
                  config: DecodeConfig | None = None, max_context: int | None = None,
                  s_q: int | None = None) -> None:
         if not is_integer(batch) or not 1 <= batch <= MAX_BATCH:
-            raise SnapmlaError(f"batch: expected 1..{MAX_BATCH} requests (an integer), got {batch!r}")
+            raise SnapmlaError(f"batch: expected 1..{MAX_BATCH} requests (an integer), got {show(batch)}")
         check_rows(num_heads_per_head_k)
         check_s_q(s_q, num_heads_per_head_k)
         if max_context is not None and (not is_integer(max_context) or not 0 <= max_context <= MAX_SEQLEN):
             raise SnapmlaError(f"max_context: expected the most tokens a request holds (0..{MAX_SEQLEN}, "
-                               f"int32 lengths), got {max_context}")
+                               f"int32 lengths), got {show(max_context)}")
         fp8 = checked_flag("fp8", fp8)
         config = checked_config(config, fp8)
         self.max_context = max_context

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..cache.layout import as_token_bytes, quantize_tokens, soa_to_rows, unpack_tokens
-from ..errors import SnapmlaError, dtype_name
+from ..errors import SnapmlaError, dtype_name, show
 from ..host_memory import require_host_memory
 from ..numerics.decode_args import checked_lengths, is_integer, require_strided
 from ..numerics.formats import (
@@ -528,7 +528,7 @@ def fetch_dequant(
     device = _same_device([*arrays, ("block_table", block_table), ("cache_seqlens", cache_seqlens)])
     if total_tokens is not None:
         if not is_integer(total_tokens) or total_tokens < 0:
-            raise SnapmlaError(f"total_tokens: expected a non-negative int, got {total_tokens!r}")
+            raise SnapmlaError(f"total_tokens: expected a non-negative int, got {show(total_tokens)}")
         total_tokens = int(total_tokens)
         if total_tokens > MAX_ROWS:
             raise SnapmlaError(f"total_tokens: expected at most {MAX_ROWS} (int32 row offsets), got {total_tokens}")

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..errors import SnapmlaError, dtype_name
+from ..errors import SnapmlaError, dtype_name, show
 from ..numerics.decode_args import require_readable
 from ..numerics.formats import D_V, FP8_TOKEN_BYTES, PAGE_SIZE
 from .cluster_fold import uniform_split_count, work_list_cluster
@@ -63,13 +63,13 @@ class SplitPolicy:
         for name in ("num_sms", "ctas_per_sm", "waves", "min_blocks_per_split", "max_splits_per_request"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SnapmlaError(f"SplitPolicy.{name}: expected a positive int, got {value!r}")
+                raise SnapmlaError(f"SplitPolicy.{name}: expected a positive int, got {show(value)}")
         for name in ("balanced", "auto_balance"):
             if not isinstance(getattr(self, name), bool):
-                raise SnapmlaError(f"SplitPolicy.{name}: expected True or False, got {getattr(self, name)!r}")
+                raise SnapmlaError(f"SplitPolicy.{name}: expected True or False, got {show(getattr(self, name))}")
         if self.max_splits_per_request > MAX_SPLITS_PER_REQUEST:
-            raise SnapmlaError(f"max_splits_per_request: expected 1..{MAX_SPLITS_PER_REQUEST}, "
-                               f"got {self.max_splits_per_request}")
+            raise SnapmlaError(f"SplitPolicy.max_splits_per_request: expected 1..{MAX_SPLITS_PER_REQUEST}, "
+                               f"got {show(self.max_splits_per_request)}")
 
 
 def rows_per_cta_tiles(rows: int, block_m: int) -> int:

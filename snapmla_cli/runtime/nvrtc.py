@@ -24,6 +24,7 @@ from types import ModuleType
 
 from ..bundled import KERNELS, bundled_dir
 from ..errors import SnapmlaError
+from ..sizes import counted
 from . import kernel_cache
 from .ptxas import KernelResources, parse_ptxas_log
 
@@ -318,6 +319,16 @@ def _nvrtc() -> ModuleType:
     return cupy.cuda.nvrtc
 
 
+class KernelCompileError(SnapmlaError):
+    """NVRTC refused a kernel source (an edited ``SNAPMLA_KERNEL_DIR``): the message is one line
+    with the first error; ``log`` holds NVRTC's whole log, which the message used to carry over
+    as many lines."""
+
+    def __init__(self, message: str, log: str) -> None:
+        super().__init__(message)
+        self.log = log
+
+
 def _nvrtc_compile(
     text: str, name: str, options: list[str], name_expressions: tuple[str, ...], arch: str
 ) -> tuple[bytes, str, dict[str, str]]:
@@ -333,9 +344,9 @@ def _nvrtc_compile(
         except nvrtc.NVRTCError:
             log = nvrtc.getProgramLog(prog).strip()
             first = next((ln for ln in log.splitlines() if "error" in ln), "see log")
-            raise SnapmlaError(
-                f"{Path(name).name}: NVRTC failed to compile for {arch}: {first.strip()}\n{log}"
-            ) from None
+            raise KernelCompileError(
+                f"{Path(name).name}: NVRTC failed to compile for {arch}: {first.strip()} "
+                f"({counted(len(log.splitlines()), 'line')} of log in the exception's `log`)", log) from None
         log = nvrtc.getProgramLog(prog)
         # getCUBIN drops the cubin's final byte (KERNEL-NOTES): put it back.
         cubin = nvrtc.getCUBIN(prog) + b"\0"

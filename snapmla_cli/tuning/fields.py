@@ -15,9 +15,8 @@ buckets with the same readers.
 from __future__ import annotations
 
 import math
-import reprlib
 
-from ..errors import SnapmlaError
+from ..errors import SnapmlaError, show
 from ..sizes import MAX_SIZE
 
 # The largest integer any field may hold: batch sizes and contexts are int32 in the kernels,
@@ -25,22 +24,10 @@ from ..sizes import MAX_SIZE
 # distances, float conversions) from overflowing on a value nobody could have measured.
 MAX_FIELD_INT = MAX_SIZE
 
-_SHORT = reprlib.Repr()
-_SHORT.maxstring = 40
-_SHORT.maxother = 40
 
 
 class DbError(SnapmlaError):
     """A database file that cannot be read or parsed, or a malformed value inside one."""
-
-
-def show(value: object) -> str:
-    """``repr(value)`` cut short: a warning about one field stays one readable line even when
-    the field holds a long string or a deep structure."""
-    try:
-        return _SHORT.repr(value)
-    except Exception:  # noqa: BLE001 - e.g. an int past Python's digit limit for str()
-        return f"a {type(value).__name__}"
 
 
 def is_int(value: object) -> bool:
