@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import warnings
 
+from .errors import show
+
 ON_VALUES = ("1", "true", "yes", "on")
 OFF_VALUES = ("0", "false", "no", "off")
 
@@ -29,6 +31,6 @@ def env_switch(name: str, default: bool) -> bool:
         return False
     if value and (name, value) not in _warned:
         _warned.add((name, value))
-        warnings.warn(f"{name}={raw!r} is neither on ({' / '.join(ON_VALUES)}) nor off ({' / '.join(OFF_VALUES)}): "
+        warnings.warn(f"{name}={show(raw)} is neither on ({' / '.join(ON_VALUES)}) nor off ({' / '.join(OFF_VALUES)}): "
                       f"taken as {'on' if default else 'off'}, the default", stacklevel=2)
     return default

@@ -129,3 +129,11 @@ def test_a_late_json_write_failure_names_the_option(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == f"error: --json: could not write {report}: File too large"
     assert not report.exists() and _leftovers(tmp_path) == []
+
+
+def test_warnings_are_one_line_like_the_errors() -> None:
+    """Python's format took two lines, the second a line of snapmla's source."""
+    code = ("import warnings; from snapmla_cli.cli.entry import show_warnings_on_one_line; "
+            "show_warnings_on_one_line(); warnings.warn('SNAPMLA_PDL=x is neither\\n on nor off')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.stderr.splitlines() == ["warning: SNAPMLA_PDL=x is neither on nor off"]

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover (the pinned environments have the copy)
 from ..env_switch import env_switch
 from ..errors import SnapmlaError
 from .common import one_line, version_line
-from .entry import INTERRUPTED_EXIT, exit_on_termination_signals
+from .entry import INTERRUPTED_EXIT, exit_on_termination_signals, show_warnings_on_one_line
 
 # (name, module under snapmla_cli.cli, function, required). Optional modules may be absent.
 COMMANDS: list[tuple[str, str, str, bool]] = [
@@ -142,6 +142,8 @@ def _register() -> None:
         app.command(name)(getattr(module, function))
 
 
+if __name__ == "__main__":  # (python -m: before the commands' imports, which may warn)
+    show_warnings_on_one_line()
 try:
     _register()
 except KeyboardInterrupt:  # (python -m snapmla_cli.cli.app: as entry.main does for the console script)
@@ -152,6 +154,7 @@ except KeyboardInterrupt:  # (python -m snapmla_cli.cli.app: as entry.main does 
 
 def main() -> None:
     exit_on_termination_signals()
+    show_warnings_on_one_line()
     app(prog_name="snapmla")
 
 

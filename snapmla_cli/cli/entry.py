@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import signal
 import sys
+import warnings
 from types import FrameType
+from typing import TextIO
+
+from ..errors import bounded
 
 INTERRUPTED_EXIT = 128 + signal.SIGINT
 TERMINATION_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
@@ -28,8 +32,21 @@ def exit_on_termination_signals() -> None:
         signal.signal(signum, _exit_for_signal)
 
 
+def show_warnings_on_one_line() -> None:
+    """Warnings as one ``warning: ...`` line on stderr, like the errors: Python's own format took
+    two lines, the second a line of snapmla's source. Set before the app's imports, which read
+    the environment switches (and warn about a value that is neither on nor off)."""
+    warnings.showwarning = _show_warning
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None) -> None:
+    print(f"warning: {bounded(' '.join(str(message).split()))}", file=file or sys.stderr)
+
+
 def main() -> None:
     exit_on_termination_signals()
+    show_warnings_on_one_line()
     try:
         from .app import main as app_main
     except KeyboardInterrupt:

@@ -366,9 +366,12 @@ def checked_config(config: object, fp8: bool) -> DecodeConfig | None:
         raise SnapmlaError(f"config: expected a DecodeConfig or None, got {type(config).__name__}")
     valid = fp8_config_valid(config) if fp8 else bf16_config_valid(config)
     if not valid:
-        fmt = "FP8" if fp8 else "BF16"
-        raise SnapmlaError(f"config: {config} is not a configuration the {fmt} decode kernels accept "
-                           "(snapmla tune --dry-run lists the valid ones)")
+        from ..tuning.space import config_problem  # (the tuner's space imports this module)
+
+        problem = config_problem(config, "fp8" if fp8 else "bf16")
+        why = f": {problem}" if problem is not None else ""
+        raise SnapmlaError(f"config: not a configuration the {'FP8' if fp8 else 'BF16'} decode kernels accept{why} "
+                           f"({config}; snapmla tune --dry-run lists the valid ones)")
     return config
 
 
@@ -407,7 +410,8 @@ def config_from_spec(spec: str) -> DecodeConfig:
     except ValueError:
         values = []
     if not 5 <= len(values) <= len(SPEC_FIELDS):
-        raise ValueError(f"kernel spec {spec!r}: expected {':'.join(SPEC_FIELDS[:5])}[:{':'.join(SPEC_FIELDS[5:])}]")
+        raise SnapmlaError(f"kernel spec {show(spec)}: expected "
+                           f"{':'.join(SPEC_FIELDS[:5])}[:{':'.join(SPEC_FIELDS[5:])}]")
     cfg = DecodeConfig.of(dict(zip(SPEC_FIELDS, values)))
     return replace(cfg, split=replace(cfg.split, ctas_per_sm=cfg.min_ctas_per_sm))
 
