@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -238,9 +239,13 @@ def _damage_a_name_not_a_string(cubin: Path, meta: Path) -> None:
     meta.write_text(json.dumps(fields))
 
 
+def _damage_meta_nested_too_deep(cubin: Path, meta: Path) -> None:
+    meta.write_text("[" * 100_000 + "]" * 100_000)  # (json's RecursionError escaped the load)
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("damage", [_damage_flip_a_byte, _damage_meta_not_a_mapping, _damage_names_not_a_mapping,
-                                    _damage_a_name_not_a_string])
+                                    _damage_a_name_not_a_string, _damage_meta_nested_too_deep])
 def test_a_damaged_disk_entry_is_a_miss(damage: Callable[[Path, Path], None], isolated_caches: Path) -> None:
     """A cache entry damaged on disk is compiled again (and rewritten), never loaded: a cubin
     of the right size with one byte changed would otherwise reach the driver's module load."""
@@ -284,6 +289,30 @@ def test_changed_header_misses_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     second = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
     assert calls == [program, program]  # an edited header recompiles
     assert second.key != first.key and second.origin == "nvrtc"
+
+
+@needs_nvrtc
+def test_sources_edited_during_a_compile_are_never_cached_under_the_old_key(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path,
+                                                                             isolated_caches: Path) -> None:
+    """The key is made from the tree before NVRTC reads it: a checkout in between (while another
+    compile held the lock) stored the new sources' cubin under the old sources' key, which a
+    later run on the old sources then loaded as a valid hit."""
+    folder = _copy_kernels(tmp_path, monkeypatch)
+    real = nvrtc._nvrtc_compile
+
+    def edit_then_compile(text, name, options, names, arch):
+        header = folder / "common" / "types.cuh"
+        header.write_text(header.read_text() + "\n// edited during the compile\n")
+        return real(text, name, options, names, arch)
+
+    monkeypatch.setattr(nvrtc, "_nvrtc_compile", edit_then_compile)
+    module = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert module.origin == "nvrtc"
+    assert kernel_cache.load(module.key) is None  # not on disk under the old tree's key
+    monkeypatch.setattr(nvrtc, "_nvrtc_compile", real)
+    again = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert again.key != module.key and again.origin == "nvrtc"  # nor in memory
 
 
 @needs_nvrtc
@@ -857,3 +886,33 @@ def test_a_compile_error_is_one_line_with_the_log_kept_apart(tmp_path: Path) -> 
     assert message.startswith("broken.cu: NVRTC failed to compile for sm_90a: ")
     assert "error: expected an expression" in message and "undefined_thing" not in message
     assert "undefined_thing" in caught.value.log and caught.value.log.count("\n") >= 4
+
+
+@needs_nvrtc
+def test_a_folder_at_an_entrys_name_is_no_compile_error(isolated_caches: Path) -> None:
+    """The store refused the folder as an output (a SnapmlaError, not the OSError it caught), so
+    every compile of that kernel failed after NVRTC had succeeded."""
+    first = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    for suffix in (".cubin", ".json"):
+        (isolated_caches / f"{first.key}{suffix}").unlink()
+        (isolated_caches / f"{first.key}{suffix}").mkdir()
+    nvrtc.clear_memory_cache()
+    again = nvrtc.compile_module(PREP_SOURCE, PREP_DEFINES, "sm_90a")
+    assert again.origin == "nvrtc" and again.cubin == first.cubin
+
+
+
+def test_temp_files_of_killed_writers_are_swept_once_old(isolated_caches: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL runs no clean-up: the hidden temp files piled up in the cache without limit."""
+    monkeypatch.setattr(kernel_cache, "_SWEPT", set())
+    isolated_caches.mkdir()
+    old, fresh = isolated_caches / ".k1.cubin.0badf00d.tmp", isolated_caches / ".k2.json.feedf00d.tmp"
+    for tmp in (old, fresh):
+        tmp.write_bytes(b"half")
+    hours_ago = time.time() - 2 * kernel_cache.STALE_TEMP_SECONDS
+    os.utime(old, (hours_ago, hours_ago))
+    entry = kernel_cache.CachedKernel(cubin=b"\x7fELF-cubin", log="", lowered_names={})
+    assert kernel_cache.store("k3", entry, {})
+    assert not old.exists() and fresh.exists()  # (a fresh one may be another process's live write)
+    assert kernel_cache.load("k3") is not None

@@ -78,3 +78,26 @@ def test_rounding_stays_inside_a_range_that_ends_off_the_rounding_grid(user):
                              entry(context=(16301, 32768), config=high)])
     assert get(batch=64, context=16300) == low
     assert get(batch=64, context=16301) == high
+
+
+def test_a_clear_during_a_first_read_is_not_undone(user, monkeypatch):
+    """A first lookup parses the files for about 0.1 s; `snapmla tune` (or an engine) calling
+    clear_cache() after writing a new entry in that time had its clear undone by the lookup's
+    late store, and the old answer stayed until the next clear."""
+    old, new = cfg(2), cfg(3)
+    save_entries(user, GPU, [entry(config=old)])
+    real_load = lookup.load_located
+    calls = []
+
+    def load_then_rewrite(gpu):
+        located = real_load(gpu)  # read before the rewrite ...
+        if not calls:
+            save_entries(user, GPU, [entry(config=new)], force=True)  # ... which lands, then clears
+            lookup.clear_cache()
+        calls.append(gpu)
+        return located
+
+    monkeypatch.setattr(lookup, "load_located", load_then_rewrite)
+    assert get(batch=64, context=16384) == old  # (this call read the old file)
+    assert get(batch=64, context=16384) == new  # the next one reads again
+    assert len(calls) == 2

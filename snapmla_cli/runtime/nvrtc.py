@@ -234,8 +234,9 @@ def compile_module(
 ) -> CompiledModule:
     """Compile ``kernels/<source>`` for ``arch`` (no GPU needed); cached in memory and on disk.
 
-    A compile error raises :class:`SnapmlaError` whose first line names the source and arch and
-    whose body is NVRTC's log.
+    A compile error raises :class:`KernelCompileError` (one line: the source, the arch and the
+    first error; NVRTC's log on its ``log``). A kernel folder edited while this compile ran gives
+    the compiled module uncached: its cubin may hold the new sources, the key the old ones.
     """
     folder = kernel_dir()
     path = folder / source
@@ -262,6 +263,8 @@ def compile_module(
             # name first, so a bare name took headers from the working folder, under this key
             cubin, log, lowered = _nvrtc_compile(path.read_text(), str(path), options, names, arch)
             module = _make_module(source, arch, defs, cubin, log, lowered, key, "nvrtc")
+            if source_tree_hash(folder) != tree:  # edited since the key was made (a checkout
+                return module  # while another compile held the lock): never cached under it
             kernel_cache.store(
                 key,
                 kernel_cache.CachedKernel(cubin=cubin, log=log, lowered_names=lowered),

@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -93,6 +94,11 @@ class _DeviceState:
 _STATE: dict[int, _DeviceState] = {}  # by CUDA device index
 _FAST: dict[Any, _DeviceState] = {}  # by the caller's torch.device (explicit index only)
 _WARNED: set[str] = set()
+# Bumped by clear_cache: a state read from the files before a clear is not cached after it. A
+# first lookup parses for about 0.1 s; a `clear_cache()` after `snapmla tune` wrote the file
+# landing in that time was undone by the lookup's late store, and the old answer stayed.
+_GENERATION = [0]
+_STORE_LOCK = threading.Lock()
 
 
 _CLEAR_HOOKS: list[Callable[[], None]] = []
@@ -109,8 +115,10 @@ def clear_cache(reset_warnings: bool = False) -> None:
     ``$SNAPMLA_TUNING_DIR`` inside a running process (the folders are read once per device).
     The decode calls' launch plans go too: a plan keeps the configuration the database gave
     when it was made (a work list snapmla did not build, e.g. an engine's static buffer)."""
-    _STATE.clear()
-    _FAST.clear()
+    with _STORE_LOCK:
+        _GENERATION[0] += 1
+        _STATE.clear()
+        _FAST.clear()
     if reset_warnings:
         _WARNED.clear()
     for hook in _CLEAR_HOOKS:
@@ -235,11 +243,17 @@ def _state_for(device: Any) -> _DeviceState | None:
         return None
     state = _STATE.get(index)
     if state is None:
+        generation = _GENERATION[0]
         gpu = _device_key_hook(index)
         state = _DeviceState(gpu, load_located(gpu) if gpu is not None else [], {})
-        _STATE[index] = state
+        with _STORE_LOCK:
+            if generation != _GENERATION[0]:  # cleared while reading: answer, but keep nothing
+                return state
+            state = _STATE.setdefault(index, state)
     if _names_fixed_gpu(parsed):
-        _FAST[device] = state
+        with _STORE_LOCK:
+            if _STATE.get(index) is state:
+                _FAST[device] = state
     return state
 
 
