@@ -637,3 +637,11 @@ def test_the_mean_tables_title_names_every_kind_of_probe() -> None:
     assert _probe_summary([layer(32, "dump"), layer(32, "dump")]) == "32 probe rows/layer, dump queries"
     assert _probe_summary([layer(32, "dump"), layer(64, "synthetic"), layer(32, "dump")]) == (
         "layers differ: 32 probe rows/layer, dump queries; 64 probe rows/layer, synthetic queries")
+
+
+def test_a_ctx_past_the_dumps_end_is_named_before_the_memory_estimate(small_dump: Path) -> None:
+    """`verify --dump d --ctx 2m` said the batch times the context needed 48.8 GiB, pointing at
+    --batch; the dump holds fewer tokens than asked for."""
+    result = invoke("verify", "--dump", small_dump, "--ctx", "2m")
+    assert_one_line_error(result, "--ctx 2097152: dump layer 2 has only 1024 tokens")
+    assert "host memory" not in result.stderr

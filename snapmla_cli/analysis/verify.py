@@ -334,12 +334,18 @@ def request_tokens(source: ProblemSource, batch: int, ctx: int | None) -> list[t
     if source.dump is not None:
         kv = source.dump.kv
         ctx = kv.shape[0] if ctx is None else ctx
-        if ctx > kv.shape[0]:
-            raise SnapmlaError(f"--ctx {ctx}: dump layer {source.layer} has only {kv.shape[0]} tokens")
+        check_dump_context(source, ctx)
         return [kv[:ctx].to(torch.bfloat16)] * batch
     ctx = DEFAULT_CONTEXT if ctx is None else ctx
     depth = DEFAULT_SPEC.depth(source.layer)
     return [synth_layer_kv(ctx, depth, source.seed + i, source.layer)[0] for i in range(batch)]
+
+
+def check_dump_context(source: ProblemSource, ctx: int) -> None:
+    """A dump's layer holds the ``--ctx`` tokens asked for; checked before the memory estimate,
+    which for a context past the dump's end named ``--batch`` instead."""
+    if source.dump is not None and ctx > source.dump.kv.shape[0]:
+        raise SnapmlaError(f"--ctx {ctx}: dump layer {source.layer} has only {source.dump.kv.shape[0]} tokens")
 
 
 def check_query_tokens(tokens: list[torch.Tensor], mtp: int) -> None:

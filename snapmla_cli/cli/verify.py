@@ -20,6 +20,7 @@ from ..analysis.verify import (
     CaseResult,
     Gates,
     ProblemSource,
+    check_dump_context,
     check_query_tokens,
     default_implementations,
     kernels_problem,
@@ -119,6 +120,7 @@ def verify_command(
     batch = batch if batch is not None else (GPU_BATCH if dev.type == "cuda" else CPU_BATCH)
     source = _source(dump, layer, seed)
     keys = context or (source.dump.kv.shape[0] if source.dump is not None else DEFAULT_CONTEXT)
+    check_dump_context(source, keys)  # (before the memory estimate, which named --batch)
     require_host_memory(f"--batch {batch} x --ctx {keys} with up to {max(head_list) * max(mtp_list)} query rows",
                         _case_bytes(batch, keys, max(head_list) * max(mtp_list)))
     gates = _checked_gates(gate_emul, gate_floor_factor, gate_floor_abs, gate_bf16_cos, gate_lse)
