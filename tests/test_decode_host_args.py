@@ -295,3 +295,11 @@ def test_get_mla_metadata_without_arguments_names_cache_seqlens() -> None:
     with pytest.raises(SnapmlaError, match=r"^cache_seqlens: expected the requests' lengths, an int32 \[batch\] "
                                            r"tensor: snapmla plans .* FlashMLASchedMeta are not supported$"):
         get_mla_metadata()
+
+
+def test_the_rows_are_named_by_the_keyword_they_came_under() -> None:
+    """FlashMLA's later keyword was reported under the older name, one the caller never wrote."""
+    with pytest.raises(SnapmlaError, match=r"^num_q_tokens_per_head_k: expected 1 <= s_q \* h_q"):
+        get_mla_metadata(_lens(), num_q_tokens_per_head_k=0)
+    with pytest.raises(SnapmlaError, match=r"^num_heads_per_head_k: expected 1 <= s_q \* h_q"):
+        get_mla_metadata(_lens(), 0)

@@ -158,7 +158,8 @@ def get_mla_metadata(
     if topk is not None:
         raise SnapmlaError(f"topk: sparse attention is not supported (snapmla decodes dense MLA); pass None, "
                            f"got {show(topk)}")
-    check_rows(num_heads_per_head_k)
+    check_rows(num_heads_per_head_k,
+               "num_heads_per_head_k" if num_q_tokens_per_head_k is None else "num_q_tokens_per_head_k")
     check_s_q(s_q, num_heads_per_head_k)
     s_q = _s_q_of(s_q, num_heads_q, num_heads_per_head_k)
     fp8 = _cache_format(fp8, is_fp8_kvcache)
@@ -214,14 +215,13 @@ def _cache_format(fp8: object, is_fp8_kvcache: object) -> bool:
 MAX_ROWS = MAX_SIZE
 
 
-def check_rows(num_heads_per_head_k: int) -> None:
-    """The work list's row count (``s_q * h_q``) is at least one and fits the kernels' int32."""
+def check_rows(num_heads_per_head_k: int, name: str = "num_heads_per_head_k") -> None:
+    """The work list's row count (``s_q * h_q``) is at least one and fits the kernels' int32;
+    ``name``: the keyword the caller gave it under (FlashMLA's later ``num_q_tokens_per_head_k``)."""
     if not is_integer(num_heads_per_head_k):
-        raise SnapmlaError(f"num_heads_per_head_k: expected an integer (s_q * h_q), "
-                           f"got {type(num_heads_per_head_k).__name__}")
+        raise SnapmlaError(f"{name}: expected an integer (s_q * h_q), got {type(num_heads_per_head_k).__name__}")
     if not 1 <= num_heads_per_head_k <= MAX_ROWS:
-        raise SnapmlaError(f"num_heads_per_head_k: expected 1 <= s_q * h_q <= {MAX_ROWS}, "
-                           f"got {show(num_heads_per_head_k)}")
+        raise SnapmlaError(f"{name}: expected 1 <= s_q * h_q <= {MAX_ROWS}, got {show(num_heads_per_head_k)}")
 
 
 def check_s_q(s_q: int | None, num_heads_per_head_k: int) -> None:
