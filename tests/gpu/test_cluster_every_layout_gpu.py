@@ -59,30 +59,11 @@ CASES = _cluster_cases()
 
 @pytest.mark.parametrize("fp8,kernel,s_q,h_q,n", [c[:5] for c in CASES], ids=[c[5] for c in CASES])
 def test_every_cluster_build_of_the_tuner_gives_the_fold_and_combine_bits(fp8, kernel, s_q, h_q, n, monkeypatch):
-    from snapmla_cli.ops.decode import metadata_plan
-    from snapmla_cli.ops.decode_launch import clear_plans
     from snapmla_cli.ops.schedule import SplitPolicy
 
     device = torch.device("cuda")
     policy = SplitPolicy(ctas_per_sm=kernel.min_ctas_per_sm, min_blocks_per_split=1, max_splits_per_request=n)
     cfg = replace(kernel, split=policy).with_sms(S.FINE_SMS)
     step = S._Step(fp8, cfg, s_q, h_q, seed=7 * n + h_q + kernel.stages, lens=S.CLUSTER_LENS)
-    counts = (step.splits[1:] - step.splits[:-1]).tolist()
-    assert sorted(set(counts)) == [0, n]
-    plan = metadata_plan(step.meta)
-    assert plan is not None and plan.fold is not None and plan.fold.cluster == n
-    clear_plans()
-    clustered = step.run(step.meta)
-    assert S._plan_cluster(step.meta) == n  # launched in clusters (the GPU holds the wave)
-    again = step.run(step.meta)
-    combined = step.run(step.meta.clone())  # no plan: the combine merges
-    monkeypatch.setenv("SNAPMLA_CLUSTER_FOLD", "0")
-    clear_plans()
-    folded = step.run(step.meta)
-    assert S._plan_cluster(step.meta) == 0
-    torch.cuda.synchronize()
-    out, lse = clustered
-    assert out.isfinite().all() and lse[~torch.isinf(lse)].isfinite().all()
-    for other in (again, combined, folded):
-        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+    out, lse = S.cluster_merge_matches_fold_and_combine(step, n, monkeypatch)
     G._check_against_reference(step.prob, fp8, out, lse, step.cache, step.meta, step.splits, device)

@@ -208,6 +208,35 @@ def _cluster_step(fp8: bool, rows: int, switches: dict, s_q: int, h_q: int, n: i
     return _Step(fp8, cfg, s_q, h_q, seed=7 * n + h_q, lens=CLUSTER_LENS)
 
 
+def cluster_merge_matches_fold_and_combine(step: _Step, n: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``step`` planned in clusters of ``n``, run clustered (twice), by the combine (a copy of its
+    work list) and by the arrival counters (cluster merge off): every result bitwise the same,
+    finite where a row sees keys. Returns the clustered ``(out, lse)``."""
+    from snapmla_cli.ops.decode import metadata_plan
+    from snapmla_cli.ops.decode_launch import clear_plans
+
+    counts = (step.splits[1:] - step.splits[:-1]).tolist()
+    assert sorted(set(counts)) == [0, n]
+    plan = metadata_plan(step.meta)
+    assert plan is not None and plan.fold is not None and plan.fold.cluster == n
+    clear_plans()
+    clustered = step.run(step.meta)
+    assert _plan_cluster(step.meta) == n  # launched in clusters (the GPU holds the wave)
+    again = step.run(step.meta)
+    combined = step.run(step.meta.clone())  # no plan: the combine merges
+    monkeypatch.setenv("SNAPMLA_CLUSTER_FOLD", "0")
+    clear_plans()
+    folded = step.run(step.meta)  # the arrival counters (or the combine beyond the fold's limit)
+    assert _plan_cluster(step.meta) == 0
+    torch.cuda.synchronize()
+    out, lse = clustered
+    assert out.isfinite().all() and lse[~torch.isinf(lse)].isfinite().all()
+    for other in (again, combined, folded):
+        assert torch.equal(out, other[0]) and torch.equal(lse, other[1])
+    return out, lse
+
+
 def _plan_cluster(meta: torch.Tensor) -> int:
     """The cluster size the decode plan of ``meta`` launched with (0: none)."""
     from snapmla_cli.ops import decode_launch
@@ -219,27 +248,8 @@ def _plan_cluster(meta: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("fp8,rows,switches,s_q,h_q,n", CLUSTER_STEPS, ids=CLUSTER_IDS)
 def test_cluster_merge_gives_the_fold_and_combine_bits(fp8, rows, switches, s_q, h_q, n, monkeypatch):
-    from snapmla_cli.ops.decode import metadata_plan
-    from snapmla_cli.ops.decode_launch import clear_plans
-
     step = _cluster_step(fp8, rows, switches, s_q, h_q, n)
-    counts = (step.splits[1:] - step.splits[:-1]).tolist()
-    assert sorted(set(counts)) == [0, n]
-    plan = metadata_plan(step.meta)
-    assert plan is not None and plan.fold is not None and plan.fold.cluster == n
-    clear_plans()
-    clustered = step.run(step.meta)
-    assert _plan_cluster(step.meta) == n
-    again = step.run(step.meta)
-    combined = step.run(step.meta.clone())  # no plan: the combine merges
-    monkeypatch.setenv("SNAPMLA_CLUSTER_FOLD", "0")
-    clear_plans()
-    folded = step.run(step.meta)  # the arrival counters (or the combine beyond the fold's limit)
-    assert _plan_cluster(step.meta) == 0
-    torch.cuda.synchronize()
-    assert clustered[0].isfinite().all() and clustered[1][~torch.isinf(clustered[1])].isfinite().all()
-    for other in (again, combined, folded):
-        assert torch.equal(clustered[0], other[0]) and torch.equal(clustered[1], other[1])
+    clustered = cluster_merge_matches_fold_and_combine(step, n, monkeypatch)
     empty = [i for i, length in enumerate(CLUSTER_LENS) if length == 0]
     assert torch.all(clustered[0][empty] == 0) and torch.all(clustered[1][empty] == float("inf"))
 
