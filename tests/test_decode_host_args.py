@@ -111,7 +111,7 @@ CASES = [
     # the 3-d form is named as passed (it was named as its 4-d view: [n, 64, 1, 512])
     ("decode_bf16", _with(k_cache=lambda t: _t(t)[:, :, 0, :512].contiguous()),
      r"k_cache: expected shape \[blocks, 64, 576\] or \[blocks, 64, 1, 576\], got \[\d+, 64, 512\]$"),
-    ("flash-fp8", _with(q=lambda t: _t(t).float()), r"q: expected bf16 \[b, s_q, h_q, 576\], got float32"),
+    ("flash-fp8", _with(q=lambda t: _t(t).float()), r"q: expected bfloat16 \[b, s_q, h_q, 576\], got float32"),
     ("flash-fp8", _with(k_cache=lambda t: _t(t)[:, :32]), "k_cache: expected FP8 cache"),
     # the fused path checks q's layout itself (its quantize_q, which did, runs after the devices)
     ("flash-fp8", _with(q=lambda t: torch.cat([_t(t), _t(t)], -1)[..., :D_QK]), "q: must be contiguous$"),

@@ -659,7 +659,7 @@ def test_a_replayed_flash_mla_fp8_call_still_checks_q(recorder, q_quant_launches
     shifted = torch.empty(BATCH * S_Q * H_Q * D_QK + 1, dtype=torch.bfloat16)[1:].view(BATCH, S_Q, H_Q, D_QK)
     with pytest.raises(SnapmlaError, match="^q: .*16"):
         decode.flash_mla_with_kvcache(shifted, cache, table, lens, 512, meta, splits)
-    with pytest.raises(SnapmlaError, match="^q: expected bf16"):  # another dtype: another key, the full checks
+    with pytest.raises(SnapmlaError, match="^q: expected bfloat16"):  # another dtype: another key, the full checks
         decode.flash_mla_with_kvcache(_bf16_q().float(), cache, table, lens, 512, meta, splits)
     assert not q_quant_launches
 

@@ -96,12 +96,12 @@ def test_queries_values(tmp_path: Path) -> None:
 
 def test_integer_queries(tmp_path: Path) -> None:
     queries = {"layers.0.queries": torch.ones(2, 3, D_QK, dtype=torch.int32)}
-    _bad_dump(tmp_path, queries, "queries dtype int32", "bf16, fp16 or fp32")
+    _bad_dump(tmp_path, queries, "queries dtype int32", "bfloat16, float16 or float32")
 
 
 def test_float64_kv(tmp_path: Path) -> None:
     path = _write(tmp_path, {"layers.0.kv": _kv(dtype=torch.float64)}, DUMP_META)
-    _refused(read_dump, path, "kv dtype float64", "bf16, fp16 or fp32")
+    _refused(read_dump, path, "kv dtype float64", "bfloat16, float16 or float32")
 
 
 def test_float_positions(tmp_path: Path) -> None:

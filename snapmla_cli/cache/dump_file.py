@@ -314,7 +314,7 @@ def check_values(where: str, name: str, x: torch.Tensor, row: str = "token") -> 
 def check_float_dtype(where: str, name: str, x: torch.Tensor) -> None:
     """``x`` must have one of :data:`KV_DTYPES`; other dtypes would be cast silently downstream."""
     if x.dtype not in KV_DTYPES:
-        raise SnapmlaError(f"{where}: {name} dtype {dtype_name(x.dtype)}, expected bf16, fp16 or fp32")
+        raise SnapmlaError(f"{where}: {name} dtype {dtype_name(x.dtype)}, expected bfloat16, float16 or float32")
 
 
 def _validate_layer(path: Path, layer: LayerDump) -> None:

@@ -871,7 +871,7 @@ def flash_mla_with_kvcache(
     if k_cache.dtype in FP8_CACHE_DTYPES:
         return _quantize_and_decode(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                                     softmax_scale, causal, is_fp8_kvcache is not None)
-    raise SnapmlaError(f"k_cache: expected bf16 or uint8/float8_e4m3fn, got {dtype_name(k_cache.dtype)}")
+    raise SnapmlaError(f"k_cache: expected bfloat16 or uint8/float8_e4m3fn, got {dtype_name(k_cache.dtype)}")
 
 
 def _check_encoding(k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
@@ -912,7 +912,7 @@ def _quantize_and_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
 
     _require_strided_call(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits, None, None)
     if q.dim() != 4 or q.shape[-1] != D_QK or q.dtype != torch.bfloat16:
-        raise SnapmlaError(f"q: expected bf16 [b, s_q, h_q, {D_QK}], got {dtype_name(q.dtype)} {list(q.shape)}")
+        raise SnapmlaError(f"q: expected bfloat16 [b, s_q, h_q, {D_QK}], got {dtype_name(q.dtype)} {list(q.shape)}")
     # q's own layout as quantize_q checks it on a GPU, here so that a host q hears it too
     if not q.is_contiguous():
         raise SnapmlaError("q: must be contiguous")
