@@ -41,7 +41,7 @@ def show_warnings_on_one_line() -> None:
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: TextIO | None = None, line: str | None = None) -> None:
-    print(f"warning: {bounded(' '.join(str(message).split()))}", file=file or sys.stderr)
+    print(f"warning: {bounded(str(message))}", file=file or sys.stderr)
 
 
 def main() -> None:

@@ -58,7 +58,7 @@ def checked_softmax_scale(softmax_scale: object) -> float:
     return scale
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _fits_float32(value: float) -> bool:

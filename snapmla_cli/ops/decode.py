@@ -152,14 +152,13 @@ def get_mla_metadata(
                            "plans its work list from them (get_mla_metadata(cache_seqlens, s_q * h_q, 1)); "
                            "FlashMLA's argument-free form and its lazily planned FlashMLASchedMeta are not "
                            "supported")
-    num_heads_per_head_k = _rows_argument(num_heads_per_head_k, num_q_tokens_per_head_k)
+    num_heads_per_head_k, rows_name = _rows_argument(num_heads_per_head_k, num_q_tokens_per_head_k)
     if not is_integer(num_heads_k) or num_heads_k != 1:
         raise SnapmlaError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {show(num_heads_k)}")
     if topk is not None:
         raise SnapmlaError(f"topk: sparse attention is not supported (snapmla decodes dense MLA); pass None, "
                            f"got {show(topk)}")
-    check_rows(num_heads_per_head_k,
-               "num_heads_per_head_k" if num_q_tokens_per_head_k is None else "num_q_tokens_per_head_k")
+    check_rows(num_heads_per_head_k, rows_name)
     check_s_q(s_q, num_heads_per_head_k)
     s_q = _s_q_of(s_q, num_heads_q, num_heads_per_head_k)
     fp8 = _cache_format(fp8, is_fp8_kvcache)
@@ -177,9 +176,12 @@ def get_mla_metadata(
     return work.metadata, work.num_splits
 
 
-def _rows_argument(num_heads_per_head_k: int | None, num_q_tokens_per_head_k: int | None) -> int:
-    """The rows (``s_q * h_q``) under either of FlashMLA's names for them: exactly one given."""
-    given = [v for v in (num_heads_per_head_k, num_q_tokens_per_head_k) if v is not None]
+def _rows_argument(num_heads_per_head_k: int | None, num_q_tokens_per_head_k: int | None) -> tuple[int, str]:
+    """The rows (``s_q * h_q``) under either of FlashMLA's names for them, exactly one given, and
+    the name it came under (for its errors)."""
+    given = [(value, name) for value, name in ((num_heads_per_head_k, "num_heads_per_head_k"),
+                                               (num_q_tokens_per_head_k, "num_q_tokens_per_head_k"))
+             if value is not None]
     if len(given) != 1:
         raise SnapmlaError("num_heads_per_head_k: expected the rows s_q * h_q, given once (or as "
                            f"num_q_tokens_per_head_k, FlashMLA's later name), got {len(given)} values")

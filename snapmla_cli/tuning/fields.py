@@ -25,7 +25,6 @@ from ..sizes import MAX_SIZE
 MAX_FIELD_INT = MAX_SIZE
 
 
-
 class DbError(SnapmlaError):
     """A database file that cannot be read or parsed, or a malformed value inside one."""
 
