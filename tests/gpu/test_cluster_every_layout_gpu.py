@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from audit_helpers import load
+from sibling_modules import load
 
 pytestmark = pytest.mark.gpu
 

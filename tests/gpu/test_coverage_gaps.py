@@ -9,13 +9,12 @@ outputs, checked against the references of ``snapmla_cli`` (float64 ``decode_ref
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from graph_steps import replay_steps  # this folder is sys.path[0]
+from sibling_modules import load
 
 from snapmla_cli.numerics.decode_ref import decode_reference
 from snapmla_cli.numerics.emulation import emulate_fp8_decode
@@ -361,23 +360,7 @@ def test_graph_work_list_replays_every_kernel_kind_and_an_all_empty_step(fp8, ve
 # ---------------------------------------------------------------- prep
 
 
-def _prep_helpers():
-    """tests/gpu/test_prep.py's data and checks (wide_rows with its corner rows, poisoned caches,
-    reference_append, assert_bytes_equal, ref_dequant, paged_problem), loaded as
-    tests/test_prep_emulation.py loads them."""
-    import snapmla_cli
-
-    for path in (Path(__file__).resolve().parent / "test_prep.py",
-                 Path(snapmla_cli.__file__).resolve().parents[1] / "tests" / "gpu" / "test_prep.py"):
-        if path.is_file():
-            spec = importlib.util.spec_from_file_location("_prep_gpu_helpers", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    raise FileNotFoundError("tests/gpu/test_prep.py")
-
-
-P = _prep_helpers()
+P = load("test_prep")  # its data and checks: wide_rows, poisoned caches, reference_append, ...
 
 
 def _other_prep_variants() -> list[dict[str, int]]:

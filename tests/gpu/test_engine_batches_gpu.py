@@ -25,7 +25,7 @@ import random
 
 import pytest
 import torch
-from audit_helpers import load
+from sibling_modules import load
 
 from snapmla_cli.numerics.problem import random_problem
 

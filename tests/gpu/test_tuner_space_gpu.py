@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from audit_helpers import load
+from sibling_modules import load
 
 from snapmla_cli.numerics.problem import random_problem
 
