@@ -36,9 +36,11 @@ BATCH_LIMIT_TEXT = f"{MAX_BATCH} requests"  # how every --batch error names the 
 def refuse_long_number(number: str, what: str, text: object, expected: str = "") -> None:
     """A one-line "too large" error for a decimal ``number`` (the digits a pattern matched in
     ``text``, a fraction allowed) of more than :data:`MAX_DIGITS` integer digits, raised before
-    anything converts it; ``expected`` is appended (e.g. " (expected at most 1024)")."""
+    anything converts it; ``expected`` is appended (e.g. " (expected at most 1024)"), and without
+    one the error names the digit limit, so that it always says what would be taken."""
     if len(number.split(".")[0].lstrip("0")) > MAX_DIGITS:
-        raise SnapmlaError(f"{what}: {shorten(str(text))!r} is too large{expected}")
+        limit = expected or f" (expected at most {MAX_DIGITS} digits)"
+        raise SnapmlaError(f"{what}: {shorten(str(text))!r} is too large{limit}")
 
 
 def parse_size(text: str | int, what: str = "size", most: int = MAX_SIZE, most_text: str | None = None) -> int:

@@ -80,7 +80,7 @@ def test_layout_presets_are_the_papers_figure_1() -> None:
     ("dp1tp0", "'dp1tp0': dp and tp must be at least 1"),
     (",", "empty"),
     ("dp1tp8,,dp8tp1", r"^--layout: 'dp1tp8,,dp8tp1' has an empty item \(item 2 of 3; expected e.g. dp4tp2 or"),
-    ("dp" + "9" * 20 + "tp1", r"^--layout: 'dp9+\.\.\.' is too large$"),
+    ("dp" + "9" * 20 + "tp1", r"^--layout: 'dp9+\.\.\.' is too large \(expected at most 19 digits\)$"),
 ])
 def test_bad_layouts(text: str, needle: str) -> None:
     with pytest.raises(SnapmlaError, match=needle):

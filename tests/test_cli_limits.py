@@ -34,11 +34,11 @@ from snapmla_cli.tuning.db import GpuKey
     (["synth", "-o", "never.st", "--heads", "1025"], ["--heads: expected at most 1024, got 1025"]),
     (["verify", "--ctx", "9" * 5000], ["--ctx", "too large"]),
     (["tune", "--dry-run", "--heads", "9" * 5000], ["--heads", "too large"]),
-    (["tune", "--dry-run", "--budget", "9" * 5000], ["--budget", "too large"]),
-    (["bench", "--cpu-fake", "--kv-mem", "9" * 5000 + "G"], ["--kv-mem", "too large"]),
+    (["tune", "--dry-run", "--budget", "9" * 5000], ["--budget", "too large", "at most 19 digits"]),
+    (["bench", "--cpu-fake", "--kv-mem", "9" * 5000 + "G"], ["--kv-mem", "too large", "at most 19 digits"]),
     # (int() of a dp or tp past 4,300 digits raised: exit code 3, an "internal error")
-    (["bench", "--cpu-fake", "--layout", f"dp{'9' * 5000}tp1"], ["--layout", "too large"]),
-    (["bench", "--cpu-fake", "--layout", f"dp1tp{'9' * 5000}"], ["--layout", "too large"]),
+    (["bench", "--cpu-fake", "--layout", f"dp{'9' * 5000}tp1"], ["--layout", "too large", "at most 19 digits"]),
+    (["bench", "--cpu-fake", "--layout", f"dp1tp{'9' * 5000}"], ["--layout", "too large", "at most 19 digits"]),
     (["quantize", "-o", "never.st", "--queries", "0"], ["--queries: expected at least 1, got 0"]),
 ])
 def test_sizes_beyond_the_int32_lengths_or_the_named_maxima(args: list[str], needles: list[str], tmp_path: Path,
