@@ -52,10 +52,13 @@ def test_only_sm90_builds_launch_programmatically(arch: str, expected: bool) -> 
     assert supports_programmatic(kernel) is expected  # type: ignore[arg-type]
 
 
-def test_only_zero_switches_pdl_off(monkeypatch) -> None:
-    for value, expected in (("1", True), ("true", True), ("2", True), ("0", False)):
+def test_only_an_off_word_switches_pdl_off(monkeypatch) -> None:
+    for value, expected in (("1", True), ("true", True), ("0", False), ("off", False)):
         monkeypatch.setenv("SNAPMLA_PDL", value)
         assert pdl.enabled() is expected
+    monkeypatch.setenv("SNAPMLA_PDL", "2")  # neither word: the default (on), and a warning naming it
+    with pytest.warns(UserWarning, match=r"SNAPMLA_PDL='2' is neither on .* taken as on"):
+        assert pdl.enabled() is True
 
 
 def test_the_programmatic_attribute_and_the_launch_configuration() -> None:
