@@ -575,6 +575,17 @@ def test_cli_dump(models, prompts, tmp_path):
     assert trusted.exit_code == 0, trusted.output
 
 
+def test_cli_dump_check_table_prints_each_gate_as_applied(models, prompts, tmp_path):
+    """The gate column shows the tolerance the check applies: bf16's 1.5e-2 was printed as
+    "1e-02" (":.0e"), a gate tighter than the real one."""
+    from cli_checks import invoke
+
+    result = invoke("dump", "--model", models["v3"], "--prompts", prompts, "-o", tmp_path / "b.st",
+                    "--decode", "1", "--layers", "1", "--check")
+    assert result.exit_code == 0, result.output
+    assert "0.015" in result.output and "1e-02" not in result.output
+
+
 def test_read_prompts_refuses_a_fifo_without_opening_it(tmp_path):
     """The library path too: opening a fifo would wait forever for a writer."""
     from snapmla_cli.capture.prompts import read_prompts

@@ -172,7 +172,7 @@ def _render(capture: Capture, output: Path, console: Console) -> None:
             str(c.tokens),
             f"{c.rel_l2:.2e}",
             f"{c.max_abs:.2e}",
-            f"{c.tolerance:.0e}",
+            f"{c.tolerance:.2g}",  # (bf16's 1.5e-2: ".0e" printed it as 1e-02)
             verdict,
         )
     console.print(table)

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from ..errors import NoGpuError, SnapmlaError
-from ..sizes import MAX_QUERY_TOKENS, counted, format_size
+from ..sizes import MAX_BATCH, MAX_QUERY_TOKENS, counted, format_size
 from ..tables import figure_table
 from .common import console, output_option, progress
 
@@ -58,7 +58,7 @@ HELP_BUDGET = ("Per bucket: seconds of checking and timing candidates ('120s', '
 def tune_command(
     heads: Annotated[str | None, typer.Option("--heads", help=f"Query heads h_q, e.g. 64 or 16,64,128 [default: {DEFAULT_BUCKETS['heads']}].", show_default=False)] = None,
     mtp: Annotated[str | None, typer.Option("--mtp", help=f"Query tokens per request s_q (2 with MTP), 1..{MAX_QUERY_TOKENS}; list allowed [default: {DEFAULT_BUCKETS['mtp']}].", show_default=False)] = None,
-    batch: Annotated[str | None, typer.Option("--batch", help=f"Batch buckets: 64, 1,8,64 or a range 16-128 [default: {DEFAULT_BUCKETS['batch']}].", show_default=False)] = None,
+    batch: Annotated[str | None, typer.Option("--batch", help=f"Batch buckets: 64, 1,8,64 or a range 16-128, at most {MAX_BATCH} [default: {DEFAULT_BUCKETS['batch']}].", show_default=False)] = None,
     ctx: Annotated[str | None, typer.Option("--ctx", help=f"Context buckets: 16k,32k,64k,128k or ranges (16k-64k) [default: {DEFAULT_BUCKETS['ctx']}].", show_default=False)] = None,
     fmt: Annotated[str | None, typer.Option("--format", help="Cache format: fp8, bf16 or both [default: fp8; with --stale: both].", show_default=False)] = None,
     budget: Annotated[str, typer.Option("--budget", help=HELP_BUDGET)] = "60s",
