@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,21 @@ def test_a_bool_layer_index_is_refused_by_the_writer(tmp_path, index):
     with pytest.raises(SnapmlaError, match="expected an integer >= 0"):
         write_dump(KVDump([_layer(index)], model="m"), tmp_path / "d.safetensors")
     assert not (tmp_path / "d.safetensors").exists()
+
+
+@pytest.mark.parametrize("chunk", [1, 576, 577 * 3, 1 << 23])
+def test_first_bad_row_names_the_row_across_check_chunks(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The values are checked a few rows at a time (a whole layer's float32 |x| took 4x its size):
+    the row named is the first bad one of the tensor, whichever chunk it falls in."""
+    from snapmla_cli.cache import dump_file
+
+    monkeypatch.setattr(dump_file, "CHECK_CHUNK_ELEMENTS", chunk)
+    kv = (torch.randn(50, 576) * 3).to(torch.bfloat16)
+    assert dump_file.first_bad_row(kv) is None
+    kv[37, 5] = 2 * dump_file.MAX_ABS_VALUE
+    kv[44, 0] = math.nan
+    row, value = dump_file.first_bad_row(kv)
+    assert row == 37 and value == pytest.approx(2 * dump_file.MAX_ABS_VALUE, rel=1e-2)
+    kv[9, 575] = -math.inf
+    row, value = dump_file.first_bad_row(kv)
+    assert row == 9 and math.isnan(value)

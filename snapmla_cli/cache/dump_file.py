@@ -279,6 +279,13 @@ def _check_canonical(path: Path, key: str, index: int, part: str) -> None:
 VALUE_LIMIT = f"expected |x| <= {MAX_ABS_VALUE:.3g} so that the FP8 pipeline cannot overflow"
 
 
+# rows of a tensor first_bad_row checks at once, in elements: its float32 copy and that copy's
+# |x| are 32 MiB each, where the whole layer's (two float32 copies of a bf16 layer: 4x the layer,
+# 1.35 GB at 256k tokens) had made reading a dump take several times the file size it checks
+# host memory for
+CHECK_CHUNK_ELEMENTS = 1 << 23
+
+
 def first_bad_row(x: torch.Tensor) -> tuple[int, float] | None:
     """The first row (index along dim 0) of ``x`` holding NaN/inf or a |value| above
     :data:`MAX_ABS_VALUE`, with its largest |value| (inf or NaN where it holds one); None when
@@ -286,14 +293,18 @@ def first_bad_row(x: torch.Tensor) -> tuple[int, float] | None:
     and prompt rather than a file."""
     if x.numel() == 0:
         return None
-    magnitude = x.detach().float().abs().reshape(x.shape[0], -1)
-    ok = (magnitude <= MAX_ABS_VALUE).all(dim=1)  # False for NaN as well
-    if bool(ok.all()):
-        return None
-    first = int((~ok).nonzero()[0])
-    values = magnitude[first]
-    finite = bool(torch.isfinite(values).all())
-    return first, float(values.max()) if finite else math.nan
+    rows = x.detach().reshape(x.shape[0], -1)
+    step = max(1, CHECK_CHUNK_ELEMENTS // rows.shape[1])
+    for start in range(0, rows.shape[0], step):
+        magnitude = rows[start:start + step].float().abs()
+        ok = (magnitude <= MAX_ABS_VALUE).all(dim=1)  # False for NaN as well
+        if bool(ok.all()):
+            continue
+        offset = int((~ok).nonzero()[0])
+        values = magnitude[offset]
+        finite = bool(torch.isfinite(values).all())
+        return start + offset, float(values.max()) if finite else math.nan
+    return None
 
 
 def check_values(where: str, name: str, x: torch.Tensor, row: str = "token") -> None:

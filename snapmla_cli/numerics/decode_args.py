@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import SnapmlaError, dtype_name, show
+from .finiteness import all_finite
 from .formats import PAD_OFFSET, PAGE_SIZE, ROPE_OFFSET, default_softmax_scale
 
 LOG2E = 1.4426950408889634
@@ -185,12 +186,10 @@ def require_strided(name: str, t: torch.Tensor) -> None:
 
 def require_finite(message: str, *parts: torch.Tensor) -> None:
     """Raise ``message`` when any of ``parts`` holds NaN or inf (E4M3 NaN bytes included). Only
-    float8 parts are widened (torch has no isfinite for them): a float64 one widened to float32
-    would call values above 3.4e38 inf, refusing inputs the float64 reference can compute."""
+    float8 parts are widened (:func:`all_finite`): a float64 one widened to float32 would call
+    values above 3.4e38 inf, refusing inputs the float64 reference can compute."""
     for part in parts:
-        if part.is_floating_point() and part.element_size() == 1:  # float8
-            part = part.float()
-        if not bool(torch.isfinite(part).all()):
+        if not all_finite(part):
             raise SnapmlaError(message)
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import SnapmlaError
+from .finiteness import all_finite
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,12 @@ def compare(x: torch.Tensor, ref: torch.Tensor) -> ErrorMetrics:
         raise SnapmlaError(f"compare: shapes differ, {tuple(x.shape)} vs {tuple(ref.shape)}")
     a = x.detach().to("cpu", torch.float64).reshape(-1)
     r = ref.detach().to("cpu", torch.float64).reshape(-1)
-    ref_finite = torch.isfinite(r)
     special_ok = True
-    if not bool(ref_finite.all()):  # masked copies only when there are special values
+    if not all_finite(r):  # a mask and masked copies only when there are special values
+        ref_finite = torch.isfinite(r)
         special_ok = bool(torch.all((a[~ref_finite] == r[~ref_finite]) | (a[~ref_finite].isnan() & r[~ref_finite].isnan())))
         a, r = a[ref_finite], r[ref_finite]
-    if not special_ok or not bool(torch.isfinite(a).all()):
+    if not special_ok or not all_finite(a):
         inf = math.inf
         return ErrorMetrics(inf, inf, inf, inf)
     if a.numel() == 0:
