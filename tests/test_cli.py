@@ -291,6 +291,25 @@ def test_verify_on_a_dump_with_its_queries(small_dump: Path) -> None:
     assert_one_line_error(invoke("verify", "--dump", small_dump, "--ctx", "4k"), "only 1024 tokens")
 
 
+def test_verify_reads_only_the_layer_it_checks(small_dump: Path, tmp_path: Path) -> None:
+    """A NaN in layer 0 stops a check of layer 0, not one of layer 1: verify --dump reads the
+    one layer it uses (a model's dump holds 61)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(small_dump))
+    with safe_open(str(small_dump), framework="pt") as handle:
+        metadata = handle.metadata()
+    tensors["layers.0.kv"][5, 9] = float("nan")
+    poisoned = tmp_path / "poisoned.safetensors"
+    save_file(tensors, str(poisoned), metadata=metadata)
+    result = invoke("verify", "--dump", poisoned, "--layer", 1, "--heads", 4, "--mtp", 1, "--batch", 2,
+                    "--ctx", 256, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert_one_line_error(invoke("verify", "--dump", poisoned, "--layer", 0, "--ctx", 256),
+                          f"--dump {poisoned}: layer 0: kv holds NaN/inf (first at token 5)")
+
+
 def test_verify_exits_1_when_a_gate_fails() -> None:
     result = invoke("verify", "--ctx", 256, "--heads", 4, "--mtp", 1, "--device", "cpu",
                     "--gate-floor-factor", "0.5", "--gate-floor-abs", "0")

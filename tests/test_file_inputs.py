@@ -3,6 +3,8 @@ with one line naming the file, the tensor or field and what was expected (SPEC s
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -196,6 +198,40 @@ def test_layers_come_back_in_numeric_order(tmp_path: Path) -> None:
     layers = read_dump(_write(tmp_path, kv, DUMP_META)).layers
     assert [layer.index for layer in layers] == [0, 2, 10]
     assert torch.equal(layers[1].kv, _kv() * 3)
+
+
+def test_layers_asked_for_are_the_only_ones_read_and_checked(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify --dump uses one layer of a model's dump: only that layer is read, checked and paid
+    for in host memory (every layer was, the whole file for a sixtieth of it); the others' keys
+    are still checked, and a layer the file lacks is named with the ones it has."""
+    from snapmla_cli import host_memory
+    from snapmla_cli.cache.dump_file import dump_layer_indices
+
+    poisoned = _kv(400)
+    poisoned[3, 7] = math.nan
+    path = _write(tmp_path, {"layers.0.kv": poisoned, "layers.2.kv": _kv(), "layers.2.positions": torch.arange(TOKENS),
+                             "layers.5.kv": _kv() * 2}, DUMP_META)
+    assert dump_layer_indices(path) == [0, 2, 5]
+    dump = read_dump(path, layers=[5])
+    assert [layer.index for layer in dump.layers] == [5] and torch.equal(dump.layers[0].kv, _kv() * 2)
+    two = read_dump(path, layers=[2]).layers[0]
+    assert two.positions is not None and torch.equal(two.positions, torch.arange(TOKENS))
+    _refused(lambda p: read_dump(p, layers=[0]), path, "layer 0", "NaN/inf")
+    _refused(read_dump, path, "layer 0", "NaN/inf")
+    _refused(lambda p: read_dump(p, layers=[3]), path, "no layer 3; the dump has layers 0, 2, 5")
+    # memory for layer 5's 8 tokens (18 KiB), not for the file's 400 + 16 (about 950 KiB)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: 400_000)
+    assert len(read_dump(path, layers=[5]).layers) == 1
+    _refused(lambda p: read_dump(p, layers=[0]), path, "needs about")
+
+
+def test_a_layer_without_its_kv_is_refused_whichever_layers_are_read(tmp_path: Path) -> None:
+    from snapmla_cli.cache.dump_file import dump_layer_indices
+
+    path = _write(tmp_path, {"layers.0.kv": _kv(), "layers.1.positions": torch.arange(TOKENS)}, DUMP_META)
+    for read in (dump_layer_indices, read_dump, lambda p: read_dump(p, layers=[0])):
+        _refused(read, path, "layer 1 has no 'layers.1.kv' tensor")
 
 
 # --- FP8 cache files ------------------------------------------------------------------------
@@ -455,10 +491,22 @@ def test_running_out_of_memory_while_loading_is_named(tmp_path: Path, monkeypatc
 
     path = _dump_file(tmp_path / "d.st")
 
-    def exhausted(name: str) -> None:
-        raise MemoryError("Cannot allocate memory (os error 12)")
+    real_open = dump_file.safe_open
 
-    monkeypatch.setattr(dump_file, "load_file", exhausted)
+    @contextlib.contextmanager
+    def exhausted_on_read(name: str, framework: str):
+        with real_open(name, framework=framework) as handle:
+            class Exhausted:  # the header reads as ever; a tensor's bytes find no memory
+                keys = handle.keys
+                metadata = handle.metadata
+                get_slice = handle.get_slice
+
+                def get_tensor(self, key: str) -> None:
+                    raise MemoryError("Cannot allocate memory (os error 12)")
+
+            yield Exhausted()
+
+    monkeypatch.setattr(dump_file, "safe_open", exhausted_on_read)
     with pytest.raises(SnapmlaError, match=rf"^dump {path}: loading a KV dump of 0\.0 GiB ran out of host memory"):
         read_dump(path)
 

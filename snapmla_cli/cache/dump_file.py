@@ -13,14 +13,15 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import safe_open, save_file
 
 from ..errors import SnapmlaError, dtype_name, show
 from ..host_memory import require_host_memory
@@ -41,7 +42,8 @@ _POSITION_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uin
 """Read losslessly as int64 (SPEC section 8 writes int64); the wider unsigned ones are refused:
 uint64 may not fit int64, and torch supports few operations on uint16 / uint32 / uint64."""
 _POSITION_DTYPE_NAMES = ", ".join(dtype_name(dtype) for dtype in _POSITION_DTYPES)
-_KEY = re.compile(r"layers\.(\d+)\.(kv|positions|queries)")  # matched whole: see load_layers
+_KEY = re.compile(r"layers\.(\d+)\.(kv|positions|queries)")  # matched whole: see layer_keys
+_T = TypeVar("_T")
 
 # Largest |value| accepted in ``kv`` and ``queries``. Both go through the per-token quantizer
 # (SPEC section 3): s = max(amax(content) / 448, 2^-32) and the RoPE part is stored pre-scaled,
@@ -211,22 +213,31 @@ def _check_format(path: Path, meta: dict[str, str], expected: str) -> None:
             raise SnapmlaError(f"{path}: {key}={shorten(meta[key], 40)} but snapmla supports {want}")
 
 
-def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int, dict[str, torch.Tensor]]:
-    """The file's tensors grouped by layer index, ``layers.{i}.{part}`` -> ``{i: {part: t}}``;
-    an unexpected key or a file without layers is a one-line error naming ``what`` it should be.
-    Keys are matched whole (``fullmatch``): ``re.match`` with ``$`` would accept a key ending in a
-    newline, which then reads as a misspelt layer number rather than a foreign tensor."""
-    require_host_memory(f"{path}: loading {what}", path.stat().st_size)  # (all its tensors are read)
+def _with_tensors(path: Path, what: str, read: Callable[[Any], _T]) -> _T:
+    """``read(handle)`` on ``path`` opened by safetensors' ``safe_open`` (the header parsed, no
+    tensor read until ``read`` asks); the library's failures become one line naming ``what`` the
+    file should be, running out of host memory its own line, and snapmla's errors pass as they are."""
     try:
-        with _utf8_path(path, what) as readable:
-            tensors = load_file(readable)
+        with _utf8_path(path, what) as readable, safe_open(readable, framework="pt") as handle:
+            return read(handle)
+    except SnapmlaError:
+        raise
     except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as exc:
         if _out_of_memory(exc):
             raise SnapmlaError(f"{path}: loading {what} of {_gib(path)} GiB ran out of host memory "
                                f"({_first_line(exc)})") from None
         raise SnapmlaError(f"{path}: unreadable {what} ({_first_line(exc)})") from None
+
+
+def layer_keys(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[tuple[int, str], str]:
+    """The file's tensor names by (layer index, part), ``layers.{i}.{part}``, from its header
+    alone; an unexpected key, a non-canonical or repeated layer number, or a file without layers
+    is a one-line error naming ``what`` it should be. Keys are matched whole (``fullmatch``):
+    ``re.match`` with ``$`` would accept a key ending in a newline, which then reads as a
+    misspelt layer number rather than a foreign tensor."""
+    names: list[str] = _with_tensors(path, what, lambda handle: list(handle.keys()))
     keys: dict[tuple[int, str], str] = {}
-    for key in tensors:
+    for key in names:
         match = key_pattern.fullmatch(key)
         if match is None:
             raise SnapmlaError(f"{path}: unexpected tensor {show(key)} in {what}")
@@ -239,12 +250,39 @@ def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int
                 f"{path}: tensors {show(keys[slot])} and {show(key)} both name layer {slot[0]}'s {slot[1]}"
             )
         keys[slot] = key
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for (index, part), key in keys.items():
+    for (index, part), key in keys.items():  # (after the duplicates: layers.0.kv beside layers.00.kv is one)
         _check_canonical(path, key, index, part)
-        by_layer.setdefault(index, {})[part] = tensors[key]
-    if not by_layer:
+    if not keys:
         raise SnapmlaError(f"{path}: {what} holds no layers")
+    return keys
+
+
+def _stored_bytes(handle: Any, key: str) -> int:
+    """Bytes of tensor ``key`` as the header describes it (``BF16`` [n, 576]: 1152 n), without
+    reading it: what loading it takes in host memory."""
+    tensor = handle.get_slice(key)
+    bits = re.search(r"\d+", tensor.get_dtype())  # BF16, F8_E4M3, I64; BOOL has none (a byte)
+    return math.prod(tensor.get_shape()) * (int(bits.group()) // 8 if bits else 1)
+
+
+def load_layers(path: Path, key_pattern: re.Pattern[str], what: str,
+                layers: Collection[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
+    """The tensors of ``layers`` (default: all the file holds), grouped by layer index,
+    ``{i: {part: t}}``. Every key of the file is checked (:func:`layer_keys`), but only the
+    layers asked for are read: ``verify --dump`` uses one layer of a 61-layer dump, whose other
+    layers used to be read and checked too (the whole file in host memory for a sixtieth of it).
+    A layer asked for that the file lacks is simply absent from the result."""
+    keys = layer_keys(path, key_pattern, what)
+    wanted = {slot: key for slot, key in keys.items() if layers is None or slot[0] in layers}
+
+    def read(handle: Any) -> dict[tuple[int, str], torch.Tensor]:
+        needed = sum(_stored_bytes(handle, key) for key in wanted.values())
+        require_host_memory(f"{path}: loading {what}", needed)
+        return {slot: handle.get_tensor(key) for slot, key in wanted.items()}
+
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for (index, part), tensor in _with_tensors(path, what, read).items():
+        by_layer.setdefault(index, {})[part] = tensor
     return by_layer
 
 
@@ -378,25 +416,64 @@ def _validate_queries(where: str, q: torch.Tensor) -> None:
     check_values(where, "queries", q, row="query")
 
 
-def read_dump(path: Path, what: str = "dump") -> KVDump:
-    """Load and validate a KV dump; every problem is a one-line :class:`SnapmlaError`. ``what``
-    names the input in every error about the file or its contents: the CLI passes the argument
-    that gave the path (``DUMP``, ``--dump``)."""
+def dump_layer_indices(path: Path, what: str = "dump") -> list[int]:
+    """The layer indices of the KV dump at ``path``, ascending, from its metadata and header
+    alone (format, keys, a ``kv`` tensor per layer checked; no tensor read), so that a caller
+    that needs one layer can name the ones there are before reading it."""
     path = Path(path)
+    _check_format_at(path, what)
+    with named_input(what, path):
+        return _indices_with_kv(path, layer_keys(path, _KEY, "a KV dump"))
+
+
+def _check_format_at(path: Path, what: str) -> dict[str, str]:
+    """The metadata of the dump at ``path``, checked to be a KV dump's of this version."""
     meta = _read_metadata(path, what)
     with named_input(what, path):
         _check_format(path, meta, DUMP_FORMAT)
-        by_layer = load_layers(path, _KEY, "a KV dump")
-        layers = []
+    return meta
+
+
+def _indices_with_kv(path: Path, keys: Collection[tuple[int, str]]) -> list[int]:
+    """The layer indices among ``keys``; every layer must have its ``kv`` (positions and queries
+    are optional)."""
+    indices = sorted({index for index, _ in keys})
+    for index in indices:
+        if (index, "kv") not in keys:
+            raise SnapmlaError(f"{path}: layer {index} has no 'layers.{index}.kv' tensor")
+    return indices
+
+
+def read_dump(path: Path, what: str = "dump", layers: Collection[int] | None = None) -> KVDump:
+    """Load and validate a KV dump; every problem is a one-line :class:`SnapmlaError`. ``what``
+    names the input in every error about the file or its contents: the CLI passes the argument
+    that gave the path (``DUMP``, ``--dump``). ``layers`` reads and validates those layers only
+    (each must be in the file; the others' keys are still checked): what ``verify --dump`` needs
+    of a whole model's dump."""
+    path = Path(path)
+    meta = _check_format_at(path, what)
+    with named_input(what, path):
+        indices = _indices_with_kv(path, layer_keys(path, _KEY, "a KV dump"))
+        missing = sorted(set(layers) - set(indices)) if layers is not None else []
+        if missing:
+            raise SnapmlaError(f"{path}: no layer {missing[0]}; the dump has layers {_index_list(indices)}")
+        by_layer = load_layers(path, _KEY, "a KV dump", layers)
+        loaded = []
         for index in sorted(by_layer):
             parts = by_layer[index]
-            if "kv" not in parts:
-                raise SnapmlaError(f"{path}: layer {index} has no 'layers.{index}.kv' tensor")
             layer = LayerDump(index, parts["kv"], parts.get("positions"), parts.get("queries"))
             _validate_layer(path, layer)
-            layers.append(layer)
+            loaded.append(layer)
     extra = {k: v for k, v in meta.items() if k not in REQUIRED_METADATA}
-    return KVDump(layers=layers, model=meta["model"], extra_metadata=extra)
+    return KVDump(layers=loaded, model=meta["model"], extra_metadata=extra)
+
+
+def _index_list(indices: list[int], most: int = 12) -> str:
+    """``0, 1, 2`` or, for a long list, its first and last few: ``0, 1, ..., 60`` (61 layers)."""
+    if len(indices) <= most:
+        return ", ".join(map(str, indices))
+    half = most // 2
+    return f"{', '.join(map(str, indices[:half]))}, ..., {', '.join(map(str, indices[-half:]))} ({len(indices)} layers)"
 
 
 def write_dump(dump: KVDump, path: Path, force: bool = False) -> None:

@@ -31,7 +31,7 @@ from ..analysis.verify import (
     synthetic_source,
 )
 from ..cache.atomic import check_outputs
-from ..cache.dump_file import read_dump
+from ..cache.dump_file import dump_layer_indices, read_dump
 from ..cache.synth import MAX_SYNTH_SEED
 from ..errors import SnapmlaError
 from ..host_memory import require_host_memory
@@ -176,12 +176,12 @@ def _case_bytes(batch: int, keys: int, rows: int) -> int:
 def _source(dump: Path | None, layer: int | None, seed: int) -> ProblemSource:
     if dump is None:
         return synthetic_source(layer, seed)
-    kv_dump = read_dump(dump, "--dump")
-    indices = [entry.index for entry in kv_dump.layers]
+    indices = dump_layer_indices(dump, "--dump")
     index = indices[-1] if layer is None else layer
     if index not in indices:
         raise SnapmlaError(f"--layer {index}: {dump} has layers {', '.join(map(str, indices))}")
-    return ProblemSource(layer=index, seed=seed, dump=kv_dump.layers[indices.index(index)])
+    kv_dump = read_dump(dump, "--dump", layers=[index])  # (that layer only: a model's dump has 61)
+    return ProblemSource(layer=index, seed=seed, dump=kv_dump.layers[0])
 
 
 def _repeated_queries_note(source: ProblemSource, heads: list[int], mtps: list[int], batch: int) -> str | None:
