@@ -114,3 +114,27 @@ def test_logits_beyond_the_reference_dtype_are_refused() -> None:
     with pytest.raises(SnapmlaError, match=r"^q, kv_cache: request 0's logits overflow float32 \(row 0 .*compute in "
                                            r"float64\)$"):
         decode_reference(huge.q, cache, *args, dtype=torch.float32)
+
+
+@pytest.mark.parametrize(("tokens", "dtype"), [(1, torch.bfloat16), (130, torch.float32), (200, torch.bfloat16)])
+def test_attending_all_tokens_is_the_paged_reference_bit_for_bit(tokens: int, dtype: torch.dtype) -> None:
+    """quantize's per-layer attention skips the paged copy (twice the layer's size beside its
+    float64 keys), not a digit of decode_reference's answer; NaN queries or keys are refused as there."""
+    from snapmla_cli.numerics.decode_ref import attend_all_tokens
+
+    gen = torch.Generator().manual_seed(tokens)
+    kv = torch.randn(tokens, D_QK, generator=gen).to(dtype)
+    q = torch.randn(3, 5, D_QK, generator=gen).to(dtype)
+    pages = -(-tokens // 64)
+    paged = torch.full((pages * 64, D_QK), math.nan, dtype=dtype)  # the tail past the tokens unread
+    paged[:tokens] = kv
+    table = torch.arange(pages, dtype=torch.int32)[None]
+    expected, _ = decode_reference(q[None], paged.view(pages, 64, D_QK), table, torch.tensor([tokens], dtype=torch.int32), 0.07)
+    got = attend_all_tokens(q, kv, 0.07)
+    assert got.dtype == torch.float64 and torch.equal(got, expected[0])
+    kv[tokens // 2, 3] = math.nan
+    with pytest.raises(SnapmlaError, match="kv_cache: request 0 reads non-finite values in its keys"):
+        attend_all_tokens(q, kv, 0.07)
+    q[1, 2, 0] = math.inf
+    with pytest.raises(SnapmlaError, match="^q: expected finite values"):
+        attend_all_tokens(q, kv, 0.07)

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.dump_file import LayerDump
-from ..cache.layout import pages_needed
 from ..cache.synth import probe_queries
 from ..errors import SnapmlaError
 from ..numerics.configs import QuantConfig
-from ..numerics.decode_ref import decode_reference
-from ..numerics.formats import D_CONTENT, D_QK, PAGE_SIZE, default_softmax_scale
+from ..numerics.decode_ref import attend_all_tokens
+from ..numerics.formats import D_CONTENT, default_softmax_scale
 from ..numerics.metrics import ErrorMetrics, compare
 
 PROBE_QUERIES = 4  # probe queries per layer when the dump has none
@@ -95,15 +94,8 @@ def layer_queries(layer: LayerDump, count: int | None, seed: int = 0) -> tuple[t
 
 def attention_over_tokens(q: torch.Tensor, kv: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """float64 attention output ``[n, h_q, 512]`` of queries ``[n, h_q, 576]`` over all tokens of
-    ``kv`` ``[tokens, 576]`` (non-causal), through :func:`decode_reference` on one request."""
-    tokens = kv.shape[0]
-    pages = torch.zeros(pages_needed(tokens) * PAGE_SIZE, D_QK, dtype=kv.dtype, device=kv.device)
-    pages[:tokens] = kv
-    pages = pages.view(-1, PAGE_SIZE, D_QK)
-    table = torch.arange(pages.shape[0], dtype=torch.int32, device=kv.device)[None]
-    seqlens = torch.tensor([tokens], dtype=torch.int32, device=kv.device)
-    out, _ = decode_reference(q[None], pages, table, seqlens, softmax_scale)
-    return out[0]
+    ``kv`` ``[tokens, 576]`` (non-causal): :func:`decode_reference`'s arithmetic on one request."""
+    return attend_all_tokens(q, kv, softmax_scale)
 
 
 def analyze_layer(

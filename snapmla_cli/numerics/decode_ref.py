@@ -57,23 +57,45 @@ def decode_reference(
         if n == 0:
             continue
         keys = gather_from_pages(kv_cache, block_table[i], n).to(dtype)
-        check_finite_keys("kv_cache", i, keys)
-        rows = q[i].reshape(s_q * h_q, d).to(dtype)
-        logits = (rows @ keys.T) * softmax_scale
         mask = visibility_mask(n, s_q, h_q, causal, device)
-        logits = logits.masked_fill(~mask, -math.inf)
-        row_lse = torch.logsumexp(logits, dim=-1)
-        has_keys = mask.any(dim=-1)
-        probs = torch.where(has_keys[:, None], torch.exp(logits - row_lse[:, None]), 0.0)
-        row_out = probs @ keys[:, :D_V]
-        # finite inputs whose logits overflow ``dtype`` (|q . k| beyond float32's 3.4e38, or a
-        # float64 q beyond float32's range cast down) made the row NaN, a result with no word of why
-        bad_row = first_overflowing_row(has_keys, row_out, row_lse)
-        if bad_row is not None:
-            raise SnapmlaError(f"q, kv_cache: request {i}'s logits overflow {dtype_name(dtype)} (row "
-                               f"{bad_row} of its s_q * h_q: softmax_scale * q . k beyond the "
-                               f"range{'; compute in float64' if dtype != torch.float64 else ''})")
+        row_out, row_lse = _attend(i, q[i].reshape(s_q * h_q, d), keys, mask, softmax_scale, dtype)
         out[i] = row_out.reshape(s_q, h_q, D_V)
-        row_lse = torch.where(has_keys, row_lse, math.inf)
         lse[i] = row_lse.reshape(s_q, h_q).T
     return out, lse
+
+
+def _attend(request: int, rows: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, softmax_scale: float,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's attention: query ``rows`` ``[r, 576]`` over its ``keys`` ``[n, 576]`` (in
+    ``dtype``) where ``mask`` ``[r, n]`` lets them see -> output ``[r, 512]`` and lse ``[r]``
+    (+inf for a row that sees no key), both in ``dtype``."""
+    check_finite_keys("kv_cache", request, keys)
+    rows = rows.to(dtype)
+    logits = (rows @ keys.T) * softmax_scale
+    logits = logits.masked_fill(~mask, -math.inf)
+    row_lse = torch.logsumexp(logits, dim=-1)
+    has_keys = mask.any(dim=-1)
+    probs = torch.where(has_keys[:, None], torch.exp(logits - row_lse[:, None]), 0.0)
+    row_out = probs @ keys[:, :D_V]
+    # finite inputs whose logits overflow ``dtype`` (|q . k| beyond float32's 3.4e38, or a
+    # float64 q beyond float32's range cast down) made the row NaN, a result with no word of why
+    bad_row = first_overflowing_row(has_keys, row_out, row_lse)
+    if bad_row is not None:
+        raise SnapmlaError(f"q, kv_cache: request {request}'s logits overflow {dtype_name(dtype)} (row "
+                           f"{bad_row} of its s_q * h_q: softmax_scale * q . k beyond the "
+                           f"range{'; compute in float64' if dtype != torch.float64 else ''})")
+    return row_out, torch.where(has_keys, row_lse, math.inf)
+
+
+def attend_all_tokens(q: torch.Tensor, kv: torch.Tensor, softmax_scale: float,
+                      dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """:func:`decode_reference`'s output for one request whose queries ``q`` ``[n, h_q, 576]``
+    (finite) all see every token of ``kv`` ``[tokens, 576]`` (non-causal): ``[n, h_q, 512]`` in
+    ``dtype``. The same arithmetic without the paged cache, whose copy and gather had taken twice
+    ``kv``'s size beside the keys in ``dtype`` (``quantize`` attends every layer seven times)."""
+    require_finite("q: expected finite values, found NaN or inf", q)
+    n, h_q, d = q.shape
+    tokens = kv.shape[0]
+    mask = torch.ones(n * h_q, tokens, dtype=torch.bool, device=q.device)
+    row_out, _ = _attend(0, q.reshape(n * h_q, d), kv.to(dtype), mask, softmax_scale, dtype)
+    return row_out.reshape(n, h_q, D_V)
