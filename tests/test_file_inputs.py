@@ -226,6 +226,30 @@ def test_layers_asked_for_are_the_only_ones_read_and_checked(tmp_path: Path,
     _refused(lambda p: read_dump(p, layers=[0]), path, "needs about")
 
 
+def test_layers_given_as_a_generator_or_as_nothing(tmp_path: Path) -> None:
+    """A generator of layers was used up by the check that they exist, so the read found none
+    and returned an empty dump; an empty selection is refused rather than read as no layer."""
+    path = _write(tmp_path, {"layers.0.kv": _kv(), "layers.1.kv": _kv() * 3}, DUMP_META)
+    dump = read_dump(path, layers=(i for i in [1]))
+    assert [layer.index for layer in dump.layers] == [1] and torch.equal(dump.layers[0].kv, _kv() * 3)
+    with pytest.raises(SnapmlaError, match=r"^layers: expected at least one layer index, or None for all$"):
+        read_dump(path, layers=[])
+
+
+@pytest.mark.parametrize(("dtype", "shape", "expected"), [
+    ("BF16", [1000, 576], 1_152_000), ("F8_E4M3", [3, 656], 1968), ("I64", [7], 56), ("BOOL", [5], 5),
+    ("F4", [4096, 576], 1_179_648), ("F6_E2M3", [3], 3),  # sub-byte types: 0 bytes were counted
+])
+def test_the_bytes_a_tensor_takes_come_from_its_header(dtype: str, shape: list[int], expected: int) -> None:
+    from snapmla_cli.cache.dump_file import _stored_bytes
+
+    class Header:
+        def get_slice(self, key: str):
+            return type("Slice", (), {"get_dtype": lambda _: dtype, "get_shape": lambda _: shape})()
+
+    assert _stored_bytes(Header(), "layers.0.kv") == expected
+
+
 def test_a_layer_without_its_kv_is_refused_whichever_layers_are_read(tmp_path: Path) -> None:
     from snapmla_cli.cache.dump_file import dump_layer_indices
 

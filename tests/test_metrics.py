@@ -60,15 +60,17 @@ def test_arrays_of_different_shapes_are_refused_by_name() -> None:
     ([1.0, math.nan], torch.float32, False),
     ([math.inf, -math.inf], torch.float64, False),  # the sum is NaN
     ([-math.inf, 2.0], torch.bfloat16, False),
-    ([3.0e38, 3.0e38], torch.float32, True),  # a float32 sum would overflow; the float64 one does not
+    ([3.0e38, 3.0e38], torch.float32, True),  # (a float32 sum would overflow; the float64 one does not)
     ([], torch.float32, True),
     ([1.0, 448.0], torch.float8_e4m3fn, True),
     ([1.0, math.nan], torch.float8_e4m3fn, False),
     ([3, 4], torch.int64, True),
+    ([1.0, 2.0], torch.complex64, True),
+    ([1.0, math.nan], torch.complex64, False),
 ])
 def test_all_finite_answers_as_the_element_wise_check(values: list[float], dtype: torch.dtype, expected: bool) -> None:
     """all_finite's float64 sum is a shortcut only: every answer is the element-wise one."""
     x = torch.tensor(values, dtype=torch.float64).to(dtype)
     assert all_finite(x) is expected
-    if x.is_floating_point():
-        assert bool(torch.isfinite(x.double()).all()) is expected
+    if x.is_floating_point() or x.is_complex():  # (the table itself, against torch)
+        assert bool(torch.isfinite(x.to(torch.complex128) if x.is_complex() else x.double()).all()) is expected

@@ -138,3 +138,25 @@ def test_attending_all_tokens_is_the_paged_reference_bit_for_bit(tokens: int, dt
     q[1, 2, 0] = math.inf
     with pytest.raises(SnapmlaError, match="^q: expected finite values"):
         attend_all_tokens(q, kv, 0.07)
+
+
+def test_attending_all_tokens_checks_its_arguments_as_the_reference_does() -> None:
+    from snapmla_cli.numerics.decode_ref import attend_all_tokens
+    from snapmla_cli.numerics.formats import default_softmax_scale
+
+    gen = torch.Generator().manual_seed(5)
+    kv = torch.randn(D_QK, 90, generator=gen, dtype=torch.float64).T  # non-contiguous keys
+    q = torch.randn(2, 3, D_QK, generator=gen)
+    pages = torch.full((2 * 64, D_QK), math.nan, dtype=torch.float64)
+    pages[:90] = kv
+    expected, _ = decode_reference(q[None], pages.view(2, 64, D_QK), torch.arange(2, dtype=torch.int32)[None],
+                                   torch.tensor([90], dtype=torch.int32), None)
+    assert torch.equal(attend_all_tokens(q, kv, None), expected[0])  # None: SPEC's default scale
+    assert torch.equal(attend_all_tokens(q, kv, default_softmax_scale()), expected[0])
+    for scale, words in ((math.nan, "^softmax_scale: expected a finite number"), (-1.0, "^softmax_scale: ")):
+        with pytest.raises(SnapmlaError, match=words):
+            attend_all_tokens(q, kv, scale)
+    with pytest.raises(SnapmlaError, match=r"^q: expected a float tensor \[n, h_q, 576\], got \(2, 3, 576\) int64"):
+        attend_all_tokens(q.long(), kv, None)
+    with pytest.raises(SnapmlaError, match=r"^kv: expected a float tensor \[tokens, 576\], got \(90, 512\)"):
+        attend_all_tokens(q, kv[:, :512], None)

@@ -261,8 +261,8 @@ def _stored_bytes(handle: Any, key: str) -> int:
     """Bytes of tensor ``key`` as the header describes it (``BF16`` [n, 576]: 1152 n), without
     reading it: what loading it takes in host memory."""
     tensor = handle.get_slice(key)
-    bits = re.search(r"\d+", tensor.get_dtype())  # BF16, F8_E4M3, I64; BOOL has none (a byte)
-    return math.prod(tensor.get_shape()) * (int(bits.group()) // 8 if bits else 1)
+    bits = re.search(r"\d+", tensor.get_dtype())  # BF16, F8_E4M3, I64, F4; BOOL has none (a byte)
+    return math.ceil(math.prod(tensor.get_shape()) * (int(bits.group()) if bits else 8) / 8)
 
 
 def load_layers(path: Path, key_pattern: re.Pattern[str], what: str,
@@ -451,13 +451,16 @@ def read_dump(path: Path, what: str = "dump", layers: Collection[int] | None = N
     (each must be in the file; the others' keys are still checked): what ``verify --dump`` needs
     of a whole model's dump."""
     path = Path(path)
+    wanted = None if layers is None else set(layers)  # (once: a generator would be used up)
+    if wanted is not None and not wanted:
+        raise SnapmlaError("layers: expected at least one layer index, or None for all")
     meta = _check_format_at(path, what)
     with named_input(what, path):
         indices = _indices_with_kv(path, layer_keys(path, _KEY, "a KV dump"))
-        missing = sorted(set(layers) - set(indices)) if layers is not None else []
+        missing = sorted(wanted - set(indices)) if wanted is not None else []
         if missing:
             raise SnapmlaError(f"{path}: no layer {missing[0]}; the dump has layers {_index_list(indices)}")
-        by_layer = load_layers(path, _KEY, "a KV dump", layers)
+        by_layer = load_layers(path, _KEY, "a KV dump", wanted)
         loaded = []
         for index in sorted(by_layer):
             parts = by_layer[index]

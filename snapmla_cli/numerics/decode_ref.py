@@ -13,6 +13,7 @@ from ..errors import SnapmlaError, dtype_name, show
 from .decode_args import (
     check_finite_keys,
     checked_paged_decode,
+    checked_softmax_scale,
     first_overflowing_row,
     require_finite,
     require_readable,
@@ -38,14 +39,8 @@ def decode_reference(
     ``softmax_scale`` None is ``576 ** -0.5`` (SPEC section 2).
     Arguments are checked first (one-line errors naming the argument; non-finite queries or keys
     a request reads are refused)."""
-    if isinstance(q, torch.Tensor):
-        require_readable("q", q)
-    if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[-1] != D_QK or not q.dtype.is_floating_point:
-        got = f"{tuple(q.shape)} {dtype_name(q.dtype)}" if isinstance(q, torch.Tensor) else type(q).__name__
-        raise SnapmlaError(f"q: expected a float tensor [batch, s_q, h_q, {D_QK}], got {got}")
-    require_finite("q: expected finite values, found NaN or inf", q)
-    if dtype not in REFERENCE_DTYPES:  # float16 / bfloat16 were accepted and went wrong silently
-        raise SnapmlaError(f"dtype: expected torch.float64 or torch.float32 for the reference, got {show(dtype)}")
+    _check_float_input("q", q, f"[batch, s_q, h_q, {D_QK}]", 4)
+    _check_reference_dtype(dtype)
     b, s_q, h_q, d = q.shape
     kv_cache, softmax_scale, causal, seqlens = checked_paged_decode(
         "kv_cache", kv_cache, D_QK, (torch.bfloat16, torch.float16, torch.float32, torch.float64),
@@ -87,15 +82,38 @@ def _attend(request: int, rows: torch.Tensor, keys: torch.Tensor, mask: torch.Te
     return row_out, torch.where(has_keys, row_lse, math.inf)
 
 
-def attend_all_tokens(q: torch.Tensor, kv: torch.Tensor, softmax_scale: float,
+def attend_all_tokens(q: torch.Tensor, kv: torch.Tensor, softmax_scale: float | None,
                       dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """:func:`decode_reference`'s output for one request whose queries ``q`` ``[n, h_q, 576]``
     (finite) all see every token of ``kv`` ``[tokens, 576]`` (non-causal): ``[n, h_q, 512]`` in
-    ``dtype``. The same arithmetic without the paged cache, whose copy and gather had taken twice
+    ``dtype`` (``softmax_scale`` None: SPEC's default; arguments checked with the reference's
+    words). The same arithmetic without the paged cache, whose copy and gather had taken twice
     ``kv``'s size beside the keys in ``dtype`` (``quantize`` attends every layer seven times)."""
-    require_finite("q: expected finite values, found NaN or inf", q)
+    _check_float_input("q", q, f"[n, h_q, {D_QK}]", 3)
+    _check_float_input("kv", kv, f"[tokens, {D_QK}]", 2, finite=False)  # (keys: _attend's own words)
+    _check_reference_dtype(dtype)
+    scale = checked_softmax_scale(softmax_scale)
     n, h_q, d = q.shape
     tokens = kv.shape[0]
     mask = torch.ones(n * h_q, tokens, dtype=torch.bool, device=q.device)
-    row_out, _ = _attend(0, q.reshape(n * h_q, d), kv.to(dtype), mask, softmax_scale, dtype)
+    # (contiguous as the paged reference's gathered copy, so that its matmuls sum alike)
+    row_out, _ = _attend(0, q.reshape(n * h_q, d), kv.to(dtype).contiguous(), mask, scale, dtype)
     return row_out.reshape(n, h_q, D_V)
+
+
+def _check_float_input(name: str, t: object, shape: str, dims: int, finite: bool = True) -> None:
+    """``t`` is a readable real float tensor of ``dims`` dimensions, the last of 576 (``shape`` as
+    the error spells it), and with ``finite`` holds no NaN or inf."""
+    if isinstance(t, torch.Tensor):
+        require_readable(name, t)
+    if (not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[-1] != D_QK
+            or not t.dtype.is_floating_point):
+        got = f"{tuple(t.shape)} {dtype_name(t.dtype)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise SnapmlaError(f"{name}: expected a float tensor {shape}, got {got}")
+    if finite:
+        require_finite(f"{name}: expected finite values, found NaN or inf", t)
+
+
+def _check_reference_dtype(dtype: object) -> None:
+    if dtype not in REFERENCE_DTYPES:  # float16 / bfloat16 were accepted and went wrong silently
+        raise SnapmlaError(f"dtype: expected torch.float64 or torch.float32 for the reference, got {show(dtype)}")
