@@ -278,7 +278,14 @@ def load_layers(path: Path, key_pattern: re.Pattern[str], what: str,
     def read(handle: Any) -> dict[tuple[int, str], torch.Tensor]:
         needed = sum(_stored_bytes(handle, key) for key in wanted.values())
         require_host_memory(f"{path}: loading {what}", needed)
-        return {slot: handle.get_tensor(key) for slot, key in wanted.items()}
+        try:
+            return {slot: handle.get_tensor(key) for slot, key in wanted.items()}
+        except (SafetensorError, OSError, RuntimeError, MemoryError) as exc:
+            if not _out_of_memory(exc):
+                raise
+            # (the bytes asked for: one layer of a large file is not the file's size)
+            raise SnapmlaError(f"{path}: loading {what} of {needed / 2**30:,.1f} GiB ran out of host memory "
+                               f"({_first_line(exc)})") from None
 
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
     for (index, part), tensor in _with_tensors(path, what, read).items():
