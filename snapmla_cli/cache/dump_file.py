@@ -265,14 +265,19 @@ def _stored_bytes(handle: Any, key: str) -> int:
     return math.ceil(math.prod(tensor.get_shape()) * (int(bits.group()) if bits else 8) / 8)
 
 
-def load_layers(path: Path, key_pattern: re.Pattern[str], what: str,
+def load_layers(path: Path, key_pattern: re.Pattern[str], what: str) -> dict[int, dict[str, torch.Tensor]]:
+    """Every tensor of the file, grouped by layer index, ``{i: {part: t}}``, its keys checked
+    (:func:`layer_keys`)."""
+    return read_layers(path, layer_keys(path, key_pattern, what), what)
+
+
+def read_layers(path: Path, keys: dict[tuple[int, str], str], what: str,
                 layers: Collection[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
-    """The tensors of ``layers`` (default: all the file holds), grouped by layer index,
-    ``{i: {part: t}}``. Every key of the file is checked (:func:`layer_keys`), but only the
-    layers asked for are read: ``verify --dump`` uses one layer of a 61-layer dump, whose other
-    layers used to be read and checked too (the whole file in host memory for a sixtieth of it).
-    A layer asked for that the file lacks is simply absent from the result."""
-    keys = layer_keys(path, key_pattern, what)
+    """The tensors of ``layers`` (default: all of ``keys``, the file's checked :func:`layer_keys`),
+    grouped by layer index, ``{i: {part: t}}``. Only the layers asked for are read: ``verify
+    --dump`` uses one layer of a 61-layer dump, whose other layers used to be read and checked
+    too (the whole file in host memory for a sixtieth of it). A layer asked for that the file
+    lacks is simply absent from the result."""
     wanted = {slot: key for slot, key in keys.items() if layers is None or slot[0] in layers}
 
     def read(handle: Any) -> dict[tuple[int, str], torch.Tensor]:
@@ -463,11 +468,12 @@ def read_dump(path: Path, what: str = "dump", layers: Collection[int] | None = N
         raise SnapmlaError("layers: expected at least one layer index, or None for all")
     meta = _check_format_at(path, what)
     with named_input(what, path):
-        indices = _indices_with_kv(path, layer_keys(path, _KEY, "a KV dump"))
+        keys = layer_keys(path, _KEY, "a KV dump")
+        indices = _indices_with_kv(path, keys)
         missing = sorted(wanted - set(indices)) if wanted is not None else []
         if missing:
             raise SnapmlaError(f"{path}: no layer {missing[0]}; the dump has layers {_index_list(indices)}")
-        by_layer = load_layers(path, _KEY, "a KV dump", wanted)
+        by_layer = read_layers(path, keys, "a KV dump", wanted)
         loaded = []
         for index in sorted(by_layer):
             parts = by_layer[index]

@@ -40,7 +40,7 @@ from .dump_file import (
 )
 from .layout import pages_needed, quantize_tokens, unpack_tokens
 
-_KEY = re.compile(r"layers\.(\d+)\.(cache|seqlen)")  # matched whole: load_layers uses fullmatch
+_KEY = re.compile(r"layers\.(\d+)\.(cache|seqlen)")  # matched whole: layer_keys uses fullmatch
 _E4M3_NAN_BITS = 0x7F  # S.1111.111: the only NaN encodings of float8_e4m3fn (0x7F, 0xFF)
 
 
